@@ -1,0 +1,76 @@
+"""Run a function on D real processes (gloo, free port, hard timeout) and collect results."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from datetime import timedelta
+
+import torch.distributed as dist
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn, rank: int, world: int, port: int, args, queue) -> None:
+    os.environ.update(
+        OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+    )  # fmt: skip
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120)
+        )
+        result = fn(rank, world, *args)
+        dist.barrier()
+        queue.put((rank, "ok", result))
+    except BaseException:  # report everything, including assertion errors, to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn, world: int, *args, timeout: float = 240.0) -> list:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo processes; return results by rank.
+
+    ``fn`` must be importable (module level). A worker that raises fails the call with its
+    traceback; a hang is killed after ``timeout`` seconds.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(fn, r, world, port, args, queue), daemon=True)
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    errors = []
+    try:
+        for _ in range(world):
+            rank, status, payload = queue.get(timeout=timeout)
+            if status == "ok":
+                results[rank] = payload
+            else:
+                errors.append(f"rank {rank}:\n{payload}")
+                break
+    except Exception as e:  # queue.Empty: some rank hung
+        errors.append(f"timed out after {timeout}s waiting for workers ({type(e).__name__})")
+    finally:
+        for p in procs:
+            p.join(timeout=30 if not errors else 1)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise AssertionError("distributed run failed:\n" + "\n".join(errors))
+    return [results[r] for r in range(world)]

@@ -1,0 +1,376 @@
+"""TSP attention: head-group weights travel by broadcast, K/V by sequence all-gather.
+
+Rank p holds head group p (``n_heads/D`` query heads, the K/V heads they use, the matching
+columns of o_proj) and the tokens of zigzag shard p. Forward, for r = 0..D-1:
+
+    W_r = broadcast(Wq_r, Wk_r, Wv_r, Wo_r, src=r)        # prefetched while group r-1 computes
+    Q, K, V = rope(X_p · W_r)                              # local tokens, global positions
+    K_all, V_all = all_gather_seq(K, V)                    # only the real KV heads of group r
+    A_r, lse_r = causal_attention(Q, K_all, V_all)         # by global position
+    Y_p += A_r · Wo_rᵀ                                     # no all-reduce
+
+Backward re-broadcasts W_r and re-gathers K/V (recomputed from the saved X_p), reduce-scatters
+dK/dV and reduces dW_r to its owner r. Saved per rank: X_p, A_r and lse_r of every group, cos/sin
+and the rank's own shards — O(S/D) activations, O(1/D) weights.
+
+When D > n_kv_heads, each KV head is replicated on the D/n_kv ranks whose query heads use it;
+its gradient is the sum over those groups, all-reduced so the copies stay equal.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import comm
+from .attention_core import attention_backward, attention_forward
+from .config import TSPConfig
+from .layout import Span, ZigzagLayout
+
+# Names of the sharded tensors of one head group, in broadcast order: the q/o part first, the
+# k/v part last (so that shared KV heads can be reduced separately).
+_QO = ("wq", "wo", "bq")
+_KV = ("wk", "wv", "bk", "bv")
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Head layout of one attention layer on a TSP axis of size ``tsp_size``."""
+
+    hidden_size: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    tsp_size: int
+    scaling: float
+    qk_norm_eps: float | None = None  # per-head RMSNorm on q and k (Qwen3), else None
+
+    def __post_init__(self) -> None:
+        D = self.tsp_size
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.n_heads % D:
+            raise ValueError(
+                f"n_heads={self.n_heads} is not divisible by tsp_size={D}: choose a TSP size that "
+                "divides the number of attention heads"
+            )
+        if self.n_kv_heads % D and D % self.n_kv_heads:
+            raise ValueError(
+                f"n_kv_heads={self.n_kv_heads} and tsp_size={D}: one must divide the other so that "
+                "every head group uses whole KV heads"
+            )
+
+    @property
+    def heads_per_rank(self) -> int:
+        return self.n_heads // self.tsp_size
+
+    @property
+    def kv_per_rank(self) -> int:
+        return max(self.n_kv_heads // self.tsp_size, 1)
+
+    @property
+    def kv_replicas(self) -> int:
+        """How many head groups share each KV head (1 unless D > n_kv_heads)."""
+        return max(self.tsp_size // self.n_kv_heads, 1)
+
+    def q_rows(self, p: int) -> slice:
+        """Rows of q_proj (= columns of o_proj) owned by group ``p``."""
+        n = self.heads_per_rank * self.head_dim
+        return slice(p * n, (p + 1) * n)
+
+    def kv_rows(self, p: int) -> slice:
+        """Rows of k_proj / v_proj used by group ``p``."""
+        first = p // self.kv_replicas * self.kv_per_rank
+        return slice(first * self.head_dim, (first + self.kv_per_rank) * self.head_dim)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, computed in float32 as Hugging Face does."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``x [B, T, H, d]`` with ``cos, sin [B, T, d]``."""
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class _Schedule:
+    """One call's fixed context: group, layout, spec, options."""
+
+    def __init__(self, spec: AttentionSpec, group, config: TSPConfig, x: torch.Tensor):
+        self.spec, self.group, self.config = spec, group, config
+        self.D, self.p = comm.size_and_rank(group)
+        self.layout = ZigzagLayout.from_local(x.shape[1], self.D)
+        self.q_spans = self.layout.spans(self.p)
+        self.acc = config.accum_for(x.dtype)
+
+    def weight_stream(self, own: dict[str, torch.Tensor]):
+        """Yield ``(r, W_r)`` for r = 0..D-1; W_{r+1}'s broadcast overlaps the caller's work on W_r."""
+        names = list(own)
+        shapes = [own[n].shape for n in names]
+        numel = sum(s.numel() for s in shapes)
+        ref = next(iter(own.values()))
+
+        def post(r: int):
+            buf = comm.pack([own[n] for n in names]) if r == self.p else ref.new_empty(numel)
+            return buf, comm.broadcast(buf, r, self.group, async_op=True)
+
+        nxt = post(0)
+        for r in range(self.D):
+            buf, handle = nxt
+            handle.wait()
+            if r + 1 < self.D:
+                nxt = post(r + 1)
+                if not self.config.overlap:
+                    nxt[1].wait()
+            yield r, dict(zip(names, comm.unpack(buf, shapes)))
+
+    def project(self, x, w, cos, sin, q_norm, k_norm):
+        """Local Q ``[B, T, n_h/D, d]`` and K, V ``[B, T, kv/D, d]`` of one head group."""
+        B, T, _ = x.shape
+        d = self.spec.head_dim
+        q = F.linear(x, w["wq"], w.get("bq")).view(B, T, -1, d)
+        k = F.linear(x, w["wk"], w.get("bk")).view(B, T, -1, d)
+        v = F.linear(x, w["wv"], w.get("bv")).view(B, T, -1, d)
+        if q_norm is not None:
+            q = _rms_norm(q, q_norm, self.spec.qk_norm_eps)
+            k = _rms_norm(k, k_norm, self.spec.qk_norm_eps)
+        return _rope(q, cos, sin), _rope(k, cos, sin), v
+
+    def gather_kv(self, k: torch.Tensor, v: torch.Tensor):
+        """All-gather K/V of one group: ``[B, T, hk, d]`` each -> ``kv_all [D, B, T, 2hk, d]``."""
+        kv_all, handle = comm.all_gather_seq(torch.cat([k, v], dim=2), self.group)
+        handle.wait()
+        return kv_all
+
+    def kv_spans(self, kv_all: torch.Tensor):
+        """Per-chunk views ``(span, k, v)`` of a gathered ``[D, B, T, 2hk, d]`` buffer."""
+        hk = kv_all.shape[3] // 2
+        out = []
+        for q in range(self.D):
+            for s in self.layout.spans(q):
+                chunk = kv_all[q, :, s.offset : s.offset + s.length]
+                out.append((Span(0, s.start, s.length), chunk[:, :, :hk], chunk[:, :, hk:]))
+        return out
+
+
+def tsp_attention_forward(sched: _Schedule, x, cos, sin, own, q_norm, k_norm, keep: bool = True):
+    """Forward schedule. Returns ``Y_p [B, T, h]`` plus, if ``keep``, ``A [D, B, T, n_h/D, d]``
+    and ``lse [D, B, n_h/D, T]`` (what backward needs), else None for both."""
+    B, T, _ = x.shape
+    D, spec, blk = sched.D, sched.spec, sched.config.attn_block
+    y = x.new_zeros(B, T, spec.hidden_size, dtype=sched.acc)
+    a_all = x.new_empty(D, B, T, spec.heads_per_rank, spec.head_dim) if keep else None
+    lse_all = None
+    for r, w in sched.weight_stream(own):
+        q, k, v = sched.project(x, w, cos, sin, q_norm, k_norm)
+        kv = sched.kv_spans(sched.gather_kv(k, v))
+        a, lse = attention_forward(q, sched.q_spans, kv, spec.scaling, blk)
+        if keep:
+            if lse_all is None:
+                lse_all = lse.new_empty(D, *lse.shape)
+            a_all[r], lse_all[r] = a, lse
+        y += F.linear(a.flatten(2), w["wo"])
+    return y.to(x.dtype), a_all, lse_all
+
+
+def tsp_attention_backward(sched: _Schedule, dy, x, cos, sin, own, q_norm, k_norm, a_all, lse_all):
+    """Backward schedule. Returns ``dX_p``, the fully reduced gradients of this rank's own shards
+    (dict like ``own``) and this rank's partial gradients of the replicated q/k norm weights."""
+    B, T, _ = x.shape
+    D, p, spec, blk, acc = sched.D, sched.p, sched.spec, sched.config.attn_block, sched.acc
+    rep = spec.kv_replicas
+    names = list(own)
+    qo = [n for n in names if n in _QO]
+    kvn = [n for n in names if n in _KV]
+    dy = dy.contiguous()
+    dx = torch.zeros(B, T, x.shape[-1], dtype=acc, device=x.device)
+    d_norm = None
+    d_own: dict[str, torch.Tensor] = {}
+    pending: list[tuple[int, list[str], torch.Tensor, comm.Pending]] = []
+    kv_acc = None
+
+    def collect(keep: bool, keys: list[str], buf: torch.Tensor):
+        if keep:
+            d_own.update(zip(keys, comm.unpack(buf, [own[n].shape for n in keys])))
+
+    for r, w in sched.weight_stream(own):
+        with torch.enable_grad():
+            xg = x.detach().requires_grad_()
+            leaves = {n: w[n].detach().requires_grad_() for n in names if n != "wo"}
+            norms = [t.detach().requires_grad_() for t in (q_norm, k_norm) if t is not None]
+            q, k, v = sched.project(xg, leaves, cos, sin, *(norms or (None, None)))
+        kv_all = sched.gather_kv(k.detach(), v.detach())
+        kv = sched.kv_spans(kv_all)
+        # dA = dY_p · Wo_r ;  dWo_r (partial) = dY_pᵀ · A_r
+        a = a_all[r]
+        da = (dy @ w["wo"]).view_as(a)
+        dwo = dy.flatten(0, 1).t().to(acc) @ a.flatten(2).flatten(0, 1).to(acc)
+        dkv_all = torch.zeros(kv_all.shape, dtype=acc, device=x.device)
+        dkv_views = [(dk, dv) for _, dk, dv in sched.kv_spans(dkv_all)]
+        dq = attention_backward(
+            da, q.detach(), sched.q_spans, kv, dkv_views, a, lse_all[r], spec.scaling, blk
+        )
+        dkv, handle = comm.reduce_scatter_seq(dkv_all, sched.group, async_op=True)
+        handle.wait()
+        dk, dv = dkv.to(k.dtype).split(k.shape[2], dim=2)
+        grads = torch.autograd.grad((q, k, v), (xg, *leaves.values(), *norms), (dq, dk, dv))
+        dx += grads[0]
+        g = dict(zip(leaves, grads[1 : 1 + len(leaves)]), wo=dwo)
+        if norms:
+            gn = torch.stack([t.to(acc) for t in grads[1 + len(leaves) :]])
+            d_norm = gn if d_norm is None else d_norm + gn
+        # reduce(dW_r, dst=r): the owner gets the sum over all ranks' tokens
+        if rep == 1:
+            buf = comm.pack([g[n] for n in names], acc)
+            pending.append((r, names, buf, comm.reduce(buf, r, sched.group, async_op=True)))
+        else:
+            buf = comm.pack([g[n] for n in qo], acc)
+            pending.append((r, qo, buf, comm.reduce(buf, r, sched.group, async_op=True)))
+            part = comm.pack([g[n] for n in kvn], acc)
+            kv_acc = part if kv_acc is None else kv_acc + part
+            if (r + 1) % rep == 0:  # last group sharing this KV head: every copy gets the sum
+                comm.all_reduce(kv_acc, sched.group)
+                collect(r // rep == p // rep, kvn, kv_acc)
+                kv_acc = None
+        while len(pending) > 1 or (r == D - 1 and pending):
+            r0, keys, buf0, h = pending.pop(0)
+            h.wait()
+            collect(r0 == p, keys, buf0)
+    d_own = {n: d_own[n].to(own[n].dtype) for n in names}
+    if d_norm is not None:
+        d_norm = [t.to(n.dtype) for t, n in zip(d_norm, (q_norm, k_norm))]
+    return dx.to(x.dtype), d_own, d_norm
+
+
+
+class _TSPAttentionFunction(torch.autograd.Function):
+    """Autograd boundary of the schedule: saves only local tensors, re-communicates in backward."""
+
+    @staticmethod
+    def forward(ctx, sched, names, x, cos, sin, q_norm, k_norm, *weights):
+        own = dict(zip(names, weights))
+        keep = any(ctx.needs_input_grad)
+        y, a_all, lse_all = tsp_attention_forward(sched, x, cos, sin, own, q_norm, k_norm, keep)
+        ctx.sched, ctx.names = sched, names
+        if keep:
+            ctx.save_for_backward(x, cos, sin, q_norm, k_norm, a_all, lse_all, *weights)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, cos, sin, q_norm, k_norm, a_all, lse_all, *weights = ctx.saved_tensors
+        own = dict(zip(ctx.names, weights))
+        dx, d_own, d_norm = tsp_attention_backward(
+            ctx.sched, dy, x, cos, sin, own, q_norm, k_norm, a_all, lse_all
+        )
+        d_qn, d_kn = d_norm if d_norm is not None else (None, None)
+        return (None, None, dx, None, None, d_qn, d_kn, *(d_own[n] for n in ctx.names))
+
+
+class TSPAttention(nn.Module):
+    """Llama-family self-attention on a TSP axis; holds head group p of every projection.
+
+    Same call signature as Hugging Face's ``LlamaAttention``: ``hidden_states [B, S/D, h]`` in
+    zigzag layout and ``position_embeddings = (cos, sin)`` of those tokens' *global* positions;
+    returns ``(output [B, S/D, h], None)``. Parameters keep the Hugging Face names; q/k/v_proj
+    hold rows, o_proj columns of this rank's head group; o_proj's bias and the q/k norms (if
+    any) are replicated, their gradients summed over the TSP group.
+    """
+
+    # dim along which each sharded parameter is cut (others are replicated)
+    shard_dims = {
+        "q_proj.weight": 0, "q_proj.bias": 0, "k_proj.weight": 0, "k_proj.bias": 0,
+        "v_proj.weight": 0, "v_proj.bias": 0, "o_proj.weight": 1,
+    }  # fmt: skip
+
+    def __init__(self, spec: AttentionSpec, group, config: TSPConfig | None = None, *,
+                 qkv_bias: bool = False, o_bias: bool = False, q_norm: nn.Module | None = None,
+                 k_norm: nn.Module | None = None, dtype=None, device=None) -> None:  # fmt: skip
+        super().__init__()
+        D, p = comm.size_and_rank(group)
+        if D != spec.tsp_size:
+            raise ValueError(f"process group has {D} ranks but the spec is for tsp_size={spec.tsp_size}")
+        if (q_norm is None) != (spec.qk_norm_eps is None) or (q_norm is None) != (k_norm is None):
+            raise ValueError("q_norm and k_norm must both be given exactly when spec.qk_norm_eps is set")
+        self.spec, self.group, self.config = spec, group, config or TSPConfig()
+        h, d = spec.hidden_size, spec.head_dim
+        kw = {"dtype": dtype, "device": device}
+        self.q_proj = nn.Linear(h, spec.heads_per_rank * d, bias=qkv_bias, **kw)
+        self.k_proj = nn.Linear(h, spec.kv_per_rank * d, bias=qkv_bias, **kw)
+        self.v_proj = nn.Linear(h, spec.kv_per_rank * d, bias=qkv_bias, **kw)
+        self.o_proj = nn.Linear(spec.heads_per_rank * d, h, bias=o_bias, **kw)
+        self.q_norm, self.k_norm = q_norm, k_norm
+
+    @classmethod
+    def from_hf(cls, attn: nn.Module, group, config: TSPConfig | None = None) -> TSPAttention:
+        """Build from a Hugging Face attention module, copying this rank's slices of its weights."""
+        cfg = attn.config
+        D, p = comm.size_and_rank(group)
+        # replicated per-head norms (Qwen3): private copies, so the HF module can be discarded
+        q_norm, k_norm = (copy.deepcopy(getattr(attn, n, None)) for n in ("q_norm", "k_norm"))
+        spec = AttentionSpec(
+            hidden_size=cfg.hidden_size,
+            n_heads=cfg.num_attention_heads,
+            n_kv_heads=cfg.num_key_value_heads,
+            head_dim=attn.head_dim,
+            tsp_size=D,
+            scaling=attn.scaling,
+            qk_norm_eps=q_norm.variance_epsilon if q_norm is not None else None,
+        )
+        w = attn.q_proj.weight
+        mod = cls(spec, group, config, qkv_bias=attn.q_proj.bias is not None,
+                  o_bias=attn.o_proj.bias is not None, q_norm=q_norm, k_norm=k_norm,
+                  dtype=w.dtype, device=w.device)  # fmt: skip
+        full = dict(attn.named_parameters())
+        with torch.no_grad():
+            for name, param in mod.named_parameters():
+                param.copy_(mod.local_slice(name, full[name]))
+        return mod
+
+    def local_slice(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the full (Hugging Face) tensor behind parameter ``name``."""
+        if name not in self.shard_dims:
+            return full
+        p = comm.size_and_rank(self.group)[1]
+        rows = self.spec.q_rows(p) if name.startswith(("q_", "o_")) else self.spec.kv_rows(p)
+        return full[:, rows] if self.shard_dims[name] == 1 else full[rows]
+
+    def _own(self) -> dict[str, torch.Tensor]:
+        own = {"wq": self.q_proj.weight, "wo": self.o_proj.weight, "wk": self.k_proj.weight,
+               "wv": self.v_proj.weight}  # fmt: skip
+        if self.q_proj.bias is not None:
+            own.update(bq=self.q_proj.bias, bk=self.k_proj.bias, bv=self.v_proj.bias)
+        return own
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                attention_mask: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:  # fmt: skip
+        x = hidden_states
+        if x.dim() != 3 or x.shape[-1] != self.spec.hidden_size:
+            raise ValueError(f"hidden_states must be [B, S/D, {self.spec.hidden_size}], got {tuple(x.shape)}")
+        if attention_mask is not None:
+            raise ValueError(
+                "TSP attention is causal by global position and takes no attention_mask; right "
+                "padding needs none (padded tokens come last and carry ignored labels)"
+            )
+        cos, sin = position_embeddings
+        B, T, _ = x.shape
+        cos, sin = cos.expand(B, T, -1), sin.expand(B, T, -1)
+        sched = _Schedule(self.spec, self.group, self.config, x)
+        own = self._own()
+        q_norm = k_norm = None
+        if self.q_norm is not None:
+            q_norm = comm.replicated(self.q_norm.weight, self.group)
+            k_norm = comm.replicated(self.k_norm.weight, self.group)
+        y = _TSPAttentionFunction.apply(sched, tuple(own), x, cos, sin, q_norm, k_norm, *own.values())
+        if self.o_proj.bias is not None:
+            y = y + comm.replicated(self.o_proj.bias, self.group)
+        return y, None

@@ -1,0 +1,235 @@
+"""Communication on the TSP axis: plain (async) collectives, the ring, and their autograd duals.
+
+The schedules in ``attention.py`` and ``mlp.py`` call the plain helpers from inside hand-written
+``backward`` methods. The autograd Functions at the bottom wrap the same helpers for code that
+composes with ordinary autograd; each Function's backward is the exact adjoint of its forward:
+
+    broadcast from owner   <->  reduce to owner
+    sequence all-gather    <->  sequence reduce-scatter
+    ring pass (p -> p+1)   <->  reverse ring pass (p -> p-1)
+    replicated use         <->  gradient all-reduce
+
+All ranks are *group* ranks of the TSP process group. On CUDA/NCCL the async handles let the
+caller overlap the transfer with compute on the current stream; on CPU/gloo the same code runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+ProcessGroup = dist.ProcessGroup
+
+# torch >= 2.13 renamed the flat-tensor collectives; keep older releases working
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class _Done:
+    """Handle of an operation that already completed (D = 1, or nothing to send)."""
+
+    def wait(self) -> None:
+        return None
+
+
+class Pending:
+    """A set of in-flight operations; ``wait()`` blocks until all are done."""
+
+    def __init__(self, works: Sequence[dist.Work | None]) -> None:
+        self._works = [w for w in works if w is not None]
+
+    def wait(self) -> None:
+        for w in self._works:
+            w.wait()
+        self._works = []
+
+
+def size_and_rank(group: ProcessGroup) -> tuple[int, int]:
+    """``(D, p)`` of this process on ``group``."""
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def broadcast(t: torch.Tensor, src: int, group: ProcessGroup, async_op: bool = False):
+    """In-place broadcast of ``t`` from group rank ``src``."""
+    if dist.get_world_size(group) == 1:
+        return _Done()
+    work = dist.broadcast(t, group=group, group_src=src, async_op=async_op)
+    return work if async_op else _Done()
+
+
+def reduce(t: torch.Tensor, dst: int, group: ProcessGroup, async_op: bool = False):
+    """In-place sum of ``t`` into group rank ``dst`` (other ranks' ``t`` is undefined after)."""
+    if dist.get_world_size(group) == 1:
+        return _Done()
+    work = dist.reduce(t, group=group, group_dst=dst, op=dist.ReduceOp.SUM, async_op=async_op)
+    return work if async_op else _Done()
+
+
+def all_reduce(t: torch.Tensor, group: ProcessGroup, async_op: bool = False):
+    """In-place sum of ``t`` over the group."""
+    if dist.get_world_size(group) == 1:
+        return _Done()
+    work = dist.all_reduce(t, group=group, async_op=async_op)
+    return work if async_op else _Done()
+
+
+def all_gather_seq(x: torch.Tensor, group: ProcessGroup, async_op: bool = False):
+    """Gather every rank's shard: ``x [...]`` -> ``(out [D, ...], handle)``, rank-major."""
+    D = dist.get_world_size(group)
+    if D == 1:
+        return x.unsqueeze(0), _Done()
+    out = x.new_empty((D, *x.shape))
+    flat = out.view(D * x.shape[0], *x.shape[1:]) if x.dim() else out
+    work = _all_gather_flat(flat, x.contiguous(), group=group, async_op=async_op)
+    return out, (work if async_op else _Done())
+
+
+def reduce_scatter_seq(x: torch.Tensor, group: ProcessGroup, async_op: bool = False):
+    """Dual of ``all_gather_seq``: ``x [D, ...]`` -> ``(out [...], handle)``, summed over ranks."""
+    if x.shape[0] == 1:
+        return x[0], _Done()
+    out = x.new_empty(x.shape[1:])
+    flat = x.contiguous().flatten(0, 1) if x.dim() > 1 else x.contiguous()
+    work = _reduce_scatter_flat(out, flat, group=group, async_op=async_op)
+    return out, (work if async_op else _Done())
+
+
+class Ring:
+    """Neighbour exchange on the TSP ring.
+
+    ``shift(send, recv)`` posts ``send -> p+1`` and ``recv <- p-1`` (``reverse=True``: the other
+    way) as one batched async operation and returns its handle. Buffers must stay untouched until
+    the handle is waited on, which is why callers double-buffer.
+    """
+
+    def __init__(self, group: ProcessGroup) -> None:
+        self.group = group
+        self.size, self.rank = size_and_rank(group)
+
+    def shift(self, send: torch.Tensor, recv: torch.Tensor, reverse: bool = False) -> Pending:
+        if self.size == 1:
+            recv.copy_(send)
+            return Pending([])
+        step = -1 if reverse else 1
+        dst, src = (self.rank + step) % self.size, (self.rank - step) % self.size
+        ops = [
+            dist.P2POp(dist.isend, send, group=self.group, group_peer=dst),
+            dist.P2POp(dist.irecv, recv, group=self.group, group_peer=src),
+        ]
+        return Pending(dist.batch_isend_irecv(ops))
+
+
+# --- autograd Functions: forward collective, exact dual in backward --------------------------
+
+
+class _BroadcastFromOwner(torch.autograd.Function):
+    """forward: every rank gets ``owner``'s ``x`` (each rank passes a tensor of the same shape).
+    backward: gradients are summed into ``owner``; other ranks' inputs get zero gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, owner: int, group: ProcessGroup) -> torch.Tensor:
+        ctx.owner, ctx.group = owner, group
+        out = x.detach().clone().contiguous()
+        broadcast(out, owner, group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        g = grad.contiguous().clone()
+        reduce(g, ctx.owner, ctx.group)
+        if dist.get_rank(ctx.group) != ctx.owner:
+            g.zero_()
+        return g, None, None
+
+
+class _AllGatherSeq(torch.autograd.Function):
+    """forward: ``x [B, T, ...]`` -> ``[B, D*T, ...]`` in rank order.
+    backward: the gradient is reduce-scattered back to ``[B, T, ...]`` (summed over ranks)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        out, _ = all_gather_seq(x.movedim(1, 0), group)  # [D, T, B, ...]
+        return out.flatten(0, 1).movedim(0, 1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        D = dist.get_world_size(ctx.group)
+        g = grad.movedim(1, 0)  # [D*T, B, ...]
+        g, _ = reduce_scatter_seq(g.reshape(D, g.shape[0] // D, *g.shape[1:]), ctx.group)
+        return g.movedim(0, 1), None
+
+
+class _RingPass(torch.autograd.Function):
+    """forward: send ``x`` to rank p+1, return what rank p-1 sent.
+    backward: send the gradient to rank p-1, return what rank p+1 sent."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.ring = Ring(group)
+        x = x.detach().contiguous()
+        out = torch.empty_like(x)
+        ctx.ring.shift(x, out).wait()
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        out = torch.empty_like(grad)
+        ctx.ring.shift(grad, out, reverse=True).wait()
+        return out, None
+
+
+class _ReplicatedUse(torch.autograd.Function):
+    """forward: identity (a replicated tensor used with this rank's tokens).
+    backward: the gradient is all-reduced (summed) over the group, so every replica gets the
+    gradient of all tokens."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        g = grad.contiguous().clone()
+        all_reduce(g, ctx.group)
+        return g, None
+
+
+def broadcast_from_owner(x: torch.Tensor, owner: int, group: ProcessGroup) -> torch.Tensor:
+    """Differentiable broadcast from group rank ``owner`` (dual: reduce to owner)."""
+    return _BroadcastFromOwner.apply(x, owner, group)
+
+
+def gather_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Differentiable sequence all-gather ``[B, T, ...] -> [B, D*T, ...]`` (dual: reduce-scatter)."""
+    return _AllGatherSeq.apply(x, group)
+
+
+def ring_pass(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Differentiable ring step p -> p+1 (dual: p -> p-1)."""
+    return _RingPass.apply(x, group)
+
+
+def replicated(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Mark a use of a replicated tensor; its gradient is summed over ``group`` (dual: all-reduce)."""
+    return _ReplicatedUse.apply(x, group)
+
+
+def pack(tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Flatten ``tensors`` into one contiguous 1-D buffer (one message instead of many)."""
+    dtype = dtype or tensors[0].dtype
+    return torch.cat([t.reshape(-1).to(dtype) for t in tensors])
+
+
+def unpack(flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
+    """Views of ``flat`` with the given shapes (inverse of ``pack``)."""
+    out, i = [], 0
+    for s in shapes:
+        n = s.numel()
+        out.append(flat[i : i + n].view(s))
+        i += n
+    return out

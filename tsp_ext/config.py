@@ -1,0 +1,40 @@
+"""User-facing options of TSP, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TSPConfig:
+    """Options of the TSP engine.
+
+    Args:
+        tsp_size: D, the number of ranks on the TSP axis (None: take it from the mesh).
+        accum_dtype: dtype of partial-output and gradient accumulation across head groups and
+            ring steps (float32 keeps bf16 models exact to fp32 rounding; float64 inputs always
+            accumulate in float64).
+        overlap: prefetch the next weight shard (broadcast / ring) while computing the current
+            one. Off makes every transfer synchronous (debugging, profiling).
+        attn_block: query and key block size of the blockwise attention; bounds the transient
+            score block to ``B x heads/D x attn_block^2``.
+    """
+
+    tsp_size: int | None = None
+    accum_dtype: torch.dtype = torch.float32
+    overlap: bool = True
+    attn_block: int = 512
+
+    def __post_init__(self) -> None:
+        if self.tsp_size is not None and self.tsp_size < 1:
+            raise ValueError(f"tsp_size must be >= 1, got {self.tsp_size}")
+        if not self.accum_dtype.is_floating_point:
+            raise ValueError(f"accum_dtype must be a floating dtype, got {self.accum_dtype}")
+        if self.attn_block < 1:
+            raise ValueError(f"attn_block must be >= 1, got {self.attn_block}")
+
+    def accum_for(self, dtype: torch.dtype) -> torch.dtype:
+        """Accumulation dtype for activations of ``dtype`` (never less precise than them)."""
+        return torch.promote_types(dtype, self.accum_dtype)
