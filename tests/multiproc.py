@@ -19,16 +19,19 @@ def free_port() -> int:
 
 def _worker(fn, rank: int, world: int, port: int, args, queue) -> None:
     os.environ.update(
-        OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-    )  # fmt: skip
+        OMP_NUM_THREADS="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
     import torch
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group(
-            "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120)
-        )
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
         result = fn(rank, world, *args)
         dist.barrier()
         queue.put((rank, "ok", result))

@@ -21,7 +21,10 @@ CONFIGS = {
     "mha": (LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=4)),
     "gqa": (LlamaConfig, dict(num_attention_heads=8, num_key_value_heads=4)),
     "kv_lt_d": (LlamaConfig, dict(num_attention_heads=8, num_key_value_heads=2)),
-    "mqa_bias": (LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=1, attention_bias=True)),
+    "mqa_bias": (
+        LlamaConfig,
+        dict(num_attention_heads=4, num_key_value_heads=1, attention_bias=True),
+    ),
     "qk_norm": (Qwen3Config, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8)),
 }
 # (config, dtype, batch, seq_len): 30 and 21 are not multiples of 2D for D = 2, 4
@@ -38,8 +41,14 @@ CASES = [
 
 def make_config(name: str):
     cls, kw = CONFIGS[name]
-    base = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, vocab_size=64,
-                max_position_embeddings=256, attn_implementation="sdpa")  # fmt: skip
+    base = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        vocab_size=64,
+        max_position_embeddings=256,
+        attn_implementation="sdpa",
+    )
     return cls(**{**base, **kw})
 
 
@@ -84,7 +93,10 @@ def _parity_case(rank, world, name, dtype_name, B, S, attn_block):
         return lay.shard(pad_sequence(t, world, 0.0), rank)[:, real]
 
     errs = {}
-    for mod_name, ref_mod, t_mod, ref_x, ref_y in (("attn", attn, t_attn, xa, ya), ("mlp", mlp, t_mlp, xm, ym)):
+    for mod_name, ref_mod, t_mod, ref_x, ref_y in (
+        ("attn", attn, t_attn, xa, ya),
+        ("mlp", mlp, t_mlp, xm, ym),
+    ):
         xl = lay.shard(pad_sequence(x, world, 0.0), rank).requires_grad_()
         if mod_name == "attn":
             yl, _ = t_mod(xl, position_embeddings=(cos_l, sin_l))

@@ -52,7 +52,9 @@ class AttentionSpec:
     def __post_init__(self) -> None:
         D = self.tsp_size
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+            raise ValueError(
+                f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}"
+            )
         if self.n_heads % D:
             raise ValueError(
                 f"n_heads={self.n_heads} is not divisible by tsp_size={D}: choose a TSP size that "
@@ -113,7 +115,7 @@ class _Schedule:
         self.acc = config.accum_for(x.dtype)
 
     def weight_stream(self, own: dict[str, torch.Tensor]):
-        """Yield ``(r, W_r)`` for r = 0..D-1; W_{r+1}'s broadcast overlaps the caller's work on W_r."""
+        """Yield ``(r, W_r)`` for r = 0..D-1; W_{r+1} is broadcast while the caller works on W_r."""
         names = list(own)
         shapes = [own[n].shape for n in names]
         numel = sum(s.numel() for s in shapes)
@@ -251,7 +253,6 @@ def tsp_attention_backward(sched: _Schedule, dy, x, cos, sin, own, q_norm, k_nor
     return dx.to(x.dtype), d_own, d_norm
 
 
-
 class _TSPAttentionFunction(torch.autograd.Function):
     """Autograd boundary of the schedule: saves only local tensors, re-communicates in backward."""
 
@@ -288,19 +289,38 @@ class TSPAttention(nn.Module):
 
     # dim along which each sharded parameter is cut (others are replicated)
     shard_dims = {
-        "q_proj.weight": 0, "q_proj.bias": 0, "k_proj.weight": 0, "k_proj.bias": 0,
-        "v_proj.weight": 0, "v_proj.bias": 0, "o_proj.weight": 1,
-    }  # fmt: skip
+        "q_proj.weight": 0,
+        "q_proj.bias": 0,
+        "k_proj.weight": 0,
+        "k_proj.bias": 0,
+        "v_proj.weight": 0,
+        "v_proj.bias": 0,
+        "o_proj.weight": 1,
+    }
 
-    def __init__(self, spec: AttentionSpec, group, config: TSPConfig | None = None, *,
-                 qkv_bias: bool = False, o_bias: bool = False, q_norm: nn.Module | None = None,
-                 k_norm: nn.Module | None = None, dtype=None, device=None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        spec: AttentionSpec,
+        group,
+        config: TSPConfig | None = None,
+        *,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        q_norm: nn.Module | None = None,
+        k_norm: nn.Module | None = None,
+        dtype=None,
+        device=None,
+    ) -> None:
         super().__init__()
         D, p = comm.size_and_rank(group)
         if D != spec.tsp_size:
-            raise ValueError(f"process group has {D} ranks but the spec is for tsp_size={spec.tsp_size}")
+            raise ValueError(
+                f"process group has {D} ranks but the spec is for tsp_size={spec.tsp_size}"
+            )
         if (q_norm is None) != (spec.qk_norm_eps is None) or (q_norm is None) != (k_norm is None):
-            raise ValueError("q_norm and k_norm must both be given exactly when spec.qk_norm_eps is set")
+            raise ValueError(
+                "q_norm and k_norm must both be given exactly when spec.qk_norm_eps is set"
+            )
         self.spec, self.group, self.config = spec, group, config or TSPConfig()
         h, d = spec.hidden_size, spec.head_dim
         kw = {"dtype": dtype, "device": device}
@@ -327,9 +347,17 @@ class TSPAttention(nn.Module):
             qk_norm_eps=q_norm.variance_epsilon if q_norm is not None else None,
         )
         w = attn.q_proj.weight
-        mod = cls(spec, group, config, qkv_bias=attn.q_proj.bias is not None,
-                  o_bias=attn.o_proj.bias is not None, q_norm=q_norm, k_norm=k_norm,
-                  dtype=w.dtype, device=w.device)  # fmt: skip
+        mod = cls(
+            spec,
+            group,
+            config,
+            qkv_bias=attn.q_proj.bias is not None,
+            o_bias=attn.o_proj.bias is not None,
+            q_norm=q_norm,
+            k_norm=k_norm,
+            dtype=w.dtype,
+            device=w.device,
+        )
         full = dict(attn.named_parameters())
         with torch.no_grad():
             for name, param in mod.named_parameters():
@@ -345,32 +373,50 @@ class TSPAttention(nn.Module):
         return full[:, rows] if self.shard_dims[name] == 1 else full[rows]
 
     def _own(self) -> dict[str, torch.Tensor]:
-        own = {"wq": self.q_proj.weight, "wo": self.o_proj.weight, "wk": self.k_proj.weight,
-               "wv": self.v_proj.weight}  # fmt: skip
+        own = {
+            "wq": self.q_proj.weight,
+            "wo": self.o_proj.weight,
+            "wk": self.k_proj.weight,
+            "wv": self.v_proj.weight,
+        }
         if self.q_proj.bias is not None:
             own.update(bq=self.q_proj.bias, bk=self.k_proj.bias, bv=self.v_proj.bias)
         return own
 
-    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
-                attention_mask: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:  # fmt: skip
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
         x = hidden_states
         if x.dim() != 3 or x.shape[-1] != self.spec.hidden_size:
-            raise ValueError(f"hidden_states must be [B, S/D, {self.spec.hidden_size}], got {tuple(x.shape)}")
+            raise ValueError(
+                f"hidden_states must be [B, S/D, {self.spec.hidden_size}], got {tuple(x.shape)}"
+            )
         if attention_mask is not None:
             raise ValueError(
                 "TSP attention is causal by global position and takes no attention_mask; right "
                 "padding needs none (padded tokens come last and carry ignored labels)"
             )
+        sched = _Schedule(self.spec, self.group, self.config, x)
         cos, sin = position_embeddings
         B, T, _ = x.shape
+        if cos.shape[-2:] != (T, self.spec.head_dim) or cos.shape != sin.shape:
+            raise ValueError(
+                f"position_embeddings must be (cos, sin) of shape [B, {T}, {self.spec.head_dim}] "
+                f"for this rank's tokens, got {tuple(cos.shape)} and {tuple(sin.shape)}"
+            )
         cos, sin = cos.expand(B, T, -1), sin.expand(B, T, -1)
-        sched = _Schedule(self.spec, self.group, self.config, x)
         own = self._own()
         q_norm = k_norm = None
         if self.q_norm is not None:
             q_norm = comm.replicated(self.q_norm.weight, self.group)
             k_norm = comm.replicated(self.k_norm.weight, self.group)
-        y = _TSPAttentionFunction.apply(sched, tuple(own), x, cos, sin, q_norm, k_norm, *own.values())
+        y = _TSPAttentionFunction.apply(
+            sched, tuple(own), x, cos, sin, q_norm, k_norm, *own.values()
+        )
         if self.o_proj.bias is not None:
             y = y + comm.replicated(self.o_proj.bias, self.group)
         return y, None

@@ -144,4 +144,3 @@ def attention_backward(
                     dv_span[:, sl] += (p.transpose(-1, -2) @ do).transpose(1, 2)
             dq[:, rows] = _unfold(dqf * scale, qb.length).to(q.dtype)
     return dq
-

@@ -8,6 +8,7 @@ composes with ordinary autograd; each Function's backward is the exact adjoint o
     sequence all-gather    <->  sequence reduce-scatter
     ring pass (p -> p+1)   <->  reverse ring pass (p -> p-1)
     replicated use         <->  gradient all-reduce
+    partial sums -> total  <->  identity (the total is one replicated value)
 
 All ranks are *group* ranks of the TSP process group. On CUDA/NCCL the async handles let the
 caller overlap the transfer with compute on the current stream; on CPU/gloo the same code runs.
@@ -199,13 +200,29 @@ class _ReplicatedUse(torch.autograd.Function):
         return g, None
 
 
+class _SumOverRanks(torch.autograd.Function):
+    """forward: all-reduce (sum) of every rank's partial ``x``; the result is one replicated value.
+    backward: identity — each rank seeds the same gradient of that one value, so each partial
+    receives it once (the dual of ``_ReplicatedUse``; no hidden factor of D)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        out = x.detach().clone().contiguous()
+        all_reduce(out, group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
 def broadcast_from_owner(x: torch.Tensor, owner: int, group: ProcessGroup) -> torch.Tensor:
     """Differentiable broadcast from group rank ``owner`` (dual: reduce to owner)."""
     return _BroadcastFromOwner.apply(x, owner, group)
 
 
 def gather_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """Differentiable sequence all-gather ``[B, T, ...] -> [B, D*T, ...]`` (dual: reduce-scatter)."""
+    """Differentiable all-gather ``[B, T, ...] -> [B, D*T, ...]`` (dual: reduce-scatter)."""
     return _AllGatherSeq.apply(x, group)
 
 
@@ -215,7 +232,7 @@ def ring_pass(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 
 
 def replicated(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """Mark a use of a replicated tensor; its gradient is summed over ``group`` (dual: all-reduce)."""
+    """Use a replicated tensor; its gradient is summed over ``group`` (dual: all-reduce)."""
     return _ReplicatedUse.apply(x, group)
 
 
@@ -233,3 +250,8 @@ def unpack(flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tenso
         out.append(flat[i : i + n].view(s))
         i += n
     return out
+
+
+def sum_over_ranks(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Differentiable sum of per-rank partials (e.g. loss sums) into one replicated value."""
+    return _SumOverRanks.apply(x, group)

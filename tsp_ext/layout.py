@@ -20,7 +20,7 @@ IGNORE_INDEX = -100
 
 @dataclass(frozen=True)
 class Span:
-    """A run of consecutive tokens: local offset ``offset``, global positions ``[start, start+length)``."""
+    """Consecutive tokens at local offset ``offset`` with global positions ``[start, stop)``."""
 
     offset: int
     start: int
@@ -93,16 +93,14 @@ class ZigzagLayout:
 
     def positions(self, p: int, device: torch.device | str | None = None) -> torch.Tensor:
         """Global position ids of rank ``p``'s tokens, ``[S/D]`` int64."""
-        return torch.cat(
-            [torch.arange(s.start, s.stop, device=device) for s in self.spans(p)]
-        )
+        return torch.cat([torch.arange(s.start, s.stop, device=device) for s in self.spans(p)])
 
     def gathered_positions(self, device: torch.device | str | None = None) -> torch.Tensor:
         """Global positions of an all-gathered sequence, ``[S]`` int64."""
         return torch.cat([self.positions(q, device) for q in range(self.size)])
 
     def shard(self, x: torch.Tensor, p: int, dim: int = 1) -> torch.Tensor:
-        """Rank ``p``'s tokens of a full tensor ``[..., S, ...]`` -> ``[..., S/D, ...]`` (a copy)."""
+        """Copy of rank ``p``'s tokens of a full tensor: ``[.., S, ..]`` -> ``[.., S/D, ..]``."""
         self._check_len(x, dim, self.seq_len)
         return torch.cat([x.narrow(dim, s.start, s.length) for s in self.spans(p)], dim=dim)
 

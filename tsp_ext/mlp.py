@@ -25,6 +25,7 @@ from torch import nn
 from . import comm
 from .config import TSPConfig
 
+
 def _swiglu(x: torch.Tensor, g: torch.Tensor, u: torch.Tensor, dn: torch.Tensor) -> torch.Tensor:
     """``x [B, T, h]`` through one shard: ``(silu(x·gᵀ) ⊙ x·uᵀ)·dnᵀ`` -> ``[B, T, h]``."""
     return F.linear(F.silu(F.linear(x, g)) * F.linear(x, u), dn)
@@ -57,7 +58,7 @@ class _RingSchedule:
         self.acc = config.accum_for(x.dtype)
 
     def shards(self, weights):
-        """Yield ``(t, (G, U, Dn))`` of owner p - t, the next shard arriving while the caller works."""
+        """Yield ``(t, (G, U, Dn))`` of owner p - t; the next one arrives while the caller works."""
         cur = comm.pack(weights)
         nxt = torch.empty_like(cur)
         for t in range(self.D):
@@ -128,8 +129,16 @@ class TSPGatedMLP(nn.Module):
 
     shard_dims = {"gate_proj.weight": 0, "up_proj.weight": 0, "down_proj.weight": 1}
 
-    def __init__(self, hidden_size: int, intermediate_size: int, group,
-                 config: TSPConfig | None = None, *, dtype=None, device=None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        group,
+        config: TSPConfig | None = None,
+        *,
+        dtype=None,
+        device=None,
+    ) -> None:
         super().__init__()
         D, _ = comm.size_and_rank(group)
         if intermediate_size % D:
@@ -172,6 +181,10 @@ class TSPGatedMLP(nn.Module):
         if x.dim() != 3 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"x must be [B, S/D, {self.hidden_size}], got {tuple(x.shape)}")
         return _TSPMLPFunction.apply(
-            self.group, self.config, x,
-            self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
-        )  # fmt: skip
+            self.group,
+            self.config,
+            x,
+            self.gate_proj.weight,
+            self.up_proj.weight,
+            self.down_proj.weight,
+        )

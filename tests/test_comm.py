@@ -1,0 +1,70 @@
+"""Each communication Function's backward is the exact adjoint of its forward."""
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+from multiproc import run_distributed
+
+from tsp_ext import comm
+
+
+def _global_dot(a: torch.Tensor, b: torch.Tensor) -> float:
+    s = (a * b).sum().reshape(1)
+    dist.all_reduce(s)
+    return s.item()
+
+
+def duals_worker(rank, world):
+    group = dist.group.WORLD
+    torch.manual_seed(rank)
+    ops = {
+        "broadcast_from_owner": lambda x: comm.broadcast_from_owner(x, world - 1, group),
+        "gather_seq": lambda x: comm.gather_seq(x, group),
+        "ring_pass": lambda x: comm.ring_pass(x, group),
+    }
+    out = {}
+    for name, op in ops.items():
+        x = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+        y = op(x)
+        g = torch.randn_like(y)
+        y.backward(g)
+        # <f(x), g> == <x, f^T(g)>, both summed over all ranks
+        out[name] = abs(_global_dot(y.detach(), g) - _global_dot(x.detach(), x.grad))
+    # a replicated tensor is one logical tensor: its side of the product is counted once
+    torch.manual_seed(world)
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    torch.manual_seed(100 + rank)
+    g = torch.randn(2, 3, dtype=torch.float64)
+    comm.replicated(x, group).backward(g)
+    out["replicated"] = abs(_global_dot(x.detach(), g) - (x * x.grad).sum().item())
+    # sum_over_ranks: per-rank partials -> one replicated value (its side counted once)
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    torch.manual_seed(world)
+    g = torch.randn(2, 3, dtype=torch.float64)
+    y = comm.sum_over_ranks(x, group)
+    y.backward(g)
+    out["sum_over_ranks"] = abs((y.detach() * g).sum().item() - _global_dot(x.detach(), x.grad))
+    # forward values
+    x = torch.full((2, 1), float(rank))
+    out["broadcast_value"] = comm.broadcast_from_owner(x, 0, group).eq(0).all().item()
+    out["gather_value"] = comm.gather_seq(x[None], group)[0, :, 0].tolist()
+    out["ring_value"] = comm.ring_pass(x, group)[0, 0].item()
+    return out
+
+
+@functools.cache
+def duals(world):
+    return run_distributed(duals_worker, world)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_functions_are_exact_duals(world):
+    for rank, res in enumerate(duals(world)):
+        names = ("broadcast_from_owner", "gather_seq", "ring_pass", "replicated", "sum_over_ranks")
+        for name in names:
+            assert res[name] < 1e-12, (world, rank, name, res[name])
+        assert res["broadcast_value"]
+        assert res["gather_value"] == [float(r) for r in range(world) for _ in range(2)]
+        assert res["ring_value"] == float((rank - 1) % world)

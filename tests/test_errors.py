@@ -1,0 +1,81 @@
+"""Bad input raises a clear error that says what to change."""
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+from multiproc import run_distributed
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRotaryEmbedding
+
+from tsp_ext import AttentionSpec, TSPAttention, TSPConfig, TSPGatedMLP
+
+
+def _message(fn) -> str:
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return "<no error>"
+
+
+def errors_worker(rank, world):
+    group = dist.group.WORLD
+    cfg = dict(hidden_size=24, intermediate_size=48, num_hidden_layers=1, vocab_size=32)
+    ok = LlamaConfig(**cfg, num_attention_heads=4, num_key_value_heads=2)
+    three_heads = LlamaConfig(**cfg, num_attention_heads=3, num_key_value_heads=3)
+    odd_ffn = LlamaConfig(**{**cfg, "intermediate_size": 45}, num_attention_heads=4)
+    gelu = LlamaConfig(**cfg, num_attention_heads=4, hidden_act="gelu")
+    attn = TSPAttention.from_hf(LlamaAttention(ok, 0), group)
+    mlp = TSPGatedMLP.from_hf(LlamaMLP(ok), group)
+    rope = LlamaRotaryEmbedding(ok)
+    x = torch.randn(1, 4, 24)
+    pe = rope(x, torch.arange(4)[None])
+    return {
+        "heads": _message(lambda: TSPAttention.from_hf(LlamaAttention(three_heads, 0), group)),
+        "ffn": _message(lambda: TSPGatedMLP.from_hf(LlamaMLP(odd_ffn), group)),
+        "act": _message(lambda: TSPGatedMLP.from_hf(LlamaMLP(gelu), group)),
+        "group": _message(
+            lambda: TSPAttention(AttentionSpec(24, 4, 2, 6, tsp_size=4, scaling=1.0), group)
+        ),
+        "hidden": _message(lambda: attn(torch.randn(1, 4, 20), position_embeddings=pe)),
+        "odd_local": _message(lambda: attn(torch.randn(1, 3, 24), position_embeddings=pe)),
+        "rope": _message(lambda: attn(x, position_embeddings=rope(x, torch.arange(2)[None]))),
+        "mask": _message(lambda: attn(x, position_embeddings=pe, attention_mask=torch.ones(1, 4))),
+        "mlp_shape": _message(lambda: mlp(torch.randn(4, 24))),
+    }
+
+
+@functools.cache
+def messages():
+    return run_distributed(errors_worker, 2)[0]
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("heads", "n_heads=3 is not divisible by tsp_size=2"),
+        ("ffn", "intermediate_size=45 is not divisible by tsp_size=2"),
+        ("act", "SiLU (SwiGLU) only"),
+        ("group", "process group has 2 ranks but the spec is for tsp_size=4"),
+        ("hidden", "hidden_states must be [B, S/D, 24]"),
+        ("odd_local", "local sequence length 3 must be even"),
+        ("rope", "position_embeddings must be (cos, sin) of shape [B, 4, 6]"),
+        ("mask", "takes no attention_mask"),
+        ("mlp_shape", "x must be [B, S/D, 24]"),
+    ],
+)
+def test_clear_errors(case, expected):
+    assert expected in messages()[case]
+
+
+def test_spec_and_config_validation():
+    with pytest.raises(ValueError, match="one must divide the other"):
+        AttentionSpec(48, 12, 6, 4, tsp_size=4, scaling=1.0)
+    with pytest.raises(ValueError, match="not a multiple of n_kv_heads"):
+        AttentionSpec(48, 6, 4, 8, tsp_size=2, scaling=1.0)
+    with pytest.raises(ValueError, match="tsp_size must be >= 1"):
+        TSPConfig(tsp_size=0)
+    with pytest.raises(ValueError, match="floating dtype"):
+        TSPConfig(accum_dtype=torch.int32)

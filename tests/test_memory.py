@@ -1,0 +1,105 @@
+"""Saved bytes bytes per rank shrink as 1/D; no full-sequence or full-weight tensor is saved."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+from multiproc import run_distributed
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRotaryEmbedding
+
+from tsp_ext import TSPAttention, TSPGatedMLP, ZigzagLayout
+
+SEQ, HIDDEN, FFN = 240, 48, 64  # sizes distinct from each other and from every S/D
+
+
+class SavedBytes:
+    """Record tensors saved for backward: unique storages, their bytes and shapes."""
+
+    def __init__(self) -> None:
+        self.storages: dict[int, int] = {}
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __enter__(self):
+        def pack(t: torch.Tensor):
+            st = t.untyped_storage()
+            self.storages[st.data_ptr()] = st.nbytes()
+            self.shapes.append(tuple(t.shape))
+            return t
+
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.storages.values())
+
+
+def memory_worker(rank, world):
+    group = dist.group.WORLD
+    cfg = LlamaConfig(
+        hidden_size=HIDDEN,
+        intermediate_size=FFN,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_hidden_layers=1,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    attn, mlp, rope = LlamaAttention(cfg, 0), LlamaMLP(cfg), LlamaRotaryEmbedding(cfg)
+    lay = ZigzagLayout(SEQ, world)
+    x = torch.randn(1, SEQ, HIDDEN)
+    result = {}
+    for name, hf in (("attn", attn), ("mlp", mlp)):
+        if world == 1:  # the unmodified module on the full sequence, for reference
+            xr = x.clone().requires_grad_()
+            with SavedBytes() as rec:
+                hf(
+                    xr, position_embeddings=rope(xr, torch.arange(SEQ)[None])
+                ) if name == "attn" else hf(xr)
+            result[f"hf_{name}"] = rec.nbytes
+        tsp = (TSPAttention if name == "attn" else TSPGatedMLP).from_hf(hf, group)
+        xl = lay.shard(x, rank).requires_grad_()
+        with SavedBytes() as rec:
+            if name == "attn":
+                tsp(xl, position_embeddings=rope(xl, lay.positions(rank)[None]))
+            else:
+                tsp(xl)
+        result[name] = rec.nbytes
+        result[f"{name}_shapes"] = rec.shapes
+    result["weight_shapes"] = [tuple(p.shape) for m in (attn, mlp) for p in m.parameters()]
+    return result
+
+
+@functools.cache
+def measured(world):
+    return run_distributed(memory_worker, world)
+
+
+@pytest.mark.parametrize("module", ["attn", "mlp"])
+def test_saved_bytes_shrink_as_one_over_d(module):
+    base = measured(1)[0][module]
+    assert base > 0
+    # TSP at D = 1 saves no more than the Hugging Face module does
+    assert base <= measured(1)[0][f"hf_{module}"]
+    for world in (2, 4):
+        for rank, res in enumerate(measured(world)):
+            ratio = res[module] * world / base
+            assert 0.9 <= ratio <= 1.1, (module, world, rank, res[module], base)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_nothing_full_size_is_saved(world):
+    for res in measured(world):
+        full_weights = set(res["weight_shapes"])
+        for module in ("attn", "mlp"):
+            for shape in res[f"{module}_shapes"]:
+                assert SEQ not in shape, f"{module} saved a full-sequence tensor {shape}"
+                assert shape not in full_weights, f"{module} saved a full weight {shape}"
