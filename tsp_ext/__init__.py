@@ -1,9 +1,20 @@
-"""tsp_ext: folded tensor + sequence parallelism (TSP) for PyTorch / Hugging Face models."""
+"""tsp_ext: folded tensor + sequence parallelism (TSP) for PyTorch / Hugging Face models.
+
+One line turns a Llama-family model into a TSP model::
+
+    mesh = init_tsp_mesh(tsp_size=4)
+    model = apply_tsp(model, mesh)
+    out = model(**shard_batch({"input_ids": ids, "labels": labels}, mesh))
+"""
 
 from .attention import AttentionSpec, TSPAttention
+from .batch import gather_sequence, shard_batch
 from .config import TSPConfig
 from .layout import IGNORE_INDEX, ZigzagLayout, pad_sequence, padded_length
+from .mesh import init_tsp_mesh, tsp_group
 from .mlp import TSPGatedMLP
+from .model import apply_tsp, check_supported
+from .state import full_grads, full_state_dict
 
 __all__ = [
     "IGNORE_INDEX",
@@ -12,6 +23,14 @@ __all__ = [
     "TSPConfig",
     "TSPGatedMLP",
     "ZigzagLayout",
+    "apply_tsp",
+    "check_supported",
+    "full_grads",
+    "full_state_dict",
+    "gather_sequence",
+    "init_tsp_mesh",
     "pad_sequence",
     "padded_length",
+    "shard_batch",
+    "tsp_group",
 ]

@@ -30,6 +30,7 @@ from . import comm
 from .attention_core import attention_backward, attention_forward
 from .config import TSPConfig
 from .layout import Span, ZigzagLayout
+from .replicated import rms_norm
 
 # Names of the sharded tensors of one head group, in broadcast order: the q/o part first, the
 # k/v part last (so that shared KV heads can be reduced separately).
@@ -90,13 +91,6 @@ class AttentionSpec:
         return slice(first * self.head_dim, (first + self.kv_per_rank) * self.head_dim)
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim, computed in float32 as Hugging Face does."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of ``x [B, T, H, d]`` with ``cos, sin [B, T, d]``."""
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
@@ -143,8 +137,8 @@ class _Schedule:
         k = F.linear(x, w["wk"], w.get("bk")).view(B, T, -1, d)
         v = F.linear(x, w["wv"], w.get("bv")).view(B, T, -1, d)
         if q_norm is not None:
-            q = _rms_norm(q, q_norm, self.spec.qk_norm_eps)
-            k = _rms_norm(k, k_norm, self.spec.qk_norm_eps)
+            q = rms_norm(q, q_norm, self.spec.qk_norm_eps)
+            k = rms_norm(k, k_norm, self.spec.qk_norm_eps)
         return _rope(q, cos, sin), _rope(k, cos, sin), v
 
     def gather_kv(self, k: torch.Tensor, v: torch.Tensor):
@@ -372,6 +366,14 @@ class TSPAttention(nn.Module):
         rows = self.spec.q_rows(p) if name.startswith(("q_", "o_")) else self.spec.kv_rows(p)
         return full[:, rows] if self.shard_dims[name] == 1 else full[rows]
 
+    def assemble(self, name: str, shards: torch.Tensor) -> torch.Tensor:
+        """Full Hugging Face tensor from every rank's shard of ``name``, ``shards [D, ...]``."""
+        if name not in self.shard_dims:
+            return shards[0]
+        if name.startswith(("k_", "v_")):
+            shards = shards[:: self.spec.kv_replicas]  # one copy of each replicated KV head
+        return torch.cat(list(shards), dim=self.shard_dims[name])
+
     def _own(self) -> dict[str, torch.Tensor]:
         own = {
             "wq": self.q_proj.weight,
@@ -395,6 +397,8 @@ class TSPAttention(nn.Module):
             raise ValueError(
                 f"hidden_states must be [B, S/D, {self.spec.hidden_size}], got {tuple(x.shape)}"
             )
+        if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+            raise ValueError("TSP attention has no KV cache: call the model with use_cache=False")
         if attention_mask is not None:
             raise ValueError(
                 "TSP attention is causal by global position and takes no attention_mask; right "

@@ -177,6 +177,10 @@ class TSPGatedMLP(nn.Module):
         rows = slice(p * f, (p + 1) * f)
         return full[:, rows] if self.shard_dims[name] == 1 else full[rows]
 
+    def assemble(self, name: str, shards: torch.Tensor) -> torch.Tensor:
+        """Full Hugging Face tensor from every rank's shard of ``name``, ``shards [D, ...]``."""
+        return torch.cat(list(shards), dim=self.shard_dims[name])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 3 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"x must be [B, S/D, {self.hidden_size}], got {tuple(x.shape)}")

@@ -1,0 +1,70 @@
+"""Tiny Hugging Face models built from their config classes (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+BASE = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    vocab_size=96,
+    max_position_embeddings=512,
+    attn_implementation="sdpa",
+)
+
+# name -> (model class, config class, overrides): GQA, D > n_kv, biases, q/k norms, tied weights
+FAMILIES = {
+    "llama": (LlamaForCausalLM, LlamaConfig, dict(num_attention_heads=8, num_key_value_heads=2)),
+    "llama_tied": (
+        LlamaForCausalLM,
+        LlamaConfig,
+        dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True),
+    ),
+    "mistral": (
+        MistralForCausalLM,
+        MistralConfig,
+        dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=None),
+    ),
+    "qwen2": (Qwen2ForCausalLM, Qwen2Config, dict(num_attention_heads=4, num_key_value_heads=1)),
+    "qwen3": (
+        Qwen3ForCausalLM,
+        Qwen3Config,
+        dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8),
+    ),
+}
+
+
+def build(name: str, dtype: torch.dtype = torch.float64, seed: int = 0, **overrides):
+    """The same randomly initialised model on every rank (fixed seed), in ``dtype``."""
+    model_cls, cfg_cls, kw = FAMILIES[name]
+    torch.manual_seed(seed)
+    model = model_cls(cfg_cls(**{**BASE, **kw, **overrides})).to(dtype)
+    with torch.no_grad():  # make norms and biases non-trivial so their gradients are tested
+        for n, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.2)
+    return model
+
+
+def batch(vocab: int, B: int, S: int, seed: int = 1, pad_last: int = 0):
+    """``input_ids``/``labels`` (and a right-padding ``attention_mask`` if ``pad_last``)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (B, S), generator=g)
+    out = {"input_ids": ids, "labels": ids.clone()}
+    if pad_last:
+        mask = torch.ones(B, S, dtype=torch.long)
+        mask[-1, S - pad_last :] = 0
+        out["attention_mask"] = mask
+        out["labels"] = ids.masked_fill(mask == 0, -100)
+    return out

@@ -1,0 +1,237 @@
+"""``apply_tsp``: turn a Hugging Face Llama-family causal LM into a TSP model, in place.
+
+Steps, in order:
+  1. check the model is supported (structure and config), before anything is touched;
+  2. resolve the mesh and build each TSP module from the one it replaces: per decoder layer the
+     attention (head group p) and the gated MLP (slice p) — the full weights are dropped — and the
+     token-local modules (norms, embedding, LM head), which keep their replicated weights;
+  3. switch the model to TSP-aware behaviour: no attention masks (causal by global position), no
+     KV cache, a loss that is the global token mean over the TSP group, and an input check that
+     rejects batches not made by ``shard_batch``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from . import comm
+from .attention import AttentionSpec, TSPAttention
+from .config import TSPConfig
+from .layout import IGNORE_INDEX, ZigzagLayout
+from .mesh import init_tsp_mesh, tsp_group
+from .mlp import TSPGatedMLP
+from .replicated import TSPEmbedding, TSPLMHead, TSPRMSNorm
+
+# Families checked against this implementation; others with the same structure are accepted.
+SUPPORTED_MODELS = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+# The attention implementation name a TSP model reports: transformers builds no mask for it.
+ATTN_IMPLEMENTATION = "tsp"
+# RoPE variants whose cos/sin depend on the token's position only (not on the sequence seen)
+_POSITION_ONLY_ROPE = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class TSPState:
+    """What ``apply_tsp`` records on the model (``model.tsp``)."""
+
+    mesh: DeviceMesh
+    group: dist.ProcessGroup
+    config: TSPConfig
+
+    @property
+    def size(self) -> int:
+        return dist.get_world_size(self.group)
+
+
+def apply_tsp(
+    model: nn.Module,
+    mesh: DeviceMesh | None = None,
+    *,
+    tsp_size: int | None = None,
+    config: TSPConfig | None = None,
+) -> nn.Module:
+    """Make ``model`` a TSP model on the mesh's ``"tsp"`` axis, in place; returns it.
+
+    Args:
+        model: a Hugging Face ``*ForCausalLM`` of the Llama family (Llama, Mistral, Qwen2, Qwen3 or
+            any model with the same structure), with the same weights on every rank.
+        mesh: a mesh with a ``"tsp"`` dimension; built with ``init_tsp_mesh(tsp_size)`` if None.
+        tsp_size: TSP axis size when no mesh is given (else ``config.tsp_size``).
+        config: engine options (``TSPConfig``).
+
+    Raises:
+        ValueError: unsupported model or config, head counts or MLP width not divisible by the
+            TSP size, or a mesh whose TSP size disagrees with ``tsp_size`` / ``config``.
+    """
+    config = config or TSPConfig()
+    if getattr(model, "tsp", None) is not None:
+        raise ValueError("apply_tsp was already applied to this model")
+    check_supported(model)
+    size = tsp_size or config.tsp_size
+    if mesh is None:
+        if size is None:
+            raise ValueError("apply_tsp needs a mesh or a tsp_size (argument or TSPConfig)")
+        mesh = init_tsp_mesh(size)
+    group = tsp_group(mesh)
+    D = dist.get_world_size(group)
+    if size is not None and size != D:
+        raise ValueError(f"tsp_size={size} but the mesh's 'tsp' dimension has {D} ranks")
+    _check_divisible(model.config, D)
+
+    decoder = model.model
+    for layer in decoder.layers:
+        layer.self_attn = TSPAttention.from_hf(layer.self_attn, group, config)
+        layer.mlp = TSPGatedMLP.from_hf(layer.mlp, group, config)
+        layer.input_layernorm = TSPRMSNorm.from_hf(layer.input_layernorm, group)
+        layer.post_attention_layernorm = TSPRMSNorm.from_hf(layer.post_attention_layernorm, group)
+    decoder.norm = TSPRMSNorm.from_hf(decoder.norm, group)
+    decoder.embed_tokens = TSPEmbedding.from_hf(decoder.embed_tokens, group)
+    model.lm_head = TSPLMHead.from_hf(model.lm_head, group)
+
+    model.config._attn_implementation = ATTN_IMPLEMENTATION
+    model.config.use_cache = False  # no KV cache under TSP (prefill and training only)
+    model.loss_function = TSPCausalLMLoss(group)
+    model.tsp = TSPState(mesh, group, config)
+    model.register_forward_pre_hook(_check_inputs, with_kwargs=True)
+    return model
+
+
+def check_supported(model: nn.Module) -> None:
+    """Raise ``ValueError`` naming the reason if ``model`` cannot be run under TSP."""
+    name = type(model).__name__
+    cfg = getattr(model, "config", None)
+    decoder = getattr(model, "model", None)
+    layers = getattr(decoder, "layers", None)
+    if cfg is None or layers is None or not hasattr(model, "lm_head"):
+        raise ValueError(
+            f"{name} is not a Hugging Face decoder-only causal LM (expected .model.layers and "
+            f".lm_head); supported: {', '.join(SUPPORTED_MODELS)} and models of the same structure"
+        )
+    for i, layer in enumerate(layers):
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if attn is None or not all(
+            hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")
+        ):
+            raise ValueError(
+                f"{name} layer {i}: attention without q/k/v/o projections is not supported"
+            )
+        if mlp is None or not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+            kind = "mixture-of-experts" if hasattr(mlp, "experts") else "non-gated"
+            raise ValueError(f"{name} layer {i}: {kind} MLPs are not supported (need gate/up/down)")
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            if not hasattr(getattr(layer, norm, None), "variance_epsilon"):
+                raise ValueError(f"{name} layer {i}: {norm} is not an RMSNorm")
+    if (
+        getattr(cfg, "use_sliding_window", True)
+        and getattr(cfg, "sliding_window", None) is not None
+    ):
+        raise ValueError(
+            f"{name}: sliding-window attention (sliding_window={cfg.sliding_window}) is not "
+            "supported; set config.sliding_window=None for full causal attention"
+        )
+    if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or ()):
+        raise ValueError(
+            f"{name}: only full causal attention layers are supported ({cfg.layer_types})"
+        )
+    if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
+        raise ValueError(f"{name}: hidden_act={cfg.hidden_act!r}; TSP supports SwiGLU (silu) only")
+    if getattr(cfg, "mlp_bias", False):
+        raise ValueError(f"{name}: MLP biases (mlp_bias=True) are not supported")
+    if getattr(cfg, "attention_dropout", 0.0):
+        raise ValueError(f"{name}: attention dropout is not supported; set attention_dropout=0")
+    rope_type = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope_type not in _POSITION_ONLY_ROPE:
+        # e.g. dynamic NTK: its scaling depends on the largest position each rank sees
+        raise ValueError(f"{name}: rope type {rope_type!r} is not supported under TSP")
+
+
+def _check_divisible(cfg, D: int) -> None:
+    """Head and MLP divisibility, checked before any weight is sliced."""
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    AttentionSpec(
+        cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim, D, 1.0
+    )
+    if cfg.intermediate_size % D:
+        raise ValueError(
+            f"intermediate_size={cfg.intermediate_size} is not divisible by tsp_size={D}: choose "
+            "a TSP size that divides the MLP width"
+        )
+
+
+class TSPCausalLMLoss:
+    """Causal-LM loss of a TSP model: the token mean over the whole TSP group's batch.
+
+    Same value as Hugging Face's ``ForCausalLMLoss`` on the full batch (float32 logits, ignored
+    labels excluded), identical on every TSP rank; its backward gives every rank exactly its
+    tokens' share (no factor of D). ``num_items_in_batch``, if given, is the *global* number of
+    target tokens (e.g. across gradient-accumulation steps).
+    """
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor | None,
+        vocab_size: int,
+        num_items_in_batch: torch.Tensor | int | None = None,
+        ignore_index: int = IGNORE_INDEX,
+        shift_labels: torch.Tensor | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        if shift_labels is None:
+            raise ValueError(
+                "a TSP model needs labels shifted before sharding: build the batch with "
+                "tsp_ext.shard_batch (it returns shift_labels)"
+            )
+        local = F.cross_entropy(
+            logits.float().reshape(-1, vocab_size),
+            shift_labels.reshape(-1).to(logits.device),
+            ignore_index=ignore_index,
+            reduction="sum",
+        )
+        if num_items_in_batch is None:
+            count = (shift_labels != ignore_index).sum().to(local.device)
+            comm.all_reduce(count, self.group)
+        else:
+            count = torch.as_tensor(num_items_in_batch, device=local.device)
+        return comm.sum_over_ranks(local, self.group) / count
+
+
+def _check_inputs(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook: reject inputs that would silently give wrong results under TSP."""
+    if args:
+        raise ValueError("call a TSP model with keyword arguments: model(**shard_batch(...))")
+    if kwargs.get("attention_mask") is not None:
+        raise ValueError(
+            "a TSP model takes no attention_mask: pass the full batch's mask to "
+            "tsp_ext.shard_batch, which turns right padding into ignored labels"
+        )
+    pos = kwargs.get("position_ids")
+    if pos is None:
+        raise ValueError(
+            "a TSP model needs the global position_ids of its tokens: use tsp_ext.shard_batch"
+        )
+    state: TSPState = model.tsp
+    expected = ZigzagLayout.from_local(pos.shape[-1], state.size).positions(
+        dist.get_rank(state.group), pos.device
+    )
+    if not torch.equal(
+        pos.reshape(-1, pos.shape[-1]), expected.expand(pos.numel() // pos.shape[-1], -1)
+    ):
+        raise ValueError(
+            "position_ids are not this rank's zigzag positions: build the batch with "
+            "tsp_ext.shard_batch on the same mesh"
+        )

@@ -1,0 +1,69 @@
+"""Token-local modules whose weights are replicated on every TSP rank.
+
+Each rank applies them to its own tokens, so each rank's weight gradient covers only its tokens;
+every use goes through ``comm.replicated`` so the gradient is summed over the TSP group inside
+autograd (with any DP engine's hooks still seeing an ordinary parameter gradient). They take
+over the Hugging Face modules' parameters as they are (same objects, same names), so tied
+embeddings stay tied.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .comm import replicated
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, statistics in float32, as Hugging Face's Llama family does."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class TSPRMSNorm(nn.Module):
+    """Llama-family RMSNorm (``weight * normalize(x)``) with a replicated weight."""
+
+    def __init__(self, weight: nn.Parameter, eps: float, group) -> None:
+        super().__init__()
+        self.weight, self.variance_epsilon, self.group = weight, eps, group
+
+    @classmethod
+    def from_hf(cls, norm: nn.Module, group) -> TSPRMSNorm:
+        return cls(norm.weight, norm.variance_epsilon, group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, replicated(self.weight, self.group), self.variance_epsilon)
+
+
+class TSPEmbedding(nn.Module):
+    """Token embedding with a replicated ``[V, h]`` table; ``ids [B, S/D] -> [B, S/D, h]``."""
+
+    def __init__(self, weight: nn.Parameter, padding_idx: int | None, group) -> None:
+        super().__init__()
+        self.weight, self.padding_idx, self.group = weight, padding_idx, group
+
+    @classmethod
+    def from_hf(cls, emb: nn.Embedding, group) -> TSPEmbedding:
+        return cls(emb.weight, emb.padding_idx, group)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, replicated(self.weight, self.group), self.padding_idx)
+
+
+class TSPLMHead(nn.Module):
+    """Output projection with a replicated ``[V, h]`` weight; logits for the local tokens."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, group) -> None:
+        super().__init__()
+        self.weight, self.bias, self.group = weight, bias, group
+
+    @classmethod
+    def from_hf(cls, head: nn.Linear, group) -> TSPLMHead:
+        return cls(head.weight, head.bias, group)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else replicated(self.bias, self.group)
+        return F.linear(h, replicated(self.weight, self.group), bias)

@@ -1,0 +1,50 @@
+"""Full tensors of a TSP model under the original Hugging Face names (export, compare, debug)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import comm
+
+
+def _require_tsp(model: nn.Module):
+    state = getattr(model, "tsp", None)
+    if state is None:
+        raise ValueError("not a TSP model: call tsp_ext.apply_tsp(model, mesh) first")
+    return state
+
+
+def _full(model: nn.Module, tensors: dict[str, torch.Tensor | None], rank0_only: bool):
+    """Gather every sharded tensor over the TSP group and assemble it (collective)."""
+    state = _require_tsp(model)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        prefix, _, local = name.rpartition(".")
+        owner = model.get_submodule(prefix.rpartition(".")[0]) if "." in prefix else None
+        key = f"{prefix.rpartition('.')[2]}.{local}" if owner is not None else local
+        if owner is not None and key in getattr(owner, "shard_dims", {}):
+            shards, _ = comm.all_gather_seq(t.detach(), state.group)
+            t = owner.assemble(key, shards)
+        out[name] = t.detach().clone()
+    if rank0_only and dist.get_rank(state.group) != 0:
+        return {}
+    return out
+
+
+def full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+    """The model's full state dict under the original Hugging Face names (collective).
+
+    Sharded weights are all-gathered over the TSP group and reassembled; replicated ones are
+    returned as they are. With ``rank0_only`` the other TSP ranks get ``{}``.
+    """
+    return _full(model, dict(model.state_dict(keep_vars=True)), rank0_only)
+
+
+def full_grads(model: nn.Module, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+    """Full gradients under the original names (collective); parameters without one are left out."""
+    grads = {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
+    return _full(model, grads, rank0_only)
