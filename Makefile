@@ -22,4 +22,4 @@ test: lint
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
-	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 recipes/engine_demo.py
+	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 recipes/tsp_demo.py

@@ -51,7 +51,7 @@ def build(name: str, dtype: torch.dtype = torch.float64, seed: int = 0, **overri
     torch.manual_seed(seed)
     model = model_cls(cfg_cls(**{**BASE, **kw, **overrides})).to(dtype)
     with torch.no_grad():  # make norms and biases non-trivial so their gradients are tested
-        for n, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.2)
     return model

@@ -1,4 +1,4 @@
-"""apply_tsp on real Hugging Face models: logits, loss and every gradient vs the unmodified model."""
+"""apply_tsp on real Hugging Face models: logits, loss and every gradient vs the original."""
 
 from __future__ import annotations
 
@@ -10,7 +10,13 @@ import torch
 from models import FAMILIES, batch, build
 from multiproc import run_distributed
 
-from tsp_ext import apply_tsp, full_grads, full_state_dict, gather_sequence, init_tsp_mesh, shard_batch
+from tsp_ext import (
+    apply_tsp,
+    full_grads,
+    gather_sequence,
+    init_tsp_mesh,
+    shard_batch,
+)
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 # (family, dtype, batch, seq_len, right-padding of the last sequence); 21 and 30 need padding
@@ -68,7 +74,9 @@ def parity_case(mesh, family, dtype, B, S, pad):
 
 def parity_worker(rank, world):
     mesh = init_tsp_mesh(world)
-    return {(f, str(dt), B, S, pad): parity_case(mesh, f, dt, B, S, pad) for f, dt, B, S, pad in CASES}
+    return {
+        (f, str(dt), B, S, pad): parity_case(mesh, f, dt, B, S, pad) for f, dt, B, S, pad in CASES
+    }
 
 
 @functools.cache

@@ -1,0 +1,97 @@
+"""apply_tsp and the TSP model reject what they cannot run, with messages saying what to change."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from models import batch, build
+from multiproc import run_distributed
+from transformers import GPT2Config, GPT2LMHeadModel, MixtralConfig, MixtralForCausalLM
+
+from tsp_ext import apply_tsp, init_tsp_mesh, shard_batch
+
+
+def _message(fn) -> str:
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return "<no error>"
+
+
+def errors_worker(rank, world):
+    mesh = init_tsp_mesh(world)
+    tiny = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, vocab_size=32)
+    gpt2 = GPT2LMHeadModel(
+        GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=32, bos_token_id=0, eos_token_id=0)
+    )
+    mixtral = MixtralForCausalLM(
+        MixtralConfig(
+            **tiny,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            num_local_experts=2,
+            sliding_window=None,
+        )
+    )
+    model = apply_tsp(build("llama"), mesh)
+    data = batch(model.config.vocab_size, 2, 8)
+    local = shard_batch(data, mesh)
+    no_shift = {k: v for k, v in local.items() if k != "shift_labels"}
+    left_pad = {**data, "attention_mask": torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1]] * 2)}
+    return {
+        "gpt2": _message(lambda: apply_tsp(gpt2, mesh)),
+        "moe": _message(lambda: apply_tsp(mixtral, mesh)),
+        "sliding": _message(lambda: apply_tsp(build("mistral", sliding_window=64), mesh)),
+        "gelu": _message(lambda: apply_tsp(build("llama", hidden_act="gelu"), mesh)),
+        "heads": _message(
+            lambda: apply_tsp(
+                build("llama", hidden_size=48, num_attention_heads=3, num_key_value_heads=1), mesh
+            )
+        ),
+        "world": _message(lambda: init_tsp_mesh(3)),
+        "size_mismatch": _message(lambda: apply_tsp(build("llama"), mesh, tsp_size=4)),
+        "twice": _message(lambda: apply_tsp(model, mesh)),
+        "no_positions": _message(lambda: model(input_ids=local["input_ids"])),
+        "mask": _message(
+            lambda: model(**local, attention_mask=torch.ones_like(local["input_ids"]))
+        ),
+        "no_shift": _message(lambda: model(**no_shift)),
+        "wrong_positions": _message(
+            lambda: model(**{**local, "position_ids": torch.arange(4)[None].expand(2, -1)})
+        ),
+        "left_pad": _message(lambda: shard_batch(left_pad, mesh)),
+        "unknown_key": _message(
+            lambda: shard_batch({**data, "pixel_values": data["labels"]}, mesh)
+        ),
+    }
+
+
+@functools.cache
+def messages():
+    return run_distributed(errors_worker, 2)[0]
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("gpt2", "GPT2LMHeadModel is not a Hugging Face decoder-only causal LM"),
+        ("moe", "mixture-of-experts MLPs are not supported"),
+        ("sliding", "sliding-window attention (sliding_window=64) is not supported"),
+        ("gelu", "hidden_act='gelu'"),
+        ("heads", "n_heads=3 is not divisible by tsp_size=2"),
+        ("world", "tsp_size=3 does not divide the world size 2"),
+        ("size_mismatch", "tsp_size=4 but the mesh's 'tsp' dimension has 2 ranks"),
+        ("twice", "already applied"),
+        ("no_positions", "needs the global position_ids"),
+        ("mask", "takes no attention_mask"),
+        ("no_shift", "labels shifted before sharding"),
+        ("wrong_positions", "not this rank's zigzag positions"),
+        ("left_pad", "right padding only"),
+        ("unknown_key", "does not know how to shard ['pixel_values']"),
+    ],
+)
+def test_clear_errors(case, expected):
+    assert expected in messages()[case]

@@ -1,0 +1,127 @@
+"""Training under apply_tsp: optimizer steps, bf16, gradient checkpointing, parameter bytes."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from models import batch, build
+from multiproc import run_distributed
+
+from tsp_ext import apply_tsp, full_grads, full_state_dict, init_tsp_mesh, shard_batch
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+def adamw_steps(mesh, steps=3):
+    """3 AdamW steps on the TSP model and on the unmodified one: parameters and losses."""
+    model = build("llama", torch.float64)
+    ref = copy.deepcopy(model)
+    apply_tsp(model, mesh)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (model, ref)]
+    losses = []
+    for step in range(steps):
+        data = batch(model.config.vocab_size, 2, 21, seed=step)
+        out, ref_out = model(**shard_batch(data, mesh)), ref(**data)
+        for o, opt in zip((out, ref_out), opts):
+            opt.zero_grad()
+            o.loss.backward()
+            opt.step()
+        losses.append((out.loss.item(), ref_out.loss.item()))
+    full = full_state_dict(model)
+    errs = {n: rel_err(full[n], p) for n, p in ref.state_dict().items()}
+    return {"params": max(errs.values()), "losses": losses}
+
+
+def bf16_loss(mesh):
+    """bf16 TSP model (float32 accumulation) vs the float32 unmodified model."""
+    model = build("llama", torch.float32, num_hidden_layers=2)
+    ref = copy.deepcopy(model)
+    apply_tsp(model.to(torch.bfloat16), mesh)
+    data = batch(model.config.vocab_size, 2, 64)
+    with torch.no_grad():
+        return model(**shard_batch(data, mesh)).loss.item(), ref(**data).loss.item()
+
+
+def checkpointing_grads(mesh):
+    """Gradient checkpointing enabled on the TSP model: gradients still exact."""
+    model = build("qwen2", torch.float64)
+    ref = copy.deepcopy(model)
+    apply_tsp(model, mesh)
+    model.gradient_checkpointing_enable()
+    model.train()
+    data = batch(model.config.vocab_size, 2, 24)
+    model(**shard_batch(data, mesh)).loss.backward()
+    ref(**data).loss.backward()
+    grads = full_grads(model)
+    return max(rel_err(grads[n], p.grad) for n, p in ref.named_parameters())
+
+
+def param_bytes(mesh):
+    """Per-rank parameter bytes by kind, before and after apply_tsp."""
+
+    def kind(name: str) -> str:
+        if ".k_proj." in name or ".v_proj." in name:
+            return "kv"
+        if "_proj." in name:
+            return "sharded"  # q/o and gate/up/down
+        return "replicated"  # norms, embedding, LM head
+
+    def split(m):
+        out = dict.fromkeys(("kv", "sharded", "replicated"), 0)
+        for n, p in m.named_parameters():
+            out[kind(n)] += p.numel() * p.element_size()
+        return out
+
+    model = build("llama", torch.float32)  # 8 query heads, 2 KV heads
+    before = split(model)
+    return before, split(apply_tsp(model, mesh))
+
+
+def training_worker(rank, world):
+    mesh = init_tsp_mesh(world)
+    return {
+        "adamw": adamw_steps(mesh),
+        "bf16": bf16_loss(mesh),
+        "checkpointing": checkpointing_grads(mesh),
+        "bytes": param_bytes(mesh),
+    }
+
+
+@functools.cache
+def results(world):
+    return run_distributed(training_worker, world)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_three_adamw_steps_match(world):
+    for res in results(world):
+        assert res["adamw"]["params"] < 1e-9, res["adamw"]
+        for tsp_loss, ref_loss in res["adamw"]["losses"]:
+            assert abs(tsp_loss - ref_loss) < 1e-6 * abs(ref_loss)
+    # out.loss is the same value on every TSP rank
+    assert len({tuple(r["adamw"]["losses"]) for r in results(world)}) == 1
+
+
+def test_bf16_loss_close_to_float32_at_d4():
+    for tsp_loss, ref_loss in (r["bf16"] for r in results(4)):
+        assert abs(tsp_loss - ref_loss) < 1e-2 * abs(ref_loss), (tsp_loss, ref_loss)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gradient_checkpointing_keeps_exact_grads(world):
+    for res in results(world):
+        assert res["checkpointing"] < 1e-10
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_layer_weights_are_one_over_d_per_rank(world):
+    for res in results(world):
+        before, after = res["bytes"]
+        assert after["sharded"] * world == before["sharded"]
+        assert after["kv"] * min(world, 2) == before["kv"]  # KV heads replicated when D > n_kv
+        assert after["replicated"] == before["replicated"]  # vocab sharding is a later step
