@@ -68,3 +68,16 @@ def batch(vocab: int, B: int, S: int, seed: int = 1, pad_last: int = 0):
         out["attention_mask"] = mask
         out["labels"] = ids.masked_fill(mask == 0, -100)
     return out
+
+
+def causal_lm_loss(model, data) -> torch.Tensor:
+    """The unmodified model's token-mean causal-LM loss, computed in the logits' dtype.
+
+    Hugging Face's own loss upcasts float64 logits *down* to float32; float64 references use this
+    instead so that gradients are float64-exact.
+    """
+    logits = model(input_ids=data["input_ids"]).logits
+    labels = data["labels"][:, 1:]
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100
+    )

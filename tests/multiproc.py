@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
+import pickle
+import queue as queue_mod
 import socket
+import time
 import traceback
 from datetime import timedelta
 
@@ -17,7 +21,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, rank: int, world: int, port: int, args, queue) -> None:
+def _worker(fn, rank: int, world: int, port: int, args, queue, timeout: float) -> None:
     os.environ.update(
         OMP_NUM_THREADS="1",
         MASTER_ADDR="127.0.0.1",
@@ -30,11 +34,14 @@ def _worker(fn, rank: int, world: int, port: int, args, queue) -> None:
     import torch
 
     torch.set_num_threads(1)
+    faulthandler.dump_traceback_later(max(timeout - 10, 1))  # a hung worker shows where it hangs
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
         result = fn(rank, world, *args)
         dist.barrier()
-        queue.put((rank, "ok", result))
+        # plain pickle copies tensors; torch's queue pickler would share them through file
+        # descriptors that die with this process
+        queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:  # report everything, including assertion errors, to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -52,23 +59,29 @@ def run_distributed(fn, world: int, *args, timeout: float = 240.0) -> list:
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(fn, r, world, port, args, queue), daemon=True)
+        ctx.Process(target=_worker, args=(fn, r, world, port, args, queue, timeout), daemon=True)
         for r in range(world)
     ]
     for p in procs:
         p.start()
     results: dict[int, object] = {}
-    errors = []
+    errors: list[str] = []
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world):
-            rank, status, payload = queue.get(timeout=timeout)
+        while len(results) < world and not errors:
+            try:
+                rank, status, payload = queue.get(timeout=1.0)
+            except queue_mod.Empty:
+                dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead:
+                    errors.append(f"rank {dead[0][0]} died with exit code {dead[0][1]}")
+                elif time.monotonic() > deadline:
+                    errors.append(f"timed out after {timeout}s (see the stack dumps above)")
+                continue
             if status == "ok":
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)
             else:
                 errors.append(f"rank {rank}:\n{payload}")
-                break
-    except Exception as e:  # queue.Empty: some rank hung
-        errors.append(f"timed out after {timeout}s waiting for workers ({type(e).__name__})")
     finally:
         for p in procs:
             p.join(timeout=30 if not errors else 1)

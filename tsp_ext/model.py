@@ -172,8 +172,8 @@ def _check_divisible(cfg, D: int) -> None:
 class TSPCausalLMLoss:
     """Causal-LM loss of a TSP model: the token mean over the whole TSP group's batch.
 
-    Same value as Hugging Face's ``ForCausalLMLoss`` on the full batch (float32 logits, ignored
-    labels excluded), identical on every TSP rank; its backward gives every rank exactly its
+    Same value as Hugging Face's ``ForCausalLMLoss`` on the full batch (at least float32 logits,
+    ignored labels excluded), identical on every TSP rank; its backward gives every rank exactly its
     tokens' share (no factor of D). ``num_items_in_batch``, if given, is the *global* number of
     target tokens (e.g. across gradient-accumulation steps).
     """
@@ -196,8 +196,10 @@ class TSPCausalLMLoss:
                 "a TSP model needs labels shifted before sharding: build the batch with "
                 "tsp_ext.shard_batch (it returns shift_labels)"
             )
+        # float32 at least, as Hugging Face does; float64 models keep float64
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         local = F.cross_entropy(
-            logits.float().reshape(-1, vocab_size),
+            logits.reshape(-1, vocab_size),
             shift_labels.reshape(-1).to(logits.device),
             ignore_index=ignore_index,
             reduction="sum",
