@@ -71,13 +71,16 @@ def batch(vocab: int, B: int, S: int, seed: int = 1, pad_last: int = 0):
 
 
 def causal_lm_loss(model, data) -> torch.Tensor:
-    """The unmodified model's token-mean causal-LM loss, computed in the logits' dtype.
+    """The unmodified model's token-mean causal-LM loss, computed in the logits' dtype."""
+    return lm_loss(model(input_ids=data["input_ids"]).logits, data["labels"])
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's causal-LM loss (shift, ignore -100, token mean) in the logits' dtype.
 
     Hugging Face's own loss upcasts float64 logits *down* to float32; float64 references use this
-    instead so that gradients are float64-exact.
+    instead so that they are float64-exact (for float32 models the two are the same).
     """
-    logits = model(input_ids=data["input_ids"]).logits
-    labels = data["labels"][:, 1:]
     return torch.nn.functional.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100
+        logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100
     )

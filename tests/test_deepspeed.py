@@ -7,40 +7,9 @@ import functools
 
 import pytest
 import torch
-from models import batch, build, causal_lm_loss
+from dp_reference import CLIP, STEPS, adamw, param_errors, reference, replica_batches
+from models import build, causal_lm_loss
 from multiproc import run_distributed
-
-STEPS, SEQ, LR, CLIP = 3, 20, 1e-2, 0.5
-# Adam's first updates are lr·g/(|g| + eps): entries with |g| near eps turn float32 summation-order
-# noise (TSP and ZeRO add partial gradients in another order) into visible parameter differences.
-# eps=1e-6 keeps that amplification below the tolerance without changing what is tested.
-EPS = 1e-6
-
-
-def adamw(params):
-    return torch.optim.AdamW(params, lr=LR, eps=EPS)
-
-
-def replica_batches(dp: int, step: int, vocab: int):
-    """The global batch of step ``step``: 2·dp sequences, two per data-parallel replica."""
-    data = batch(vocab, 2 * dp, SEQ, seed=100 + step)
-    return [{k: v[2 * r : 2 * r + 2] for k, v in data.items()} for r in range(dp)]
-
-
-def reference(model, dp: int):
-    """The unmodified model trained on the same global batches: losses, norms, parameters."""
-    opt = adamw(model.parameters())
-    losses, norms = [], []
-    for step in range(STEPS):
-        per_replica = [
-            causal_lm_loss(model, b) for b in replica_batches(dp, step, model.config.vocab_size)
-        ]
-        opt.zero_grad()
-        (sum(per_replica) / dp).backward()  # DP averages the replicas' gradients
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
-        opt.step()
-        losses.append([loss.item() for loss in per_replica])
-    return losses, norms, {n: p.detach() for n, p in model.named_parameters()}
 
 
 def zero_run(tsp: int, stage: int, dtype: torch.dtype):
@@ -73,16 +42,7 @@ def zero_run(tsp: int, stage: int, dtype: torch.dtype):
         norm = float(engine.get_global_grad_norm())
         norms.append(abs(norm - ref_norms[step]) / ref_norms[step])
     full = tds.full_state_dict(engine)
-    diff = {n: full[n].double() - p.double() for n, p in ref_params.items()}
-    max_rel = max((d.abs().max() / ref_params[n].abs().max()).item() for n, d in diff.items())
-    norm_rel = (
-        (
-            sum(d.pow(2).sum() for d in diff.values())
-            / sum(p.double().pow(2).sum() for p in ref_params.values())
-        )
-        .sqrt()
-        .item()
-    )
+    max_rel, norm_rel = param_errors(full, ref_params)
     engine.destroy()
     return {
         "loss": max(losses),
@@ -121,3 +81,91 @@ def test_zero_stages_match_reference(tsp):
             for key, tol in tols.items():
                 assert res[key] < tol, (tsp, rank, stage, dtype, key, res)
             assert res["batch"] == 2 * (4 // tsp)  # micro batch x GAS x dp, not x world
+
+
+def offload_worker(rank, world):
+    """ZeRO-2 with the optimizer state offloaded to CPU (a client AdamW, no compiled op)."""
+    import tsp_ext.deepspeed as tds
+    from tsp_ext import shard_batch
+
+    model = build("llama", torch.float64)
+    ref = copy.deepcopy(model)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+        "zero_force_ds_cpu_optimizer": False,
+        "gradient_clipping": CLIP,
+        "tsp": {"size": 2},
+    }
+    engine, *_ = tds.initialize(model=model, config=config, optimizer=adamw)
+    mesh = engine.tsp_mesh
+    data = replica_batches(2, 0, model.config.vocab_size)
+    out = engine(**shard_batch(data[mesh["dp"].get_local_rank()], mesh))
+    engine.backward(out.loss)
+    engine.step()
+    opt = adamw(ref.parameters())
+    (sum(causal_lm_loss(ref, b) for b in data) / 2).backward()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+    opt.step()
+    full = tds.full_state_dict(engine)
+    engine.destroy()
+    return param_errors(full, dict(ref.named_parameters()))[1]
+
+
+def test_cpu_optimizer_offload():
+    # relative L2 distance of all parameters after one step (see zero_run's tolerances)
+    assert max(run_distributed(offload_worker, 4, timeout=600)) < 1e-6
+
+
+def _message(fn) -> str:
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return "<no error>"
+
+
+def config_errors_worker(rank, world):
+    import tsp_ext.deepspeed as tds
+
+    def init(cfg, **kw):
+        base = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1}}
+        return tds.initialize(model=build("llama"), config={**base, **cfg}, **kw)
+
+    stale = build("llama")
+    return {
+        "size3": _message(lambda: init({"tsp": {"size": 3}}, optimizer=adamw)),
+        "unknown": _message(lambda: init({"tsp": {"size": 2, "sise": 1}}, optimizer=adamw)),
+        "no_block": _message(lambda: init({}, optimizer=adamw)),
+        "seq_parallel": _message(
+            lambda: init({"tsp": {"size": 2}, "sequence_parallel_size": 2}, optimizer=adamw)
+        ),
+        "mpu": _message(lambda: init({"tsp": {"size": 2}}, optimizer=adamw, mpu=object())),
+        "stale": _message(
+            lambda: tds.initialize(
+                model=stale,
+                config={"train_micro_batch_size_per_gpu": 1, "tsp": {"size": 2}},
+                optimizer=adamw(stale.parameters()),
+            )
+        ),
+    }
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("size3", "tsp_size=3 does not divide the world size 4"),
+        ("unknown", "unknown keys in the \"tsp\" block: ['sise']"),
+        ("no_block", 'needs a "tsp" block with a "size"'),
+        ("seq_parallel", "'sequence_parallel_size' would build groups across the TSP axis"),
+        ("mpu", "do not pass mpu"),
+        ("stale", "pass an optimizer factory"),
+    ],
+)
+def test_config_errors(case, expected):
+    assert expected in config_messages()[case]
+
+
+@functools.cache
+def config_messages():
+    return run_distributed(config_errors_worker, 4)[0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from . import comm
 
@@ -26,6 +27,8 @@ def _full(model: nn.Module, tensors: dict[str, torch.Tensor | None], rank0_only:
         prefix, _, local = name.rpartition(".")
         owner = model.get_submodule(prefix.rpartition(".")[0]) if "." in prefix else None
         key = f"{prefix.rpartition('.')[2]}.{local}" if owner is not None else local
+        if isinstance(t, DTensor):  # FSDP2: gather the dp shards first
+            t = t.full_tensor()
         if owner is not None and key in getattr(owner, "shard_dims", {}):
             shards, _ = comm.all_gather_seq(t.detach(), state.group)
             t = owner.assemble(key, shards)
