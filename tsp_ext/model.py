@@ -48,6 +48,7 @@ class TSPState:
     mesh: DeviceMesh
     group: dist.ProcessGroup
     config: TSPConfig
+    hf_config_values: dict  # config fields apply_tsp changed, as they were (for export)
 
     @property
     def size(self) -> int:
@@ -99,10 +100,14 @@ def apply_tsp(
     decoder.embed_tokens = TSPEmbedding.from_hf(decoder.embed_tokens, group)
     model.lm_head = TSPLMHead.from_hf(model.lm_head, group)
 
+    changed = {
+        "_attn_implementation": model.config._attn_implementation,
+        "use_cache": model.config.use_cache,
+    }
     model.config._attn_implementation = ATTN_IMPLEMENTATION
     model.config.use_cache = False  # no KV cache under TSP (prefill and training only)
     model.loss_function = TSPCausalLMLoss(group)
-    model.tsp = TSPState(mesh, group, config)
+    model.tsp = TSPState(mesh, group, config, changed)
     model.register_forward_pre_hook(_check_inputs, with_kwargs=True)
     return model
 

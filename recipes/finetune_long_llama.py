@@ -1,0 +1,266 @@
+"""Fine-tune a long-context Llama-family model with TSP (+ DDP, DeepSpeed ZeRO or FSDP2).
+
+    accelerate launch --config_file recipes/configs/cpu_2proc.yaml recipes/finetune_long_llama.py \
+        --tsp-size 2 --seq-len 4096 --max-steps 40
+
+Every rank holds 1/tsp of each layer's weights and 1/tsp of every sequence's tokens; the remaining
+processes (world / tsp) are data-parallel replicas. See docs/recipes.md for every argument.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import resource
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from _data import SHAKESPEARE, load_texts, pack, train_tokenizer
+from _engines import Engine
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from tsp_ext import init_tsp_mesh, shard_batch
+from tsp_ext.memory import SavedTensorBytes
+
+log = logging.getLogger("finetune_long_llama")
+
+# named tiny models built from a config (nothing to download): hidden, layers, heads, kv heads
+PRESETS = {
+    "tiny-llama": dict(
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+    "small-llama": dict(
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+    ),
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="tiny-llama", help=f"{list(PRESETS)} or a path / hub id")
+    p.add_argument("--tokenizer", default=None, help="path / hub id (default: BPE on the data)")
+    p.add_argument("--vocab-size", type=int, default=2048, help="for the trained BPE")
+    p.add_argument(
+        "--dataset", default=SHAKESPEARE, help="shakespeare, text:<glob>, json:<glob> or a hub name"
+    )
+    p.add_argument("--text-column", default="text")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--tsp-size", type=int, default=None, help="default: all processes")
+    p.add_argument("--dp-engine", choices=("ddp", "deepspeed", "fsdp2"), default="ddp")
+    p.add_argument(
+        "--ds-config", default=os.path.join(os.path.dirname(__file__), "configs", "ds_zero2.json")
+    )
+    p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per TSP group")
+    p.add_argument("--gradient-accumulation-steps", type=int, default=1)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup-steps", type=int, default=5)
+    p.add_argument("--max-steps", type=int, default=40)
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--eval-every", type=int, default=20)
+    p.add_argument("--eval-blocks", type=int, default=2, help="held-out blocks")
+    p.add_argument(
+        "--save-every", type=int, default=0, help="training-state checkpoints (0: end only)"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-dir", default="outputs/finetune")
+    p.add_argument("--resume-from", default=None, help="a checkpoint-<step> directory")
+    return p.parse_args(argv)
+
+
+def check_args(args, world: int) -> None:
+    """Fail before any work with a message saying what to change."""
+    args.tsp_size = args.tsp_size or world
+    if args.tsp_size < 1 or world % args.tsp_size:
+        raise SystemExit(f"--tsp-size {args.tsp_size} does not divide the {world} processes")
+    if args.seq_len < 2 * args.tsp_size:
+        raise SystemExit(
+            f"--seq-len {args.seq_len} is shorter than 2 x tsp size = {2 * args.tsp_size}"
+        )
+    if args.dp_engine == "deepspeed" and not os.path.isfile(args.ds_config):
+        raise SystemExit(f"--ds-config {args.ds_config} does not exist")
+    if args.resume_from and not os.path.isfile(
+        os.path.join(args.resume_from, "trainer_state.json")
+    ):
+        raise SystemExit(f"--resume-from {args.resume_from} is not a checkpoint-<step> directory")
+
+
+def build_tokenizer(args, texts, acc: Accelerator):
+    if args.tokenizer:
+        return AutoTokenizer.from_pretrained(args.tokenizer)
+    path = os.path.join(args.output_dir, "tokenizer")
+    if acc.is_main_process and not os.path.isdir(path):
+        train_tokenizer(texts, args.vocab_size).save_pretrained(path)
+    acc.wait_for_everyone()
+    return AutoTokenizer.from_pretrained(path)
+
+
+def build_model(args, vocab: int, device: torch.device):
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    if args.model in PRESETS:
+        cfg = LlamaConfig(
+            **PRESETS[args.model], vocab_size=vocab, max_position_embeddings=max(args.seq_len, 4096)
+        )
+        torch.manual_seed(args.seed)  # the same weights on every rank
+        return LlamaForCausalLM(cfg).to(device=device, dtype=dtype)
+    return AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device)
+
+
+def block_ids(step: int, micro: int, args, dp: int, dp_rank: int, n: int) -> list[int]:
+    """Training blocks of one micro batch: a fixed permutation per epoch, so resume is exact."""
+    first = (step * args.gradient_accumulation_steps + micro) * dp * args.micro_batch_size
+    first += dp_rank * args.micro_batch_size
+    out = []
+    for i in range(first, first + args.micro_batch_size):
+        epoch, j = divmod(i, n)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed + epoch))
+        out.append(int(perm[j]))
+    return out
+
+
+def peak_memory_bytes() -> int:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+@torch.no_grad()
+def evaluate(engine: Engine, eval_blocks: torch.Tensor, mesh, device: torch.device) -> float:
+    """Mean loss over the held-out blocks (split over dp replicas, tokens over TSP ranks)."""
+    model = engine.forward_model
+    model.eval()
+    dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for i in range(dp_rank, len(eval_blocks), dp):
+        ids = eval_blocks[i : i + 1].to(device)
+        total[0] += model(**shard_batch({"input_ids": ids, "labels": ids}, mesh)).loss.double()
+        total[1] += 1
+    dist.all_reduce(total, group=mesh["dp"].get_group())
+    model.train()
+    return (total[0] / total[1]).item()
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    acc = Accelerator(cpu=not torch.cuda.is_available())
+    logging.basicConfig(
+        level=logging.INFO if acc.is_main_process else logging.WARNING,
+        format="%(message)s",
+        stream=sys.stdout,
+    )
+    check_args(args, acc.num_processes)
+    set_seed(args.seed)
+    texts = load_texts(args.dataset, args.text_column)
+    tokenizer = build_tokenizer(args, texts, acc)
+    blocks = pack(texts, tokenizer, args.seq_len)
+    n_eval = min(args.eval_blocks, len(blocks) - 1)
+    train_blocks, eval_blocks = blocks[:-n_eval], blocks[-n_eval:]
+
+    mesh = init_tsp_mesh(args.tsp_size)
+    dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
+    model = build_model(args, len(tokenizer), acc.device)
+    full_params = sum(p.numel() for p in model.parameters())
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    engine = Engine(args.dp_engine, model, mesh, args)
+    start = engine.load(args.resume_from) if args.resume_from else 0
+    log.info(
+        f"{args.model}: {full_params / 1e6:.2f}M parameters, {len(train_blocks)} training blocks "
+        f"of {args.seq_len} tokens; dp={dp} x tsp={args.tsp_size} with {args.dp_engine}"
+    )
+
+    os.makedirs(args.output_dir, exist_ok=True)
+    metrics = (
+        open(os.path.join(args.output_dir, "metrics.jsonl"), "a") if acc.is_main_process else None
+    )
+    bar = tqdm(range(start, args.max_steps), disable=not acc.is_main_process, desc="train")
+    tokens_per_step = args.gradient_accumulation_steps * dp * args.micro_batch_size * args.seq_len
+    eval_loss = None
+    for step in bar:
+        t0 = time.perf_counter()
+        losses = []
+        for micro in range(args.gradient_accumulation_steps):
+            ids = train_blocks[block_ids(step, micro, args, dp, dp_rank, len(train_blocks))]
+            ids = ids.to(acc.device)
+            with SavedTensorBytes(ignore=model.parameters()) as saved:
+                out = engine.forward_model(**shard_batch({"input_ids": ids, "labels": ids}, mesh))
+            activation_bytes = saved.nbytes
+            engine.backward(out.loss)
+            norm = engine.step(last_micro=micro == args.gradient_accumulation_steps - 1)
+            losses.append(out.loss.detach())
+        loss = torch.stack(losses).mean().double().reshape(1)
+        dist.all_reduce(loss, group=mesh["dp"].get_group())
+        loss = loss.item() / dp
+        tps = tokens_per_step / (time.perf_counter() - t0)
+        row = {
+            "step": step + 1,
+            "loss": loss,
+            "grad_norm": norm,
+            "tokens_per_s": tps,
+            "lr": engine.scheduler.get_last_lr()[0],
+            "peak_mem_bytes": peak_memory_bytes(),
+        }
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps:
+            row["eval_loss"] = eval_loss = evaluate(engine, eval_blocks, mesh, acc.device)
+        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.max_steps:
+            engine.save(os.path.join(args.output_dir, f"checkpoint-{step + 1}"), step + 1)
+        bar.set_postfix(
+            loss=f"{loss:.3f}", tok_s=f"{tps:.0f}", mem=f"{row['peak_mem_bytes'] / 2**20:.0f}MB"
+        )
+        if metrics:
+            metrics.write(json.dumps(row) + "\n")
+            metrics.flush()
+
+    final = os.path.join(args.output_dir, "final")
+    engine.save(os.path.join(args.output_dir, f"checkpoint-{args.max_steps}"), args.max_steps)
+    engine.export(final, tokenizer)
+    report_memory(model, full_params, activation_bytes, args, acc.device)
+    log.info(f"final eval loss {eval_loss:.4f}; Hugging Face checkpoint: {final}")
+    if metrics:
+        metrics.close()
+        with open(os.path.join(args.output_dir, "final_eval.json"), "w") as f:
+            json.dump({"eval_loss": eval_loss, "checkpoint": final}, f)
+    acc.wait_for_everyone()
+    acc.free_memory()
+    gc.collect()
+    acc.end_training()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def report_memory(model, full_params: int, activation_bytes: int, args, device) -> None:
+    """Per-rank memory next to what one process would need for the same batch."""
+    local = sum(p.numel() for p in model.parameters())
+    per_param = 2 if args.bf16 else 4
+    state = lambda n: n * (2 * per_param + 8)  # noqa: E731  (weights, grads, two fp32 Adam moments)
+    peak = torch.tensor([peak_memory_bytes()], dtype=torch.float64, device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    mb = 2**20
+    log.info(
+        f"per rank: model state {state(local) / mb:.1f} MB ({local / 1e6:.2f}M parameters), saved "
+        f"activations {activation_bytes / mb:.1f} MB (measured), peak process memory "
+        f"{peak.item() / mb:.0f} MB\none process would need: model state "
+        f"{state(full_params) / mb:.1f} MB, saved activations "
+        f"~{activation_bytes * args.tsp_size / mb:.1f} MB (tsp x the per-rank bytes)"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""Measure what autograd keeps: bytes of the tensors saved for backward."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+class SavedTensorBytes:
+    """Context manager recording every tensor autograd saves for backward inside it.
+
+    ``nbytes`` counts each underlying storage once (views and re-saves of one buffer are not
+    double counted); ``shapes`` lists the saved tensors' shapes in order. Example::
+
+        with SavedTensorBytes() as saved:
+            loss = model(**batch).loss
+        print(saved.nbytes)
+    """
+
+    def __init__(self, ignore: Iterable[torch.Tensor] = ()) -> None:
+        """``ignore``: tensors (e.g. ``model.parameters()``) whose storage is not counted."""
+        local = (t.to_local() if isinstance(t, DTensor) else t for t in ignore)
+        self._ignore = {t.untyped_storage().data_ptr() for t in local}
+        self.storages: dict[int, int] = {}
+        self.shapes: list[tuple[int, ...]] = []
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() in self._ignore:
+            return t
+        self.storages[st.data_ptr()] = st.nbytes()
+        self.shapes.append(tuple(t.shape))
+        return t
+
+    def __enter__(self) -> SavedTensorBytes:
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.storages.values())
