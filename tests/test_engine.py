@@ -88,6 +88,9 @@ def _parity_case(rank, world, name, dtype_name, B, S, attn_block):
     tsp_cfg = TSPConfig(attn_block=attn_block)
     t_attn = TSPAttention.from_hf(attn, group, tsp_cfg)
     t_mlp = TSPGatedMLP.from_hf(mlp, group, tsp_cfg)
+    t_mlp_kept = TSPGatedMLP.from_hf(
+        mlp, group, TSPConfig(attn_block=attn_block, recompute_mlp=False)
+    )
 
     def local(t):  # this rank's real tokens of a full [B, S, ...] tensor
         return lay.shard(pad_sequence(t, world, 0.0), rank)[:, real]
@@ -96,6 +99,7 @@ def _parity_case(rank, world, name, dtype_name, B, S, attn_block):
     for mod_name, ref_mod, t_mod, ref_x, ref_y in (
         ("attn", attn, t_attn, xa, ya),
         ("mlp", mlp, t_mlp, xm, ym),
+        ("mlp_kept", mlp, t_mlp_kept, xm, ym),  # gate/up activations saved, not recomputed
     ):
         xl = lay.shard(pad_sequence(x, world, 0.0), rank).requires_grad_()
         if mod_name == "attn":

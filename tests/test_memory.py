@@ -11,7 +11,7 @@ from multiproc import run_distributed
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRotaryEmbedding
 
-from tsp_ext import TSPAttention, TSPGatedMLP, ZigzagLayout
+from tsp_ext import TSPAttention, TSPConfig, TSPGatedMLP, ZigzagLayout
 from tsp_ext.memory import SavedTensorBytes
 
 SEQ, HIDDEN, FFN = 240, 48, 64  # sizes distinct from each other and from every S/D
@@ -32,7 +32,8 @@ def memory_worker(rank, world):
     lay = ZigzagLayout(SEQ, world)
     x = torch.randn(1, SEQ, HIDDEN)
     result = {}
-    for name, hf in (("attn", attn), ("mlp", mlp)):
+    configs = {"attn": TSPConfig(), "mlp": TSPConfig(), "mlp_kept": TSPConfig(recompute_mlp=False)}
+    for name, hf in (("attn", attn), ("mlp", mlp), ("mlp_kept", mlp)):
         if world == 1:  # the unmodified module on the full sequence, for reference
             xr = x.clone().requires_grad_()
             with SavedTensorBytes() as rec:
@@ -40,7 +41,7 @@ def memory_worker(rank, world):
                     xr, position_embeddings=rope(xr, torch.arange(SEQ)[None])
                 ) if name == "attn" else hf(xr)
             result[f"hf_{name}"] = rec.nbytes
-        tsp = (TSPAttention if name == "attn" else TSPGatedMLP).from_hf(hf, group)
+        tsp = (TSPAttention if name == "attn" else TSPGatedMLP).from_hf(hf, group, configs[name])
         xl = lay.shard(x, rank).requires_grad_()
         with SavedTensorBytes() as rec:
             if name == "attn":
@@ -58,7 +59,7 @@ def measured(world):
     return run_distributed(memory_worker, world)
 
 
-@pytest.mark.parametrize("module", ["attn", "mlp"])
+@pytest.mark.parametrize("module", ["attn", "mlp", "mlp_kept"])
 def test_saved_bytes_shrink_as_one_over_d(module):
     base = measured(1)[0][module]
     assert base > 0
@@ -74,7 +75,7 @@ def test_saved_bytes_shrink_as_one_over_d(module):
 def test_nothing_full_size_is_saved(world):
     for res in measured(world):
         full_weights = set(res["weight_shapes"])
-        for module in ("attn", "mlp"):
+        for module in ("attn", "mlp", "mlp_kept"):
             for shape in res[f"{module}_shapes"]:
                 assert SEQ not in shape, f"{module} saved a full-sequence tensor {shape}"
                 assert shape not in full_weights, f"{module} saved a full weight {shape}"

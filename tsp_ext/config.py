@@ -20,12 +20,16 @@ class TSPConfig:
             one. Off makes every transfer synchronous (debugging, profiling).
         attn_block: query and key block size of the blockwise attention; bounds the transient
             score block to ``B x heads/D x attn_block^2``.
+        recompute_mlp: recompute the MLP's gate/up projections shard by shard in backward (saves
+            only X_p). Off keeps them: ``2 x B x S/D x F`` more saved elements per layer, two
+            fewer matmuls per ring step in backward.
     """
 
     tsp_size: int | None = None
     accum_dtype: torch.dtype = torch.float32
     overlap: bool = True
     attn_block: int = 512
+    recompute_mlp: bool = True
 
     def __post_init__(self) -> None:
         if self.tsp_size is not None and self.tsp_size < 1:

@@ -26,14 +26,12 @@ from . import comm
 from .config import TSPConfig
 
 
-def _swiglu(x: torch.Tensor, g: torch.Tensor, u: torch.Tensor, dn: torch.Tensor) -> torch.Tensor:
-    """``x [B, T, h]`` through one shard: ``(silu(x·gᵀ) ⊙ x·uᵀ)·dnᵀ`` -> ``[B, T, h]``."""
-    return F.linear(F.silu(F.linear(x, g)) * F.linear(x, u), dn)
+def _swiglu_backward(x, dy, g, u, dn, acc: torch.dtype, hidden=None):
+    """Gradients of ``_swiglu`` for one shard: ``(dX, dG, dU, dDn)``, weight grads in ``acc``.
 
-
-def _swiglu_backward(x, dy, g, u, dn, acc: torch.dtype):
-    """Gradients of ``_swiglu`` for one shard: ``(dX, dG, dU, dDn)``, weight grads in ``acc``."""
-    hg, hu = F.linear(x, g), F.linear(x, u)  # recomputed [B, T, F/D]
+    ``hidden``: the saved gate/up pre-activations ``[2, B, T, F/D]``; recomputed if None.
+    """
+    hg, hu = hidden if hidden is not None else (F.linear(x, g), F.linear(x, u))  # [B, T, F/D]
     sig = torch.sigmoid(hg)
     act = hg * sig
     dm = dy @ dn  # [B, T, F/D]
@@ -73,22 +71,31 @@ class _RingSchedule:
                 cur, nxt = nxt, cur
 
 
-def tsp_mlp_forward(sched: _RingSchedule, x: torch.Tensor, weights) -> torch.Tensor:
-    """Forward ring: ``X_p [B, T, h]`` -> ``Y_p [B, T, h]``."""
+def tsp_mlp_forward(sched: _RingSchedule, x: torch.Tensor, weights, keep_hidden: bool = False):
+    """Forward ring: ``X_p [B, T, h]`` -> ``Y_p [B, T, h]``, plus, if ``keep_hidden``, every
+    step's gate/up pre-activations ``[D, 2, B, T, F/D]`` (else None)."""
     y = torch.zeros(x.shape, dtype=sched.acc, device=x.device)
-    for _, (g, u, dn) in sched.shards(weights):
-        y += _swiglu(x, g, u, dn)
-    return y.to(x.dtype)
+    hidden = None
+    for t, (g, u, dn) in sched.shards(weights):
+        hg, hu = F.linear(x, g), F.linear(x, u)
+        if keep_hidden:
+            if hidden is None:
+                hidden = hg.new_empty(sched.D, 2, *hg.shape)
+            hidden[t, 0], hidden[t, 1] = hg, hu
+        y += F.linear(F.silu(hg) * hu, dn)
+    return y.to(x.dtype), hidden
 
 
-def tsp_mlp_backward(sched: _RingSchedule, dy: torch.Tensor, x: torch.Tensor, weights):
-    """Backward rings: returns ``dX_p`` and the fully reduced gradients of this rank's shards."""
+def tsp_mlp_backward(sched: _RingSchedule, dy: torch.Tensor, x: torch.Tensor, weights, hidden=None):
+    """Backward rings: returns ``dX_p`` and the fully reduced gradients of this rank's shards.
+    ``hidden``: what ``tsp_mlp_forward(keep_hidden=True)`` returned, or None to recompute."""
     dy = dy.contiguous()
     dx = torch.zeros(x.shape, dtype=sched.acc, device=x.device)
     own_grad = None
     in_flight = None  # (accumulator being sent, buffer receiving the previous rank's, handle)
     for t, (g, u, dn) in sched.shards(weights):
-        dx_t, *dw = _swiglu_backward(x, dy, g, u, dn, sched.acc)
+        h_t = hidden[t] if hidden is not None else None
+        dx_t, *dw = _swiglu_backward(x, dy, g, u, dn, sched.acc, h_t)
         dx += dx_t
         contrib = comm.pack(dw, sched.acc)
         if t == 0:
@@ -107,19 +114,22 @@ def tsp_mlp_backward(sched: _RingSchedule, dy: torch.Tensor, x: torch.Tensor, we
 
 
 class _TSPMLPFunction(torch.autograd.Function):
-    """Autograd boundary of the ring schedule: saves X_p and the rank's own shards only."""
+    """Autograd boundary of the ring schedule: saves X_p and the rank's own shards (plus the
+    gate/up pre-activations, ``[D, 2, B, S/D, F/D]``, when ``config.recompute_mlp`` is off)."""
 
     @staticmethod
     def forward(ctx, group, config, x, g, u, dn):
         sched = _RingSchedule(group, config, x, (g, u, dn))
+        keep = not config.recompute_mlp and any(ctx.needs_input_grad)
+        y, hidden = tsp_mlp_forward(sched, x, (g, u, dn), keep_hidden=keep)
         ctx.sched = sched
-        ctx.save_for_backward(x, g, u, dn)
-        return tsp_mlp_forward(sched, x, (g, u, dn))
+        ctx.save_for_backward(x, hidden, g, u, dn)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, *weights = ctx.saved_tensors
-        dx, (d_g, d_u, d_dn) = tsp_mlp_backward(ctx.sched, dy, x, weights)
+        x, hidden, *weights = ctx.saved_tensors
+        dx, (d_g, d_u, d_dn) = tsp_mlp_backward(ctx.sched, dy, x, weights, hidden)
         return None, None, dx, d_g, d_u, d_dn
 
 
