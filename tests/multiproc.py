@@ -90,3 +90,12 @@ def run_distributed(fn, world: int, *args, timeout: float = 240.0) -> list:
     if errors:
         raise AssertionError("distributed run failed:\n" + "\n".join(errors))
     return [results[r] for r in range(world)]
+
+
+def error_message(fn) -> str:
+    """The message of the ``ValueError`` that ``fn()`` raises (for error tests inside workers)."""
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return "<no error>"

@@ -7,18 +7,10 @@ import functools
 import pytest
 import torch
 from models import batch, build
-from multiproc import run_distributed
+from multiproc import error_message, run_distributed
 from transformers import GPT2Config, GPT2LMHeadModel, MixtralConfig, MixtralForCausalLM
 
 from tsp_ext import apply_tsp, init_tsp_mesh, shard_batch
-
-
-def _message(fn) -> str:
-    try:
-        fn()
-    except ValueError as e:
-        return str(e)
-    return "<no error>"
 
 
 def errors_worker(rank, world):
@@ -42,28 +34,28 @@ def errors_worker(rank, world):
     no_shift = {k: v for k, v in local.items() if k != "shift_labels"}
     left_pad = {**data, "attention_mask": torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1]] * 2)}
     return {
-        "gpt2": _message(lambda: apply_tsp(gpt2, mesh)),
-        "moe": _message(lambda: apply_tsp(mixtral, mesh)),
-        "sliding": _message(lambda: apply_tsp(build("mistral", sliding_window=64), mesh)),
-        "gelu": _message(lambda: apply_tsp(build("llama", hidden_act="gelu"), mesh)),
-        "heads": _message(
+        "gpt2": error_message(lambda: apply_tsp(gpt2, mesh)),
+        "moe": error_message(lambda: apply_tsp(mixtral, mesh)),
+        "sliding": error_message(lambda: apply_tsp(build("mistral", sliding_window=64), mesh)),
+        "gelu": error_message(lambda: apply_tsp(build("llama", hidden_act="gelu"), mesh)),
+        "heads": error_message(
             lambda: apply_tsp(
                 build("llama", hidden_size=48, num_attention_heads=3, num_key_value_heads=1), mesh
             )
         ),
-        "world": _message(lambda: init_tsp_mesh(3)),
-        "size_mismatch": _message(lambda: apply_tsp(build("llama"), mesh, tsp_size=4)),
-        "twice": _message(lambda: apply_tsp(model, mesh)),
-        "no_positions": _message(lambda: model(input_ids=local["input_ids"])),
-        "mask": _message(
+        "world": error_message(lambda: init_tsp_mesh(3)),
+        "size_mismatch": error_message(lambda: apply_tsp(build("llama"), mesh, tsp_size=4)),
+        "twice": error_message(lambda: apply_tsp(model, mesh)),
+        "no_positions": error_message(lambda: model(input_ids=local["input_ids"])),
+        "mask": error_message(
             lambda: model(**local, attention_mask=torch.ones_like(local["input_ids"]))
         ),
-        "no_shift": _message(lambda: model(**no_shift)),
-        "wrong_positions": _message(
+        "no_shift": error_message(lambda: model(**no_shift)),
+        "wrong_positions": error_message(
             lambda: model(**{**local, "position_ids": torch.arange(4)[None].expand(2, -1)})
         ),
-        "left_pad": _message(lambda: shard_batch(left_pad, mesh)),
-        "unknown_key": _message(
+        "left_pad": error_message(lambda: shard_batch(left_pad, mesh)),
+        "unknown_key": error_message(
             lambda: shard_batch({**data, "pixel_values": data["labels"]}, mesh)
         ),
     }

@@ -9,7 +9,7 @@ import pytest
 import torch
 from dp_reference import CLIP, STEPS, adamw, param_errors, reference, replica_batches
 from models import build, causal_lm_loss
-from multiproc import run_distributed
+from multiproc import error_message, run_distributed
 
 
 def zero_run(tsp: int, stage: int, dtype: torch.dtype):
@@ -117,14 +117,6 @@ def test_cpu_optimizer_offload():
     assert max(run_distributed(offload_worker, 4, timeout=600)) < 1e-6
 
 
-def _message(fn) -> str:
-    try:
-        fn()
-    except ValueError as e:
-        return str(e)
-    return "<no error>"
-
-
 def config_errors_worker(rank, world):
     import tsp_ext.deepspeed as tds
 
@@ -134,14 +126,14 @@ def config_errors_worker(rank, world):
 
     stale = build("llama")
     return {
-        "size3": _message(lambda: init({"tsp": {"size": 3}}, optimizer=adamw)),
-        "unknown": _message(lambda: init({"tsp": {"size": 2, "sise": 1}}, optimizer=adamw)),
-        "no_block": _message(lambda: init({}, optimizer=adamw)),
-        "seq_parallel": _message(
+        "size3": error_message(lambda: init({"tsp": {"size": 3}}, optimizer=adamw)),
+        "unknown": error_message(lambda: init({"tsp": {"size": 2, "sise": 1}}, optimizer=adamw)),
+        "no_block": error_message(lambda: init({}, optimizer=adamw)),
+        "seq_parallel": error_message(
             lambda: init({"tsp": {"size": 2}, "sequence_parallel_size": 2}, optimizer=adamw)
         ),
-        "mpu": _message(lambda: init({"tsp": {"size": 2}}, optimizer=adamw, mpu=object())),
-        "stale": _message(
+        "mpu": error_message(lambda: init({"tsp": {"size": 2}}, optimizer=adamw, mpu=object())),
+        "stale": error_message(
             lambda: tds.initialize(
                 model=stale,
                 config={"train_micro_batch_size_per_gpu": 1, "tsp": {"size": 2}},

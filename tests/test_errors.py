@@ -5,19 +5,11 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-from multiproc import run_distributed
+from multiproc import error_message, run_distributed
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRotaryEmbedding
 
 from tsp_ext import AttentionSpec, TSPAttention, TSPConfig, TSPGatedMLP
-
-
-def _message(fn) -> str:
-    try:
-        fn()
-    except ValueError as e:
-        return str(e)
-    return "<no error>"
 
 
 def errors_worker(rank, world):
@@ -33,17 +25,19 @@ def errors_worker(rank, world):
     x = torch.randn(1, 4, 24)
     pe = rope(x, torch.arange(4)[None])
     return {
-        "heads": _message(lambda: TSPAttention.from_hf(LlamaAttention(three_heads, 0), group)),
-        "ffn": _message(lambda: TSPGatedMLP.from_hf(LlamaMLP(odd_ffn), group)),
-        "act": _message(lambda: TSPGatedMLP.from_hf(LlamaMLP(gelu), group)),
-        "group": _message(
+        "heads": error_message(lambda: TSPAttention.from_hf(LlamaAttention(three_heads, 0), group)),
+        "ffn": error_message(lambda: TSPGatedMLP.from_hf(LlamaMLP(odd_ffn), group)),
+        "act": error_message(lambda: TSPGatedMLP.from_hf(LlamaMLP(gelu), group)),
+        "group": error_message(
             lambda: TSPAttention(AttentionSpec(24, 4, 2, 6, tsp_size=4, scaling=1.0), group)
         ),
-        "hidden": _message(lambda: attn(torch.randn(1, 4, 20), position_embeddings=pe)),
-        "odd_local": _message(lambda: attn(torch.randn(1, 3, 24), position_embeddings=pe)),
-        "rope": _message(lambda: attn(x, position_embeddings=rope(x, torch.arange(2)[None]))),
-        "mask": _message(lambda: attn(x, position_embeddings=pe, attention_mask=torch.ones(1, 4))),
-        "mlp_shape": _message(lambda: mlp(torch.randn(4, 24))),
+        "hidden": error_message(lambda: attn(torch.randn(1, 4, 20), position_embeddings=pe)),
+        "odd_local": error_message(lambda: attn(torch.randn(1, 3, 24), position_embeddings=pe)),
+        "rope": error_message(lambda: attn(x, position_embeddings=rope(x, torch.arange(2)[None]))),
+        "mask": error_message(
+            lambda: attn(x, position_embeddings=pe, attention_mask=torch.ones(1, 4))
+        ),
+        "mlp_shape": error_message(lambda: mlp(torch.randn(4, 24))),
     }
 
 
