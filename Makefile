@@ -19,8 +19,9 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check tsp_ext tests recipes
 	$(VENV)/bin/ruff format --check tsp_ext tests recipes
 
+# the tests build every model from a config: nothing may reach a model or dataset hub
 test: lint
-	$(PY) -m pytest -q
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -q
 
 DEMO_DIR ?= outputs/demo
 DEMO_ARGS ?= --tsp-size 2 --seq-len 4096 --max-steps 30 --eval-every 10
