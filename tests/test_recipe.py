@@ -33,7 +33,7 @@ TINY = [
 ]
 
 
-def launch(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
+def launch(*args: str, timeout: float = 400, processes: int = 2) -> subprocess.CompletedProcess:
     cmd = [
         ACCELERATE,
         "launch",
@@ -41,6 +41,8 @@ def launch(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
         CONFIG,
         "--main_process_port",
         str(free_port()),
+        "--num_processes",
+        str(processes),
         RECIPE,
         *args,
     ]
@@ -128,3 +130,42 @@ def test_bad_arguments_fail_before_training(args, expected, tmp):
     assert res.returncode != 0
     assert expected in res.stdout + res.stderr
     assert "train:" not in res.stderr  # no step was taken
+
+
+def test_ddp_checkpoint_reshards_from_tsp4_to_tsp2(tmp):
+    """Saved at tsp=4 (4 processes), resumed at tsp=2 (2 processes): the same curve."""
+    out, resumed = os.path.join(tmp, "tsp4"), os.path.join(tmp, "tsp4-on-tsp2")
+    base = TINY[:-2]  # without "--tsp-size 2"
+    first = launch(*base, "--tsp-size", "4", "--save-every", "2", "--output-dir", out, processes=4)
+    assert first.returncode == 0, first.stderr[-3000:]
+    os.makedirs(resumed)
+    os.symlink(os.path.join(out, "tokenizer"), os.path.join(resumed, "tokenizer"))
+    second = launch(
+        *base,
+        "--tsp-size",
+        "2",
+        "--output-dir",
+        resumed,
+        "--resume-from",
+        os.path.join(out, "checkpoint-2"),
+    )
+    assert second.returncode == 0, second.stderr[-3000:]
+    for a, b in zip(metrics(out)[2:], metrics(resumed)):
+        assert a["step"] == b["step"] and abs(a["loss"] - b["loss"]) < 1e-5 * a["loss"], (a, b)
+
+
+def test_mismatched_resume_is_refused(tmp):
+    res = run("fsdp2", tmp)  # saved at tsp=2
+    bad = launch(
+        *TINY[:-2],
+        "--tsp-size",
+        "1",
+        "--dp-engine",
+        "fsdp2",
+        "--output-dir",
+        os.path.join(tmp, "mismatch"),
+        "--resume-from",
+        os.path.join(res["out"], "checkpoint-2"),
+    )
+    assert bad.returncode != 0
+    assert "was saved with tsp_size=2, this run has 1" in bad.stdout + bad.stderr

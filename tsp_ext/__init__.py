@@ -12,11 +12,17 @@ from .batch import gather_sequence, shard_batch
 from .config import TSPConfig
 from .export import save_pretrained
 from .layout import IGNORE_INDEX, ZigzagLayout, pad_sequence, padded_length
+from .loading import load_pretrained
 from .mesh import init_tsp_mesh, tsp_group
 from .mlp import TSPGatedMLP
 from .model import apply_tsp, check_supported
 from .norms import clip_grad_norm_
-from .state import full_grads, full_state_dict
+from .state import (
+    full_grads,
+    full_optimizer_state,
+    full_state_dict,
+    load_optimizer_state,
+)
 
 __all__ = [
     "IGNORE_INDEX",
@@ -29,9 +35,12 @@ __all__ = [
     "check_supported",
     "clip_grad_norm_",
     "full_grads",
+    "full_optimizer_state",
     "full_state_dict",
     "gather_sequence",
     "init_tsp_mesh",
+    "load_optimizer_state",
+    "load_pretrained",
     "pad_sequence",
     "save_pretrained",
     "padded_length",

@@ -358,13 +358,17 @@ class TSPAttention(nn.Module):
                 param.copy_(mod.local_slice(name, full[name]))
         return mod
 
-    def local_slice(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of the full (Hugging Face) tensor behind parameter ``name``."""
+    def local_index(self, name: str) -> tuple[slice, ...]:
+        """Index of this rank's slice in the full (Hugging Face) tensor behind ``name``."""
         if name not in self.shard_dims:
-            return full
+            return (slice(None),)
         p = comm.size_and_rank(self.group)[1]
         rows = self.spec.q_rows(p) if name.startswith(("q_", "o_")) else self.spec.kv_rows(p)
-        return full[:, rows] if self.shard_dims[name] == 1 else full[rows]
+        return (slice(None), rows) if self.shard_dims[name] == 1 else (rows,)
+
+    def local_slice(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the full (Hugging Face) tensor behind parameter ``name``."""
+        return full[self.local_index(name)]
 
     def assemble(self, name: str, shards: torch.Tensor) -> torch.Tensor:
         """Full Hugging Face tensor from every rank's shard of ``name``, ``shards [D, ...]``."""

@@ -34,9 +34,18 @@ def save_pretrained(
     for ZeRO-3).
     """
     tensors = state_dict if state_dict is not None else full_state_dict(model, rank0_only=True)
+    error: BaseException | None = None
     if dist.get_rank() == 0:
-        _write(model, os.fspath(path), tensors, tokenizer, max_shard_size)
-    dist.barrier()
+        try:
+            _write(model, os.fspath(path), tensors, tokenizer, max_shard_size)
+        except BaseException as e:  # every rank must learn that the save failed
+            error = e
+    failed = [error is not None]
+    dist.broadcast_object_list(failed, src=0)
+    if error is not None:
+        raise error
+    if failed[0]:
+        raise RuntimeError(f"save_pretrained({path!r}) failed on rank 0; see its error")
 
 
 def _write(model, path: str, tensors, tokenizer, max_shard_size) -> None:

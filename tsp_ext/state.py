@@ -38,6 +38,17 @@ def _full(model: nn.Module, tensors: dict[str, torch.Tensor | None], rank0_only:
     return out
 
 
+def local_index(model: nn.Module, name: str) -> tuple[slice, ...]:
+    """Index of this rank's slice in the full Hugging Face tensor behind parameter ``name``."""
+    prefix, _, local = name.rpartition(".")
+    owner_path, _, leaf = prefix.rpartition(".")
+    owner = model.get_submodule(owner_path) if prefix else model
+    key = f"{leaf}.{local}"
+    if key in getattr(owner, "shard_dims", {}):
+        return owner.local_index(key)
+    return (slice(None),)
+
+
 def full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
     """The model's full state dict under the original Hugging Face names (collective).
 
@@ -51,3 +62,38 @@ def full_grads(model: nn.Module, *, rank0_only: bool = False) -> dict[str, torch
     """Full gradients under the original names (collective); parameters without one are left out."""
     grads = {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
     return _full(model, grads, rank0_only)
+
+
+def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict]:
+    """Per-parameter optimizer state as full tensors under the original names (collective).
+
+    ``{name: {"exp_avg": full tensor, "step": tensor, ...}}``: tensors shaped like their parameter
+    are gathered and reassembled like it, so the result is independent of the TSP size.
+    """
+    names = {id(p): n for n, p in model.named_parameters()}
+    out: dict[str, dict] = {}
+    for param, st in optimizer.state.items():
+        name = names[id(param)]
+        out[name] = {}
+        for key, value in st.items():
+            if torch.is_tensor(value) and value.shape == param.shape and value.dim() > 0:
+                value = _full(model, {name: value}, rank0_only=False)[name]
+            out[name][key] = value
+    return out
+
+
+def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, read) -> None:
+    """Fill ``optimizer``'s per-parameter state from full tensors, each rank taking its slice.
+
+    ``read(name, key, index)`` returns the slice ``index`` of the full state tensor ``key`` of
+    parameter ``name`` (e.g. from ``safe_open(...).get_slice``), or None if it has none.
+    """
+    for name, param in model.named_parameters():
+        index = local_index(model, name)
+        state = {}
+        for key in ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer"):
+            value = read(name, key, index if key != "step" else ())
+            if value is not None:
+                state[key] = value.to(param.device)
+        if state:
+            optimizer.state[param] = state

@@ -1,0 +1,95 @@
+"""Shard-on-read loading: each rank reads only the slices it keeps from the safetensors files."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from .config import TSPConfig
+from .model import apply_tsp
+from .state import local_index
+
+
+def _resolve(path_or_id: str) -> str:
+    if os.path.isdir(path_or_id):
+        return path_or_id
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(path_or_id, allow_patterns=["*.json", "*.safetensors", "*.model"])
+
+
+def _weight_files(path: str) -> dict[str, str]:
+    """Tensor name -> safetensors file, from the index (sharded) or the single file."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
+    single = os.path.join(path, "model.safetensors")
+    if not os.path.isfile(single):
+        raise ValueError(f"{path} has no safetensors weights (only safetensors are loaded)")
+    with safe_open(single, "pt") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def load_pretrained(
+    path_or_id: str,
+    mesh: DeviceMesh,
+    config: TSPConfig | None = None,
+    *,
+    device: torch.device | str | None = None,
+    **from_config_kwargs,
+) -> nn.Module:
+    """A TSP model of a Hugging Face checkpoint, built without ever holding the full weights.
+
+    The model is built on the meta device, made a TSP model there, then each parameter is filled
+    with only this rank's slice, read with ``safe_open(...).get_slice`` one tensor at a time.
+    Peak host memory per rank is about the rank's shard plus one tensor. Same result as
+    ``apply_tsp(AutoModelForCausalLM.from_pretrained(path), mesh)``.
+
+    Args:
+        path_or_id: a local checkpoint directory or a hub id (downloaded first).
+        mesh, config: as for ``apply_tsp``.
+        device: where the parameters live (default: CUDA device of this rank if available).
+        from_config_kwargs: passed to ``AutoModelForCausalLM.from_config`` (e.g. ``dtype``).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = _resolve(path_or_id)
+    hf_config = AutoConfig.from_pretrained(path)
+    if device is None:
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else "cpu"
+        )
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, **from_config_kwargs)
+    apply_tsp(model, mesh, config=config)
+    model.to_empty(device=device)
+    files = _weight_files(path)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name not in files:
+                if name == "lm_head.weight" and getattr(hf_config, "tie_word_embeddings", False):
+                    continue  # tied: filled through embed_tokens
+                raise ValueError(f"{path} has no tensor {name!r}")
+            index = local_index(model, name)
+            with safe_open(files[name], "pt") as f:  # per tensor: its pages are released after
+                param.copy_(f.get_slice(name)[index])
+    _reset_rotary(model, device)
+    model.tie_weights()
+    return model
+
+
+def _reset_rotary(model: nn.Module, device) -> None:
+    """Recompute non-persistent buffers (RoPE frequencies), which ``to_empty`` left undefined."""
+    for name, mod in model.named_modules():
+        if name.endswith("rotary_emb"):
+            parent, _, child = name.rpartition(".")
+            fresh = type(mod)(config=model.config).to(device)
+            setattr(model.get_submodule(parent), child, fresh)
