@@ -12,7 +12,14 @@ from transformers import LlamaConfig, Qwen3Config
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRotaryEmbedding
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3MLP
 
-from tsp_ext import TSPAttention, TSPGatedMLP, ZigzagLayout, pad_sequence, padded_length
+from tsp_ext import (
+    TSPAttention,
+    TSPConfig,
+    TSPGatedMLP,
+    ZigzagLayout,
+    pad_sequence,
+    padded_length,
+)
 
 TOL = {"float64": 1e-10, "float32": 1e-5}
 
@@ -79,8 +86,6 @@ def _parity_case(rank, world, name, dtype_name, B, S, attn_block):
     (ym * dy).sum().backward()
 
     # TSP: this rank's zigzag shard of the padded sequence
-    from tsp_ext import TSPConfig
-
     lay = ZigzagLayout(padded_length(S, world), world)
     pos = lay.positions(rank)
     real = pos < S

@@ -142,10 +142,9 @@ class _Schedule:
         return _rope(q, cos, sin), _rope(k, cos, sin), v
 
     def gather_kv(self, k: torch.Tensor, v: torch.Tensor):
-        """All-gather K/V of one group: ``[B, T, hk, d]`` each -> ``kv_all [D, B, T, 2hk, d]``."""
-        kv_all, handle = comm.all_gather_seq(torch.cat([k, v], dim=2), self.group)
-        handle.wait()
-        return kv_all
+        """Start the all-gather of one group's K/V: ``[B, T, hk, d]`` each ->
+        ``(kv_all [D, B, T, 2hk, d], handle)``; ``kv_all`` is valid once ``handle.wait()``."""
+        return comm.all_gather_seq(torch.cat([k, v], dim=2), self.group, async_op=True)
 
     def kv_spans(self, kv_all: torch.Tensor):
         """Per-chunk views ``(span, k, v)`` of a gathered ``[D, B, T, 2hk, d]`` buffer."""
@@ -168,7 +167,9 @@ def tsp_attention_forward(sched: _Schedule, x, cos, sin, own, q_norm, k_norm, ke
     lse_all = None
     for r, w in sched.weight_stream(own):
         q, k, v = sched.project(x, w, cos, sin, q_norm, k_norm)
-        kv = sched.kv_spans(sched.gather_kv(k, v))
+        kv_all, gathering = sched.gather_kv(k, v)
+        gathering.wait()
+        kv = sched.kv_spans(kv_all)
         a, lse = attention_forward(q, sched.q_spans, kv, spec.scaling, blk)
         if keep:
             if lse_all is None:
@@ -204,12 +205,13 @@ def tsp_attention_backward(sched: _Schedule, dy, x, cos, sin, own, q_norm, k_nor
             leaves = {n: w[n].detach().requires_grad_() for n in names if n != "wo"}
             norms = [t.detach().requires_grad_() for t in (q_norm, k_norm) if t is not None]
             q, k, v = sched.project(xg, leaves, cos, sin, *(norms or (None, None)))
-        kv_all = sched.gather_kv(k.detach(), v.detach())
-        kv = sched.kv_spans(kv_all)
-        # dA = dY_p · Wo_r ;  dWo_r (partial) = dY_pᵀ · A_r
+        kv_all, gathering = sched.gather_kv(k.detach(), v.detach())
+        # while K/V travel: dA = dY_p · Wo_r ;  dWo_r (partial) = dY_pᵀ · A_r
         a = a_all[r]
         da = (dy @ w["wo"]).view_as(a)
         dwo = dy.flatten(0, 1).t().to(acc) @ a.flatten(2).flatten(0, 1).to(acc)
+        gathering.wait()
+        kv = sched.kv_spans(kv_all)
         dkv_all = torch.zeros(kv_all.shape, dtype=acc, device=x.device)
         dkv_views = [(dk, dv) for _, dk, dv in sched.kv_spans(dkv_all)]
         dq = attention_backward(
