@@ -33,6 +33,11 @@ def errors_worker(rank, world):
     local = shard_batch(data, mesh)
     no_shift = {k: v for k, v in local.items() if k != "shift_labels"}
     left_pad = {**data, "attention_mask": torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1]] * 2)}
+    head_bias = build("llama")
+    head_bias.lm_head = torch.nn.Linear(32, 96, bias=True, dtype=torch.float64)
+    bad_label = {**local, "labels": local["labels"].clone()}
+    bad_label["shift_labels"] = bad_label["labels"]
+    bad_label["labels"][0, 0] = 96
     return {
         "gpt2": error_message(lambda: apply_tsp(gpt2, mesh)),
         "moe": error_message(lambda: apply_tsp(mixtral, mesh)),
@@ -55,6 +60,13 @@ def errors_worker(rank, world):
             lambda: model(**{**local, "position_ids": torch.arange(4)[None].expand(2, -1)})
         ),
         "left_pad": error_message(lambda: shard_batch(left_pad, mesh)),
+        "vocab": error_message(lambda: apply_tsp(build("llama", vocab_size=97), mesh)),
+        "head_bias": error_message(lambda: apply_tsp(head_bias, mesh)),
+        "label_range": error_message(lambda: model(**bad_label)),
+        "id_range": error_message(
+            lambda: model(**{**local, "input_ids": local["input_ids"].clamp(min=96)})
+        ),
+        "logits_to_keep": error_message(lambda: model(**local, logits_to_keep=1)),
         "unknown_key": error_message(
             lambda: shard_batch({**data, "pixel_values": data["labels"]}, mesh)
         ),
@@ -82,6 +94,11 @@ def messages():
         ("no_shift", "labels shifted before sharding"),
         ("wrong_positions", "not this rank's zigzag positions"),
         ("left_pad", "right padding only"),
+        ("vocab", "vocab_size=97 is not divisible by tsp_size=2: pad the vocabulary"),
+        ("head_bias", "use TSPConfig(shard_vocab=False) for models with an LM-head bias"),
+        ("label_range", "labels must be in [0, 96) or -100"),
+        ("id_range", "input_ids must be in [0, 96)"),
+        ("logits_to_keep", "logits_to_keep is not supported"),
         ("unknown_key", "does not know how to shard ['pixel_values']"),
     ],
 )

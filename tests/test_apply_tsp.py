@@ -11,6 +11,7 @@ from models import FAMILIES, batch, build, lm_loss
 from multiproc import run_distributed
 
 from tsp_ext import (
+    TSPConfig,
     apply_tsp,
     full_grads,
     gather_sequence,
@@ -19,16 +20,26 @@ from tsp_ext import (
 )
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
-# (family, dtype, batch, seq_len, right-padding of the last sequence); 21 and 30 need padding
+# (family, dtype, batch, seq_len, right-padding of the last sequence, variant); 21 and 30 need
+# padding. Variants: "" vocab-sharded (the default) with a loss block smaller than the local
+# tokens; "pad_id" with an embedding padding row; "replicated" with TSPConfig(shard_vocab=False)
 CASES = [
-    ("llama", torch.float64, 2, 21, 0),
-    ("llama_tied", torch.float64, 2, 16, 3),
-    ("mistral", torch.float64, 1, 30, 0),
-    ("qwen2", torch.float64, 2, 24, 5),
-    ("qwen3", torch.float64, 2, 21, 0),
-    ("llama", torch.float32, 2, 24, 0),
-    ("qwen2", torch.float32, 1, 21, 0),
+    ("llama", torch.float64, 2, 21, 0, ""),
+    ("llama_tied", torch.float64, 2, 16, 3, ""),
+    ("llama_tied", torch.float64, 2, 16, 3, "pad_id"),
+    ("mistral", torch.float64, 1, 30, 0, ""),
+    ("qwen2", torch.float64, 2, 24, 5, ""),
+    ("qwen3", torch.float64, 2, 21, 0, ""),
+    ("llama", torch.float32, 2, 24, 0, ""),
+    ("qwen2", torch.float32, 1, 21, 0, ""),
+    ("llama", torch.float64, 2, 21, 0, "replicated"),
+    ("llama_tied", torch.float32, 2, 16, 3, "replicated"),
 ]
+VARIANTS = {
+    "": ({}, TSPConfig(loss_chunk=5)),
+    "pad_id": ({"pad_token_id": 3}, TSPConfig(loss_chunk=5)),
+    "replicated": ({}, TSPConfig(shard_vocab=False)),
+}
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -45,14 +56,17 @@ def reference(model, data):
     return loss.detach(), out.logits.detach(), grads
 
 
-def parity_case(mesh, family, dtype, B, S, pad):
-    model = build(family, dtype)
+def parity_case(mesh, family, dtype, B, S, pad, variant):
+    overrides, config = VARIANTS[variant]
+    model = build(family, dtype, **overrides)
     ref = copy.deepcopy(model)
     data = batch(model.config.vocab_size, B, S, pad_last=pad)
+    if "pad_token_id" in overrides:  # the padding row is used, and gets no embedding gradient
+        data["input_ids"][:, ::3] = overrides["pad_token_id"]
     ref_loss, ref_logits, ref_grads = reference(ref, data)
 
-    apply_tsp(model, mesh)
-    out = model(**shard_batch(data, mesh))
+    apply_tsp(model, mesh, config=config)
+    out = model(**shard_batch(data, mesh), return_logits=config.shard_vocab)
     out.loss.backward()
     logits = gather_sequence(out.logits.detach(), mesh, seq_len=S)
     errs = {"loss": rel_err(out.loss.detach(), ref_loss)}
@@ -75,9 +89,7 @@ def parity_case(mesh, family, dtype, B, S, pad):
 
 def parity_worker(rank, world):
     mesh = init_tsp_mesh(world)
-    return {
-        (f, str(dt), B, S, pad): parity_case(mesh, f, dt, B, S, pad) for f, dt, B, S, pad in CASES
-    }
+    return {(c[0], str(c[1]), *c[2:]): parity_case(mesh, *c) for c in CASES}
 
 
 @functools.cache

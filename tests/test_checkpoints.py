@@ -43,7 +43,8 @@ def roundtrip_worker(rank, world, tmp, family):
     data = batch(model.config.vocab_size, 2, 24, seed=9)
     model.eval()
     with torch.no_grad():
-        tsp_logits = gather_sequence(model(**shard_batch(data, mesh)).logits, mesh, seq_len=24)
+        out = model(**shard_batch(data, mesh), return_logits=True)
+        tsp_logits = gather_sequence(out.logits, mesh, seq_len=24)
         plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         logits_err = (plain(input_ids=data["input_ids"]).logits - tsp_logits).abs().max().item()
 
@@ -53,8 +54,8 @@ def roundtrip_worker(rank, world, tmp, family):
     ref_params = dict(reference.named_parameters())
     same = all(torch.equal(p, ref_params[n]) for n, p in loaded.named_parameters())
     with torch.no_grad():
-        a = loaded(**shard_batch(data, mesh)).logits
-        b = reference(**shard_batch(data, mesh)).logits
+        a = loaded(**shard_batch(data, mesh), return_logits=True).logits
+        b = reference(**shard_batch(data, mesh), return_logits=True).logits
     loaded_logits_equal = torch.equal(a, b)
 
     # a save that fails half-way leaves the previous checkpoint in place

@@ -67,9 +67,9 @@ def param_bytes(mesh):
     def kind(name: str) -> str:
         if ".k_proj." in name or ".v_proj." in name:
             return "kv"
-        if "_proj." in name:
-            return "sharded"  # q/o and gate/up/down
-        return "replicated"  # norms, embedding, LM head
+        if "_proj." in name or "embed_tokens." in name or "lm_head." in name:
+            return "sharded"  # q/o, gate/up/down, embedding and LM head (vocabulary rows)
+        return "replicated"  # norms
 
     def split(m):
         out = dict.fromkeys(("kv", "sharded", "replicated"), 0)
@@ -124,4 +124,4 @@ def test_layer_weights_are_one_over_d_per_rank(world):
         before, after = res["bytes"]
         assert after["sharded"] * world == before["sharded"]
         assert after["kv"] * min(world, 2) == before["kv"]  # KV heads replicated when D > n_kv
-        assert after["replicated"] == before["replicated"]  # vocab sharding is a later step
+        assert after["replicated"] == before["replicated"]  # norms only

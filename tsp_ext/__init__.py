@@ -23,6 +23,7 @@ from .state import (
     full_state_dict,
     load_optimizer_state,
 )
+from .vocab import TSPVocabEmbedding, TSPVocabLMHead
 
 __all__ = [
     "IGNORE_INDEX",
@@ -30,6 +31,8 @@ __all__ = [
     "TSPAttention",
     "TSPConfig",
     "TSPGatedMLP",
+    "TSPVocabEmbedding",
+    "TSPVocabLMHead",
     "ZigzagLayout",
     "apply_tsp",
     "check_supported",

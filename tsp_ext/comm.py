@@ -97,6 +97,18 @@ def reduce_scatter_seq(x: torch.Tensor, group: ProcessGroup, async_op: bool = Fa
     return out, (work if async_op else _Done())
 
 
+def all_to_all(
+    x: torch.Tensor, send_counts: list[int], recv_counts: list[int], group: ProcessGroup
+) -> torch.Tensor:
+    """Rows ``x[sum(send_counts[:q]) : ...]`` go to rank q; returns ``[sum(recv_counts), ...]``
+    with rank r's rows at ``sum(recv_counts[:r])`` (uneven splits along dim 0)."""
+    if dist.get_world_size(group) == 1:
+        return x.clone()
+    out = x.new_empty((sum(recv_counts), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=group)
+    return out
+
+
 class Ring:
     """Neighbour exchange on the TSP ring.
 

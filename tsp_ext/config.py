@@ -23,6 +23,12 @@ class TSPConfig:
         recompute_mlp: recompute the MLP's gate/up projections shard by shard in backward (saves
             only X_p). Off keeps them: ``2 x B x S/D x F`` more saved elements per layer, two
             fewer matmuls per ring step in backward.
+        shard_vocab: shard the embedding and LM head by vocabulary rows (rank p keeps V/D rows)
+            and compute the loss with a fused ring LM head + cross-entropy that never builds
+            the ``[S/D, V]`` logits. Needs ``vocab_size`` divisible by D. Off: both stay
+            replicated and the model returns full-vocabulary logits, as Hugging Face does.
+        loss_chunk: tokens per block of the fused LM-head loss; bounds its transient logits
+            block to ``loss_chunk x V/D`` (float32).
     """
 
     tsp_size: int | None = None
@@ -30,6 +36,8 @@ class TSPConfig:
     overlap: bool = True
     attn_block: int = 512
     recompute_mlp: bool = True
+    shard_vocab: bool = True
+    loss_chunk: int = 1024
 
     def __post_init__(self) -> None:
         if self.tsp_size is not None and self.tsp_size < 1:
@@ -38,6 +46,8 @@ class TSPConfig:
             raise ValueError(f"accum_dtype must be a floating dtype, got {self.accum_dtype}")
         if self.attn_block < 1:
             raise ValueError(f"attn_block must be >= 1, got {self.attn_block}")
+        if self.loss_chunk < 1:
+            raise ValueError(f"loss_chunk must be >= 1, got {self.loss_chunk}")
 
     def accum_for(self, dtype: torch.dtype) -> torch.dtype:
         """Accumulation dtype for activations of ``dtype`` (never less precise than them)."""

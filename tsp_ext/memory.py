@@ -45,3 +45,44 @@ class SavedTensorBytes:
     @property
     def nbytes(self) -> int:
         return sum(self.storages.values())
+
+
+class PeakAllocated:
+    """Context manager measuring the peak of tensor bytes allocated inside it, above the level at
+    entry: on CUDA from the caching allocator's statistics, on CPU from the allocation events
+    of the PyTorch profiler (``profile_memory=True``). Example::
+
+        with PeakAllocated() as peak:
+            loss = model(**batch).loss
+            loss.backward()
+        print(peak.nbytes)
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.nbytes = 0
+
+    def __enter__(self) -> PeakAllocated:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._start = torch.cuda.memory_allocated(self.device)
+        else:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            self._prof = torch.profiler.profile(activities=activities, profile_memory=True)
+            self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.nbytes = torch.cuda.max_memory_allocated(self.device) - self._start
+            return
+        self._prof.__exit__(*exc)
+        events = self._prof.profiler.kineto_results.events()
+        deltas = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+        level = peak = 0
+        for _, delta in deltas:
+            level += delta
+            peak = max(peak, level)
+        self.nbytes = peak

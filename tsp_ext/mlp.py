@@ -24,6 +24,7 @@ from torch import nn
 
 from . import comm
 from .config import TSPConfig
+from .shard_ring import GradientRing, circulate
 
 
 def _swiglu_backward(x, dy, g, u, dn, acc: torch.dtype, hidden=None):
@@ -57,18 +58,9 @@ class _RingSchedule:
 
     def shards(self, weights):
         """Yield ``(t, (G, U, Dn))`` of owner p - t; the next one arrives while the caller works."""
-        cur = comm.pack(weights)
-        nxt = torch.empty_like(cur)
-        for t in range(self.D):
-            handle = None
-            if t < self.D - 1:
-                handle = self.ring.shift(cur, nxt)
-                if not self.config.overlap:
-                    handle.wait()
+        packed = comm.pack(weights)  # a copy: it may serve as a receive buffer
+        for t, cur in circulate(self.ring, packed, self.config.overlap, reuse=True):
             yield t, comm.unpack(cur, self.shapes)
-            if handle is not None:
-                handle.wait()
-                cur, nxt = nxt, cur
 
 
 def tsp_mlp_forward(sched: _RingSchedule, x: torch.Tensor, weights, keep_hidden: bool = False):
@@ -91,25 +83,13 @@ def tsp_mlp_backward(sched: _RingSchedule, dy: torch.Tensor, x: torch.Tensor, we
     ``hidden``: what ``tsp_mlp_forward(keep_hidden=True)`` returned, or None to recompute."""
     dy = dy.contiguous()
     dx = torch.zeros(x.shape, dtype=sched.acc, device=x.device)
-    own_grad = None
-    in_flight = None  # (accumulator being sent, buffer receiving the previous rank's, handle)
+    owner_grads = GradientRing(sched.ring)
     for t, (g, u, dn) in sched.shards(weights):
         h_t = hidden[t] if hidden is not None else None
         dx_t, *dw = _swiglu_backward(x, dy, g, u, dn, sched.acc, h_t)
         dx += dx_t
-        contrib = comm.pack(dw, sched.acc)
-        if t == 0:
-            own_grad = contrib  # the owner's own share joins its accumulator at the very end
-            continue
-        if in_flight is not None:
-            in_flight[2].wait()
-            contrib += in_flight[1]  # accumulator of shard p - t, from rank p-1's step t-1
-        recv = torch.empty_like(contrib)
-        in_flight = (contrib, recv, sched.ring.shift(contrib, recv))
-    if in_flight is not None:  # the last hop: every accumulator reaches its owner
-        in_flight[2].wait()
-        own_grad += in_flight[1]
-    grads = comm.unpack(own_grad, sched.shapes)
+        owner_grads.add(t, comm.pack(dw, sched.acc))
+    grads = comm.unpack(owner_grads.result(), sched.shapes)
     return dx.to(x.dtype), [gr.to(w.dtype) for gr, w in zip(grads, weights)]
 
 

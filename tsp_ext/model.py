@@ -3,15 +3,18 @@
 Steps, in order:
   1. check the model is supported (structure and config), before anything is touched;
   2. resolve the mesh and build each TSP module from the one it replaces: per decoder layer the
-     attention (head group p) and the gated MLP (slice p) — the full weights are dropped — and the
-     token-local modules (norms, embedding, LM head), which keep their replicated weights;
+     attention (head group p) and the gated MLP (slice p), and the embedding and LM head
+     (vocabulary rows p; ``TSPConfig(shard_vocab=False)`` keeps them replicated) — the full
+     weights are dropped; the norms keep their (tiny) replicated weights;
   3. switch the model to TSP-aware behaviour: no attention masks (causal by global position), no
-     KV cache, a loss that is the global token mean over the TSP group, and an input check that
-     rejects batches not made by ``shard_batch``.
+     KV cache, a loss that is the global token mean over the TSP group (with a sharded
+     vocabulary: the fused ring LM head + cross-entropy, no full logits), and an input check
+     that rejects batches not made by ``shard_batch``.
 """
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from . import comm
 from .attention import AttentionSpec, TSPAttention
@@ -27,6 +31,7 @@ from .layout import IGNORE_INDEX, ZigzagLayout
 from .mesh import init_tsp_mesh, tsp_group
 from .mlp import TSPGatedMLP
 from .replicated import TSPEmbedding, TSPLMHead, TSPRMSNorm
+from .vocab import TSPVocabEmbedding, TSPVocabLMHead, check_vocab_divisible
 
 # Families checked against this implementation; others with the same structure are accepted.
 SUPPORTED_MODELS = (
@@ -39,6 +44,10 @@ SUPPORTED_MODELS = (
 ATTN_IMPLEMENTATION = "tsp"
 # RoPE variants whose cos/sin depend on the token's position only (not on the sequence seen)
 _POSITION_ONLY_ROPE = ("default", "linear", "llama3", "yarn")
+_NEEDS_SHIFT_LABELS = (
+    "a TSP model needs labels shifted before sharding: build the batch with tsp_ext.shard_batch "
+    "(it returns shift_labels)"
+)
 
 
 @dataclass(frozen=True)
@@ -88,7 +97,7 @@ def apply_tsp(
     D = dist.get_world_size(group)
     if size is not None and size != D:
         raise ValueError(f"tsp_size={size} but the mesh's 'tsp' dimension has {D} ranks")
-    _check_divisible(model.config, D)
+    _check_divisible(model.config, D, config.shard_vocab)
 
     decoder = model.model
     for layer in decoder.layers:
@@ -97,8 +106,15 @@ def apply_tsp(
         layer.input_layernorm = TSPRMSNorm.from_hf(layer.input_layernorm, group)
         layer.post_attention_layernorm = TSPRMSNorm.from_hf(layer.post_attention_layernorm, group)
     decoder.norm = TSPRMSNorm.from_hf(decoder.norm, group)
-    decoder.embed_tokens = TSPEmbedding.from_hf(decoder.embed_tokens, group)
-    model.lm_head = TSPLMHead.from_hf(model.lm_head, group)
+    if config.shard_vocab:
+        tied = model.lm_head.weight is decoder.embed_tokens.weight
+        decoder.embed_tokens = TSPVocabEmbedding.from_hf(decoder.embed_tokens, group)
+        tied_to = decoder.embed_tokens if tied else None
+        model.lm_head = TSPVocabLMHead.from_hf(model.lm_head, group, config, tied_to)
+        model.forward = types.MethodType(_vocab_sharded_forward, model)
+    else:
+        decoder.embed_tokens = TSPEmbedding.from_hf(decoder.embed_tokens, group)
+        model.lm_head = TSPLMHead.from_hf(model.lm_head, group)
 
     changed = {
         "_attn_implementation": model.config._attn_implementation,
@@ -161,7 +177,7 @@ def check_supported(model: nn.Module) -> None:
         raise ValueError(f"{name}: rope type {rope_type!r} is not supported under TSP")
 
 
-def _check_divisible(cfg, D: int) -> None:
+def _check_divisible(cfg, D: int, shard_vocab: bool) -> None:
     """Head and MLP divisibility, checked before any weight is sliced."""
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     AttentionSpec(
@@ -172,6 +188,8 @@ def _check_divisible(cfg, D: int) -> None:
             f"intermediate_size={cfg.intermediate_size} is not divisible by tsp_size={D}: choose "
             "a TSP size that divides the MLP width"
         )
+    if shard_vocab:
+        check_vocab_divisible(cfg.vocab_size, D)
 
 
 class TSPCausalLMLoss:
@@ -197,10 +215,7 @@ class TSPCausalLMLoss:
         **kwargs,
     ) -> torch.Tensor:
         if shift_labels is None:
-            raise ValueError(
-                "a TSP model needs labels shifted before sharding: build the batch with "
-                "tsp_ext.shard_batch (it returns shift_labels)"
-            )
+            raise ValueError(_NEEDS_SHIFT_LABELS)
         # float32 at least, as Hugging Face does; float64 models keep float64
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         local = F.cross_entropy(
@@ -209,12 +224,66 @@ class TSPCausalLMLoss:
             ignore_index=ignore_index,
             reduction="sum",
         )
+        return self.global_mean(local, shift_labels, num_items_in_batch, ignore_index)
+
+    def global_mean(
+        self,
+        local_sum: torch.Tensor,
+        shift_labels: torch.Tensor,
+        num_items_in_batch: torch.Tensor | int | None = None,
+        ignore_index: int = IGNORE_INDEX,
+    ) -> torch.Tensor:
+        """Sum of every rank's ``local_sum`` over the global number of target tokens."""
         if num_items_in_batch is None:
-            count = (shift_labels != ignore_index).sum().to(local.device)
+            count = (shift_labels != ignore_index).sum().to(local_sum.device)
             comm.all_reduce(count, self.group)
         else:
-            count = torch.as_tensor(num_items_in_batch, device=local.device)
-        return comm.sum_over_ranks(local, self.group) / count
+            count = torch.as_tensor(num_items_in_batch, device=local_sum.device)
+        return comm.sum_over_ranks(local_sum, self.group) / count
+
+
+def _vocab_sharded_forward(
+    self,
+    input_ids: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    inputs_embeds: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+    shift_labels: torch.Tensor | None = None,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    return_logits: bool = False,
+    logits_to_keep: int = 0,
+    use_cache: bool | None = None,
+    return_dict: bool | None = None,
+    **kwargs,
+) -> CausalLMOutputWithPast:
+    """``forward`` of a TSP causal LM whose embedding and LM head are vocab-sharded.
+
+    With ``labels`` the loss is computed by the fused ring LM head + cross-entropy and no logits
+    are built (``logits`` is None) unless ``return_logits=True``; without labels the logits of
+    the local tokens ``[B, S/D, V]`` are returned, as Hugging Face does.
+    """
+    if logits_to_keep:
+        raise ValueError("logits_to_keep is not supported by a TSP model (every token is local)")
+    outputs = self.model(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        inputs_embeds=inputs_embeds,
+        use_cache=False,
+        **kwargs,
+    )
+    hidden = outputs.last_hidden_state
+    loss = logits = None
+    if labels is not None:
+        if shift_labels is None:
+            raise ValueError(_NEEDS_SHIFT_LABELS)
+        local = self.lm_head(hidden, shift_labels)
+        loss = self.loss_function.global_mean(local, shift_labels, num_items_in_batch)
+    if labels is None or return_logits:
+        logits = self.lm_head(hidden)
+    out = CausalLMOutputWithPast(
+        loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+    )
+    return out.to_tuple() if return_dict is False else out
 
 
 def _check_inputs(model: nn.Module, args: tuple, kwargs: dict) -> None:

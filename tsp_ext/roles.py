@@ -9,6 +9,7 @@ from torch import nn
 
 from .attention import TSPAttention
 from .mlp import TSPGatedMLP
+from .vocab import TSPVocabEmbedding, TSPVocabLMHead
 
 
 class Role(enum.Enum):
@@ -25,7 +26,7 @@ def param_roles(model: nn.Module) -> dict[str, Role]:
     """
     roles: dict[str, Role] = {}
     for mod_name, mod in model.named_modules():
-        if not isinstance(mod, (TSPAttention, TSPGatedMLP)):
+        if not isinstance(mod, (TSPAttention, TSPGatedMLP, TSPVocabEmbedding, TSPVocabLMHead)):
             continue
         first_owner = True
         if isinstance(mod, TSPAttention):

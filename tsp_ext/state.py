@@ -17,6 +17,21 @@ def _require_tsp(model: nn.Module):
     return state
 
 
+def _shard_owner(model: nn.Module, name: str) -> tuple[nn.Module, str] | None:
+    """``(module, key)`` such that ``module.shard_dims`` has ``key`` for parameter ``name``: the
+    parameter's own module (vocab-sharded tables) or its parent (attention and MLP weights);
+    None for a replicated parameter."""
+    parts = name.split(".")
+    for cut in (len(parts) - 1, len(parts) - 2):
+        if cut < 0:
+            continue
+        owner = model.get_submodule(".".join(parts[:cut]))
+        key = ".".join(parts[cut:])
+        if key in getattr(owner, "shard_dims", {}):
+            return owner, key
+    return None
+
+
 def _full(model: nn.Module, tensors: dict[str, torch.Tensor | None], rank0_only: bool):
     """Gather every sharded tensor over the TSP group and assemble it (collective)."""
     state = _require_tsp(model)
@@ -24,14 +39,12 @@ def _full(model: nn.Module, tensors: dict[str, torch.Tensor | None], rank0_only:
     for name, t in tensors.items():
         if t is None:
             continue
-        prefix, _, local = name.rpartition(".")
-        owner = model.get_submodule(prefix.rpartition(".")[0]) if "." in prefix else None
-        key = f"{prefix.rpartition('.')[2]}.{local}" if owner is not None else local
         if isinstance(t, DTensor):  # FSDP2: gather the dp shards first
             t = t.full_tensor()
-        if owner is not None and key in getattr(owner, "shard_dims", {}):
+        sharded = _shard_owner(model, name)
+        if sharded is not None:
             shards, _ = comm.all_gather_seq(t.detach(), state.group)
-            t = owner.assemble(key, shards)
+            t = sharded[0].assemble(sharded[1], shards)
         out[name] = t.detach().clone()
     if rank0_only and dist.get_rank(state.group) != 0:
         return {}
@@ -40,13 +53,8 @@ def _full(model: nn.Module, tensors: dict[str, torch.Tensor | None], rank0_only:
 
 def local_index(model: nn.Module, name: str) -> tuple[slice, ...]:
     """Index of this rank's slice in the full Hugging Face tensor behind parameter ``name``."""
-    prefix, _, local = name.rpartition(".")
-    owner_path, _, leaf = prefix.rpartition(".")
-    owner = model.get_submodule(owner_path) if prefix else model
-    key = f"{leaf}.{local}"
-    if key in getattr(owner, "shard_dims", {}):
-        return owner.local_index(key)
-    return (slice(None),)
+    sharded = _shard_owner(model, name)
+    return (slice(None),) if sharded is None else sharded[0].local_index(sharded[1])
 
 
 def full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:

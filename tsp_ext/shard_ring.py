@@ -1,0 +1,78 @@
+"""Weight shards circulating on the TSP ring, and their gradients travelling back to the owners.
+
+The gated MLP and the vocab-sharded LM head share this pattern::
+
+    for t, shard in circulate(ring, mine):   # the shard of owner p - t; the next one is in flight
+        ...compute this rank's tokens with it...
+        grads.add(t, d_shard)                 # backward: this rank's share of that shard's grad
+    own = grads.result()                      # my shard's gradient, summed over all D ranks
+
+``GradientRing`` runs one step behind the shards: at step t >= 1 rank p adds its share for shard
+p - t to the accumulator it received from rank p - 1 (the shares of steps < t) and passes it on,
+so after the last hop every accumulator lands at its owner, who adds its own step-0 share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from .comm import Ring
+
+
+def circulate(
+    ring: Ring, shard: torch.Tensor, overlap: bool = True, reuse: bool = False
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """Yield ``(t, shard of owner p - t)`` for t = 0..D-1; the next shard arrives while the
+    caller works on the current one (``overlap=False``: it arrives before).
+
+    The yielded tensor is only valid until the next step. ``shard`` is never written unless
+    ``reuse`` (then it serves as a receive buffer, saving one shard-sized allocation).
+    """
+    cur, spare = shard.contiguous(), None
+    for t in range(ring.size):
+        if t == ring.size - 1:
+            yield t, cur
+            return
+        nxt = spare if spare is not None else torch.empty_like(cur)
+        handle = ring.shift(cur, nxt)
+        if not overlap:
+            handle.wait()
+        yield t, cur
+        handle.wait()
+        spare = cur if (reuse or t > 0) else None
+        cur = nxt
+
+
+class GradientRing:
+    """Accumulates shard gradients around the ring so that each lands, fully summed, at its owner.
+
+    Call ``add(t, share)`` once per step, in step order, with this rank's gradient share of the
+    shard it saw at step t (``share`` is consumed: it becomes the accumulator sent on).
+    """
+
+    def __init__(self, ring: Ring) -> None:
+        self.ring = ring
+        self._own: torch.Tensor | None = None
+        self._in_flight = None  # (accumulator being sent, buffer receiving rank p-1's, handle)
+
+    def add(self, t: int, share: torch.Tensor) -> None:
+        if t == 0:
+            self._own = share  # the owner's own share joins its accumulator at the very end
+            return
+        if self._in_flight is not None:
+            _, received, handle = self._in_flight
+            handle.wait()
+            share += received  # accumulator of shard p - t, from rank p-1's step t-1
+        received = torch.empty_like(share)
+        self._in_flight = (share, received, self.ring.shift(share, received))
+
+    def result(self) -> torch.Tensor:
+        """This rank's shard gradient, with every rank's share (waits for the last hop)."""
+        if self._in_flight is not None:
+            _, received, handle = self._in_flight
+            handle.wait()
+            self._own += received
+            self._in_flight = None
+        return self._own

@@ -1,0 +1,293 @@
+"""Vocabulary-sharded embedding and LM head on the TSP axis.
+
+Rank p keeps rows ``p·V/D .. (p+1)·V/D`` of the embedding and of the LM head (one tensor when
+they are tied). No rank ever holds a full table or the full-vocabulary logits of its tokens.
+
+Embedding — an exchange of rows, not of tables. Each rank sends every owner the distinct ids of
+its tokens that fall in the owner's rows (all-to-all of ids); the owners answer with those rows
+(all-to-all of ``U x h``); backward sends the row gradients back the same way and the owners
+``index_add`` them. Per rank and direction that moves (distinct local ids) x h elements, where
+circulating the tables would move (D-1)/D · V x h: at S/D = 16K tokens and V = 128K, 8x more.
+
+LM head + cross-entropy — a ring, as in the MLP. The LM-head shards travel the ring while each
+rank keeps, per local token, an online log-sum-exp (running max and sum of exponentials) and the
+target's logit, in float32 at least::
+
+    for t in 0..D-1:                          # shard W_q of owner q = p - t; the next in flight
+        for each block c of loss_chunk tokens:
+            z = H_c · W_qᵀ                    # [chunk, V/D]: the only logits that ever exist
+            fold z into (max, sumexp); take z[target] where the target is one of q's rows
+    loss_p = Σ_valid (max + log sumexp - z_target)
+
+Backward makes a second pass of the ring, recomputing z block by block: dZ = softmax(z) - onehot,
+dH_c += dZ · W_q, and W_q's gradient share travels a gradient ring to its owner. Saved per rank:
+H_p, the labels and one log-sum-exp per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import comm
+from .config import TSPConfig
+from .layout import IGNORE_INDEX
+from .shard_ring import GradientRing, circulate
+
+
+def check_vocab_divisible(vocab_size: int, D: int) -> None:
+    """Raise ``ValueError`` saying what to change if ``vocab_size`` cannot be split D ways."""
+    if vocab_size % D:
+        raise ValueError(
+            f"vocab_size={vocab_size} is not divisible by tsp_size={D}: pad the vocabulary "
+            f"(model.resize_token_embeddings(n, pad_to_multiple_of={D})) or keep the embedding "
+            "and LM head replicated with TSPConfig(shard_vocab=False)"
+        )
+
+
+# --- embedding: all-to-all exchange of the rows each rank needs ------------------------------
+
+
+class _EmbeddingExchange(torch.autograd.Function):
+    """``ids [B, T]``, rows ``p`` of the table ``[V/D, h]`` -> embeddings ``[B, T, h]``."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, padding_idx, group):
+        D, p = comm.size_and_rank(group)
+        rows = weight.shape[0]
+        uniq, inverse = torch.unique(ids.reshape(-1), return_inverse=True)  # sorted by owner
+        if uniq[0] < 0 or uniq[-1] >= rows * D:
+            raise ValueError(
+                f"input_ids must be in [0, {rows * D}), got ids from {uniq[0].item()} to "
+                f"{uniq[-1].item()}"
+            )
+        send = torch.bincount(uniq // rows, minlength=D)
+        recv = comm.all_to_all(send, [1] * D, [1] * D, group)
+        send_counts, recv_counts = send.tolist(), recv.tolist()
+        wanted = comm.all_to_all(uniq, send_counts, recv_counts, group) - p * rows
+        found = comm.all_to_all(weight.detach()[wanted], recv_counts, send_counts, group)
+        ctx.save_for_backward(inverse, wanted)
+        ctx.meta = (group, send_counts, recv_counts, padding_idx, p * rows)
+        ctx.weight_meta = (weight.shape, weight.dtype)
+        return found[inverse].view(*ids.shape, weight.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        inverse, wanted = ctx.saved_tensors
+        group, send_counts, recv_counts, padding_idx, first = ctx.meta
+        shape, dtype = ctx.weight_meta
+        acc = torch.promote_types(grad.dtype, torch.float32)
+        grad = grad.reshape(-1, shape[1]).to(acc)
+        d_uniq = grad.new_zeros(sum(send_counts), shape[1]).index_add_(0, inverse, grad)
+        d_wanted = comm.all_to_all(d_uniq, send_counts, recv_counts, group)
+        d_weight = d_uniq.new_zeros(shape).index_add_(0, wanted, d_wanted)
+        if padding_idx is not None and 0 <= padding_idx - first < shape[0]:
+            d_weight[padding_idx - first] = 0  # as nn.Embedding: the padding row gets no gradient
+        return None, d_weight.to(dtype), None, None
+
+
+# --- LM head: the shards circulate, logits exist one [chunk, V/D] block at a time -------------
+
+
+class _HeadRing:
+    """One call's schedule: LM-head shards on the ring, local tokens in blocks."""
+
+    def __init__(self, group, config: TSPConfig, h: torch.Tensor, weight: torch.Tensor) -> None:
+        self.ring = comm.Ring(group)
+        self.config, self.rows = config, weight.shape[0]
+        self.acc = config.accum_for(h.dtype)
+
+    def shards(self, weight: torch.Tensor) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """Yield ``(t, first vocabulary row, shard [V/D, h])`` of owner p - t."""
+        D, p = self.ring.size, self.ring.rank
+        for t, w in circulate(self.ring, weight.detach(), self.config.overlap):
+            yield t, (p - t) % D * self.rows, w
+
+    def blocks(self, n: int) -> Iterator[slice]:
+        chunk = self.config.loss_chunk
+        return (slice(i, min(i + chunk, n)) for i in range(0, n, chunk))
+
+    def targets(self, labels: torch.Tensor, first: int, valid: torch.Tensor):
+        """Column of each label in the shard starting at ``first`` (clamped) and whether it is."""
+        col = labels - first
+        hit = valid & (col >= 0) & (col < self.rows)
+        return col.clamp(0, self.rows - 1).unsqueeze(1), hit
+
+    def backward(self, h: torch.Tensor, weight: torch.Tensor, block_grad: Callable):
+        """Second ring pass: ``(dH [N, h], dW [V/D, h])`` given ``block_grad(first, c, W_q)``,
+        the gradient of the logits block ``[c, first : first + V/D]``, in ``h``'s dtype."""
+        dh = torch.zeros(h.shape, dtype=self.acc, device=h.device)
+        owner_grads = GradientRing(self.ring)
+        for t, first, w in self.shards(weight):
+            dw = torch.zeros(w.shape, dtype=self.acc, device=w.device)
+            for c in self.blocks(h.shape[0]):
+                dz = block_grad(first, c, w)
+                dh[c] += (dz @ w).to(self.acc)
+                dw.addmm_(dz.t().to(self.acc), h[c].to(self.acc))
+            owner_grads.add(t, dw)
+        return dh.to(h.dtype), owner_grads.result().to(weight.dtype)
+
+
+class _RingCrossEntropy(torch.autograd.Function):
+    """``H [N, h]``, ``labels [N]`` -> sum of the cross-entropy of the valid local tokens."""
+
+    @staticmethod
+    def forward(ctx, h, labels, weight, group, config, ignore_index):
+        sched = _HeadRing(group, config, h, weight)
+        valid = labels != ignore_index
+        n = h.shape[0]
+        run_max = torch.full((n,), float("-inf"), dtype=sched.acc, device=h.device)
+        run_sum = torch.zeros(n, dtype=sched.acc, device=h.device)
+        target = torch.zeros(n, dtype=sched.acc, device=h.device)
+        for _, first, w in sched.shards(weight):
+            col, hit = sched.targets(labels, first, valid)
+            for c in sched.blocks(n):
+                z = F.linear(h[c], w).to(sched.acc)
+                target[c] += torch.where(hit[c], z.gather(1, col[c]).squeeze(1), 0)
+                new_max = torch.maximum(run_max[c], z.amax(-1))
+                rescale = torch.exp(run_max[c] - new_max)
+                run_sum[c] = run_sum[c] * rescale + z.sub_(new_max[:, None]).exp_().sum(-1)
+                run_max[c] = new_max
+        lse = run_max + torch.log(run_sum)
+        ctx.save_for_backward(h, labels, lse, weight)
+        ctx.sched, ctx.ignore_index = sched, ignore_index
+        return torch.where(valid, lse - target, 0).sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, labels, lse, weight = ctx.saved_tensors
+        sched = ctx.sched
+        valid = labels != ctx.ignore_index
+        coef = torch.where(valid, grad.to(sched.acc), 0)  # d loss / d (lse - z_target), per token
+
+        def block_grad(first, c, w):
+            col, hit = sched.targets(labels[c], first, valid[c])
+            dz = F.linear(h[c], w).to(sched.acc)
+            dz.sub_(lse[c, None]).exp_().mul_(coef[c, None])  # softmax · coef, in place
+            dz.scatter_add_(1, col, -(coef[c] * hit)[:, None])  # - onehot(target) · coef
+            return dz.to(h.dtype)
+
+        dh, dw = sched.backward(h, weight, block_grad)
+        return dh, None, dw, None, None, None
+
+
+class _RingLogits(torch.autograd.Function):
+    """``H [N, h]`` -> the full-vocabulary logits ``[N, V]`` of the local tokens (explicit)."""
+
+    @staticmethod
+    def forward(ctx, h, weight, group, config):
+        sched = _HeadRing(group, config, h, weight)
+        out = h.new_empty(h.shape[0], sched.rows * sched.ring.size)
+        for _, first, w in sched.shards(weight):
+            out[:, first : first + sched.rows] = F.linear(h, w)
+        ctx.save_for_backward(h, weight)
+        ctx.sched = sched
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, weight = ctx.saved_tensors
+        rows = ctx.sched.rows
+        dh, dw = ctx.sched.backward(h, weight, lambda first, c, w: grad[c, first : first + rows])
+        return dh, dw, None, None
+
+
+# --- modules -----------------------------------------------------------------------------------
+
+
+class _VocabRows(nn.Module):
+    """A ``[V/D, h]`` parameter ``weight`` holding vocabulary rows p of a ``[V, h]`` table."""
+
+    shard_dims = {"weight": 0}
+
+    def __init__(self, vocab_size: int, hidden_size: int, group) -> None:
+        super().__init__()
+        D, _ = comm.size_and_rank(group)
+        check_vocab_divisible(vocab_size, D)
+        self.vocab_size, self.hidden_size, self.group = vocab_size, hidden_size, group
+
+    def local_index(self, name: str) -> tuple[slice, ...]:
+        """Index of this rank's rows in the full (Hugging Face) ``[V, h]`` tensor."""
+        D, p = comm.size_and_rank(self.group)
+        rows = self.vocab_size // D
+        return (slice(p * rows, (p + 1) * rows),)
+
+    def local_slice(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        return full[self.local_index(name)]
+
+    def assemble(self, name: str, shards: torch.Tensor) -> torch.Tensor:
+        """Full ``[V, h]`` tensor from every rank's rows, ``shards [D, V/D, h]``."""
+        return shards.flatten(0, 1)
+
+
+def _shard_parameter(full: torch.Tensor, index) -> nn.Parameter:
+    return nn.Parameter(full.detach()[index].clone(), requires_grad=full.requires_grad)
+
+
+class TSPVocabEmbedding(_VocabRows):
+    """Token embedding with vocabulary rows p on rank p: ``ids [B, S/D] -> [B, S/D, h]``."""
+
+    def __init__(self, weight: nn.Parameter, vocab_size: int, padding_idx: int | None, group):
+        super().__init__(vocab_size, weight.shape[1], group)
+        self.weight, self.padding_idx = weight, padding_idx
+
+    @classmethod
+    def from_hf(cls, emb: nn.Embedding, group) -> TSPVocabEmbedding:
+        V, h = emb.weight.shape
+        mod = cls(nn.Parameter(emb.weight.new_empty(0, h)), V, emb.padding_idx, group)
+        mod.weight = _shard_parameter(emb.weight, mod.local_index("weight"))
+        return mod
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return _EmbeddingExchange.apply(ids, self.weight, self.padding_idx, self.group)
+
+
+class TSPVocabLMHead(_VocabRows):
+    """LM head with vocabulary rows p on rank p, computing the loss without full logits:
+    ``head(h, labels)`` is the fused ring LM head + cross-entropy, ``head(h)`` the logits."""
+
+    def __init__(self, weight: nn.Parameter, vocab_size: int, group, config: TSPConfig):
+        super().__init__(vocab_size, weight.shape[1], group)
+        self.weight, self.config = weight, config
+
+    @classmethod
+    def from_hf(
+        cls, head: nn.Linear, group, config: TSPConfig, tied_to: TSPVocabEmbedding | None = None
+    ) -> TSPVocabLMHead:
+        """Build from ``lm_head``; ``tied_to``: the embedding whose sharded weight it shares."""
+        if head.bias is not None:
+            raise ValueError(
+                "a vocab-sharded LM head has no bias: use TSPConfig(shard_vocab=False) for "
+                "models with an LM-head bias"
+            )
+        V, h = head.weight.shape
+        mod = cls(nn.Parameter(head.weight.new_empty(0, h)), V, group, config)
+        if tied_to is not None:
+            mod.weight = tied_to.weight
+        else:
+            mod.weight = _shard_parameter(head.weight, mod.local_index("weight"))
+        return mod
+
+    def forward(
+        self, h: torch.Tensor, labels: torch.Tensor | None = None, ignore_index: int = IGNORE_INDEX
+    ) -> torch.Tensor:
+        """Without ``labels``: the logits ``[B, T, V]`` of the local tokens, built shard by shard.
+        With ``labels [B, T]`` (already shifted): the fused ring loss instead, the sum over the
+        labelled local tokens of ``-log softmax(h·Wᵀ)[label]`` (float32 at least).
+
+        One ``forward`` for both so that DP engines' module hooks (ZeRO-3, FSDP2) see each use.
+        """
+        flat = h.reshape(-1, h.shape[-1])
+        if labels is None:
+            logits = _RingLogits.apply(flat, self.weight, self.group, self.config)
+            return logits.view(*h.shape[:-1], self.vocab_size)
+        flat_labels = labels.reshape(-1).to(h.device)
+        out_of_range = (flat_labels < 0) | (flat_labels >= self.vocab_size)
+        if (out_of_range & (flat_labels != ignore_index)).any():
+            raise ValueError(f"labels must be in [0, {self.vocab_size}) or {ignore_index}")
+        return _RingCrossEntropy.apply(
+            flat, flat_labels, self.weight, self.group, self.config, ignore_index
+        )
