@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test lint demo
+.PHONY: setup test lint demo bench
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -16,8 +16,8 @@ $(STAMP): requirements.txt pyproject.toml
 setup: $(STAMP)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check tsp_ext tests recipes
-	$(VENV)/bin/ruff format --check tsp_ext tests recipes
+	$(VENV)/bin/ruff check tsp_ext tests recipes benchmarks
+	$(VENV)/bin/ruff format --check tsp_ext tests recipes benchmarks
 
 # the tests build every model from a config: nothing may reach a model or dataset hub
 test: lint
@@ -32,3 +32,13 @@ demo: $(STAMP)
 	$(VENV)/bin/accelerate launch --config_file recipes/configs/cpu_2proc.yaml \
 		recipes/finetune_long_llama.py $(DEMO_ARGS) --output-dir $(DEMO_DIR)
 	$(PY) recipes/eval_checkpoint.py --checkpoint $(DEMO_DIR)/final --seq-len 4096
+
+BENCH_DIR ?= outputs/bench
+BENCH_ARGS ?=
+
+# Every layout (TSP, TP, TP+SP, Ulysses, TP×SP, ring) at D = 2, 4 over a sequence sweep, on CPU
+# processes: JSON rows, a markdown table and PNG plots in $(BENCH_DIR) (BENCH_ARGS=--quick: short)
+bench: $(STAMP)
+	mkdir -p $(BENCH_DIR)
+	HF_HUB_OFFLINE=1 $(PY) -m benchmarks.run $(BENCH_ARGS) --json $(BENCH_DIR)/results.json \
+		--markdown $(BENCH_DIR)/results.md --plots $(BENCH_DIR)

@@ -1,0 +1,12 @@
+"""Benchmarks of TSP against TP, TP+SP, Ulysses, TP×SP and ring attention on the same work.
+
+- ``harness.measure(layout, devices, seq_len, model_cfg, ...)``: one layout, one length, one row
+  of measured per-rank bytes (model state, saved activations, peak memory, communication per
+  collective), step time and loss;
+- ``layouts``: one builder per layout, each using the real library (tsp_ext, torch DTensor
+  parallel styles and context parallel, DeepSpeed Ulysses);
+- ``run``: the sweep CLI (``python -m benchmarks.run``) writing JSON, markdown and PNG plots;
+- ``emulate``: one rank of a D-rank layout alone on the fake process group (real memory at
+  full scale on one device);
+- ``comm_counter``, ``launch``, ``report``, ``plots``: the pieces they share.
+"""

@@ -1,0 +1,173 @@
+"""Single-rank emulation: one rank of a D-rank layout, alone, on PyTorch's fake process group.
+
+The fake group's collectives return at once without moving data, so one process builds exactly
+the shards, buffers and saved tensors rank ``r`` of a real D-rank run would hold: its peak memory,
+saved-activation bytes and per-collective byte counts are real at scales no test machine can run
+(the paper's 7B at 128K tokens on 8 devices needs one GPU, not eight). Losses and step times are
+not meaningful (no data arrives, no transfer time is paid).
+
+Data-dependent collectives need plausible contents, or the code that reads them fails:
+``Mirror`` fills every all-to-all and all-gather output as if all ranks held this rank's data
+(from every source, the chunk this rank sends to itself), which is what TSP's vocabulary-sharded
+embedding exchanges (row counts, then row ids) need to stay in range.
+
+    python -m benchmarks.emulate                                   # paper 7B, 1 layer, CPU
+    python -m benchmarks.emulate --devices 8 --seq-len 131072 --layers 32 --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .harness import MODEL_KEYS, _train_rank
+from .launch import run_processes
+from .layouts import tp_sp_split
+
+log = logging.getLogger("benchmarks.emulate")
+
+# the paper's 7B: h = 4096, 32 layers, 32 heads (MHA), SwiGLU with F = 4h, Llama-2 vocabulary
+PAPER_7B = dict(
+    hidden_size=4096,
+    intermediate_size=16384,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    vocab_size=32000,
+)
+
+
+def _group(pg) -> dist.ProcessGroup:
+    if isinstance(pg, str):
+        return dist.distributed_c10d._resolve_process_group(pg)
+    return pg if isinstance(pg, dist.ProcessGroup) else dist.ProcessGroup.unbox(pg)
+
+
+def _fill(out_chunks: list[torch.Tensor], mine: torch.Tensor) -> None:
+    """Every output chunk gets ``mine`` where the shapes agree, zeros (valid ids) elsewhere."""
+    with torch.no_grad():
+        for chunk in out_chunks:
+            if chunk.shape == mine.shape:
+                chunk.copy_(mine)
+            else:
+                chunk.zero_()
+
+
+class Mirror(TorchDispatchMode):
+    """Fill fake all-to-all / all-gather outputs as if every rank held this rank's data."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = f"{func.namespace}.{func._schema.name.split('::')[-1]}"
+        if name == "c10d.alltoall_base_":
+            output, x, pg, out_splits, in_splits = args[:5]
+            p, G = _group(pg).rank(), _group(pg).size()
+            mine = x.split(in_splits or x.shape[0] // G)[p]
+            _fill(list(output.split(out_splits or output.shape[0] // G)), mine)
+        elif name == "_c10d_functional.all_to_all_single":
+            x, out_splits, in_splits, pg = args[:4]
+            p, G = _group(pg).rank(), _group(pg).size()
+            mine = x.split(list(in_splits) or x.shape[0] // G)[p]
+            _fill(list(out.split(list(out_splits) or out.shape[0] // G)), mine)
+        elif name in ("c10d._allgather_base_", "_c10d_functional.all_gather_into_tensor"):
+            output, x = (args[0], args[1]) if func.namespace == "c10d" else (out, args[0])
+            _fill(list(output.flatten().split(x.numel())), x.flatten())
+        elif name == "c10d.allgather_":
+            _fill(list(args[0][0]), args[1][0])
+        return out
+
+
+def _emulated_rank(rank: int, world: int, spec: dict) -> dict:
+    with Mirror():
+        return _train_rank(rank, world, spec)
+
+
+def emulate(
+    layout: str = "tsp",
+    devices: int = 8,
+    seq_len: int = 8192,
+    model_cfg: dict | None = None,
+    rank: int = 0,
+    micro_batch: int = 1,
+    dtype: str = "float32",
+    *,
+    device: str = "cpu",
+    timeout: float = 3600.0,
+) -> dict:
+    """Measure rank ``rank`` of a ``devices``-rank ``layout`` alone; returns a harness row with
+    ``emulated=True`` and ``rank`` (memory and communication bytes are this rank's; ``loss`` and
+    ``step_seconds`` mean nothing). ``model_cfg``: overrides of a 1-layer slice of the paper's 7B.
+    """
+    model = {**PAPER_7B, "num_hidden_layers": 1, **(model_cfg or {})}
+    tp, sp = tp_sp_split(layout, devices)
+    spec = dict(
+        layout=layout,
+        seq_len=seq_len,
+        model=model,
+        micro_batch=micro_batch,
+        steps=1,
+        warmup=1,
+        dtype=dtype,
+        device=device,
+    )
+    (result,) = run_processes(
+        _emulated_rank, devices, spec, backend="fake", timeout=timeout, ranks=[rank]
+    )
+    result.pop("times", None)
+    return {
+        "layout": layout,
+        "tp": tp,
+        "sp": sp,
+        "devices": devices,
+        "seq_len": seq_len,
+        "micro_batch": micro_batch,
+        "dtype": dtype,
+        "model": {k: model[k] for k in MODEL_KEYS},
+        "emulated": True,
+        "rank": rank,
+        **result,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.emulate", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument("--layout", default="tsp")
+    ap.add_argument("--devices", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=8192)
+    ap.add_argument("--layers", type=int, default=1, help="decoder layers of the paper-7B slice")
+    ap.add_argument("--model", type=json.loads, default=None, help="config overrides, JSON")
+    ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--json", help="write the row here")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    row = emulate(
+        args.layout,
+        args.devices,
+        args.seq_len,
+        {"num_hidden_layers": args.layers, **(args.model or {})},
+        args.rank,
+        args.micro_batch,
+        args.dtype,
+        device=args.device,
+    )
+    text = json.dumps(row, indent=1)
+    sys.stdout.write(text + "\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text)
+    return 0 if row["status"] == "ok" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

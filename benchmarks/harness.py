@@ -1,0 +1,299 @@
+"""Measure one training step (forward + backward + AdamW step) of one layout, per rank.
+
+``measure(layout, devices, seq_len, model_cfg)`` launches ``devices`` processes (gloo on CPU;
+NCCL with ``device="cuda"``, one GPU per rank), builds the same Llama from its config on every
+rank (seeded, nothing downloaded), parallelises it with the layout's library and returns one row:
+
+- ``memory_bytes``: ``params``, ``grads``, ``optimizer`` (local storage, DTensor shards included),
+  ``activations`` (saved for backward, parameters excluded), ``peak`` (CPU: the peak resident set,
+  VmHWM, reset at the start of the step; CUDA: ``torch.cuda.max_memory_allocated``) and
+  ``peak_delta`` (peak minus the memory held when the step started);
+- ``comm_bytes``: bytes received per collective type in one step (see ``comm_counter``);
+- ``step_seconds`` (median over ``steps`` uninstrumented steps after ``warmup``), ``tokens_per_s``;
+- ``loss``: the global loss of the first step (same weights everywhere, so every layout must agree
+  with ``single``) and ``final_loss`` after the last step (agreement checks the gradients too).
+
+Values are the max over ranks. Step order: ``warmup`` steps (the first gives ``loss``), one
+instrumented step (memory, saved bytes, communication), then ``steps`` timed steps.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tsp_ext.memory import SavedTensorBytes
+
+from .comm_counter import CommCounter
+from .launch import run_processes
+from .layouts import BUILDERS, Prepared, tp_sp_split
+
+# a small Llama every layout divides at D in {2, 4}: heads 8 / D, KV heads 4 / D, MLP 704 / D
+DEFAULT_MODEL = dict(
+    hidden_size=256,
+    intermediate_size=704,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    vocab_size=2048,
+)
+MODEL_KEYS = tuple(DEFAULT_MODEL)
+LR = 1e-3
+
+
+def build_model(
+    model_cfg: dict, dtype: torch.dtype, seq_len: int, seed: int = 0
+) -> LlamaForCausalLM:
+    """The benchmark Llama from its config: the same weights on every rank (fixed seed)."""
+    cfg = LlamaConfig(
+        **{**DEFAULT_MODEL, **model_cfg},
+        max_position_embeddings=seq_len,
+        attn_implementation="sdpa",
+        use_cache=False,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).to(dtype)
+
+
+def make_batch(vocab: int, micro_batch: int, seq_len: int, seed: int = 1) -> torch.Tensor:
+    """Token ids ``[micro_batch, seq_len]``, the same on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(vocab, (micro_batch, seq_len), generator=g)
+
+
+class _SavedLocalBytes(SavedTensorBytes):
+    """``SavedTensorBytes`` that counts a saved tensor subclass (DTensor, funcol's
+    AsyncCollectiveTensor) by the plain tensors inside it: a wrapper has no storage of its own."""
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if is_traceable_wrapper_subclass(t):
+            for name in t.__tensor_flatten__()[0]:
+                inner = getattr(t, name)
+                if isinstance(inner, torch.Tensor):
+                    self._pack(inner)
+            return t
+        return super()._pack(t)
+
+
+def _local_bytes(tensors) -> int:
+    total = 0
+    for t in tensors:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        total += t.numel() * t.element_size()
+    return total
+
+
+def _optimizer_bytes(opt: torch.optim.Optimizer) -> int:
+    return _local_bytes(v for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
+
+
+def _rss_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _memory_now(device: torch.device) -> int:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else _rss_bytes("VmRSS")
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current resident set
+
+
+def _peak(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return _rss_bytes("VmHWM")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _step(prep: Prepared, opt: torch.optim.Optimizer) -> tuple[float, int]:
+    """One training step; returns (global loss, gradient bytes before the update)."""
+    opt.zero_grad(set_to_none=True)
+    with prep.context():
+        local, total = prep.loss()
+        local.backward()
+    prep.reduce_grads()
+    grads = _local_bytes(p.grad for p in prep.model.parameters() if p.grad is not None)
+    opt.step()
+    return float(total), grads
+
+
+def _instrumented_step(prep: Prepared, opt, device) -> dict:
+    opt.zero_grad(set_to_none=True)
+    gc.collect()
+    base = _memory_now(device)
+    _reset_peak(device)
+    with CommCounter() as comm:
+        with prep.context():
+            with _SavedLocalBytes(ignore=prep.model.parameters()) as saved:
+                local, _ = prep.loss()
+            local.backward()
+            del local
+        prep.reduce_grads()
+        grads = _local_bytes(p.grad for p in prep.model.parameters() if p.grad is not None)
+        opt.step()
+    _sync(device)
+    peak = _peak(device)
+    return {
+        "memory_bytes": {
+            "params": _local_bytes(prep.model.parameters()),
+            "grads": grads,
+            "optimizer": _optimizer_bytes(opt),
+            "activations": saved.nbytes,
+            "peak": peak,
+            "peak_delta": peak - base,
+        },
+        "comm_bytes": dict(comm.received),
+    }
+
+
+def _is_oom(e: BaseException) -> bool:
+    msg = str(e)
+    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or (
+        "out of memory" in msg or "can't allocate memory" in msg
+    )
+
+
+def _train_rank(rank: int, world: int, spec: dict) -> dict:
+    """Worker: build the layout on this rank and measure it (``spec``: measure's arguments)."""
+    cuda = spec["device"] == "cuda"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dtype = getattr(torch, spec["dtype"])
+    try:
+        model = build_model(spec["model"], dtype, spec["seq_len"]).to(device)
+        ids = make_batch(model.config.vocab_size, spec["micro_batch"], spec["seq_len"]).to(device)
+        prep = BUILDERS[spec["layout"]](model, ids, world, device)
+        del model
+        opt = torch.optim.AdamW(prep.model.parameters(), lr=LR)
+        first = _step(prep, opt)[0]
+        for _ in range(spec["warmup"] - 1):
+            _step(prep, opt)
+        row = _instrumented_step(prep, opt, device)
+        times = []
+        for _ in range(spec["steps"]):
+            dist.barrier()
+            t0 = time.perf_counter()
+            last = _step(prep, opt)[0]
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+    except NotImplementedError as e:  # the layout's library refuses this device or model
+        return {"status": f"unsupported: {type(e).__name__}: {e}"}
+    except Exception as e:
+        if _is_oom(e):
+            return {"status": "oom"}
+        raise
+    return {**row, "status": "ok", "loss": first, "final_loss": last, "times": times}
+
+
+def _merge(results: list[dict]) -> dict:
+    """Max over ranks of every byte count and of the per-rank median step time."""
+    if any(r["status"] != "ok" for r in results):
+        return {"status": next(r["status"] for r in results if r["status"] != "ok")}
+    mem = {k: max(r["memory_bytes"][k] for r in results) for k in results[0]["memory_bytes"]}
+    kinds = sorted({k for r in results for k in r["comm_bytes"]})
+    comm = {k: max(r["comm_bytes"].get(k, 0) for r in results) for k in kinds}
+    return {
+        "status": "ok",
+        "memory_bytes": mem,
+        "comm_bytes": comm,
+        "step_seconds": max(statistics.median(r["times"]) for r in results),
+        "loss": results[0]["loss"],
+        "final_loss": results[0]["final_loss"],
+    }
+
+
+def measure(
+    layout: str,
+    devices: int,
+    seq_len: int,
+    model_cfg: dict | None = None,
+    micro_batch: int = 1,
+    steps: int = 5,
+    warmup: int = 1,
+    dtype: str = "float32",
+    *,
+    device: str = "cpu",
+    timeout: float = 1800.0,
+) -> dict:
+    """Measure one layout at one sequence length; returns a result row (see the module docstring).
+
+    ``layout="single"`` always runs one process (``devices`` is ignored, the row says 1).
+    ``device="cuda"`` runs NCCL with one GPU per rank. A run that dies for memory gives
+    ``status="oom"``; a layout that cannot be built here, ``status="unsupported: <reason>"``.
+    """
+    if warmup < 1 or steps < 1:
+        raise ValueError(f"need warmup >= 1 and steps >= 1, got warmup={warmup}, steps={steps}")
+    model = {**DEFAULT_MODEL, **(model_cfg or {})}
+    world = 1 if layout == "single" else devices
+    tp, sp = tp_sp_split(layout, world)
+    row = {
+        "layout": layout,
+        "tp": tp,
+        "sp": sp,
+        "devices": world,
+        "seq_len": seq_len,
+        "micro_batch": micro_batch,
+        "dtype": dtype,
+        "model": {k: model[k] for k in MODEL_KEYS},
+    }
+    reason = unsupported_reason(layout, device)
+    if reason:
+        return {**row, "status": f"unsupported: {reason}"}
+    spec = dict(
+        layout=layout,
+        seq_len=seq_len,
+        model=model,
+        micro_batch=micro_batch,
+        steps=steps,
+        warmup=warmup,
+        dtype=dtype,
+        device=device,
+    )
+    backend = "nccl" if device == "cuda" else "gloo"
+    try:
+        results = run_processes(_train_rank, world, spec, backend=backend, timeout=timeout)
+    except RuntimeError as e:
+        if "exit code -9" in str(e):  # the kernel's OOM killer
+            return {**row, "status": "oom"}
+        raise
+    merged = _merge(results)
+    if merged["status"] == "ok":
+        merged["tokens_per_s"] = micro_batch * seq_len / merged["step_seconds"]
+    return {**row, **merged}
+
+
+def unsupported_reason(layout: str, device: str) -> str | None:
+    """Why ``layout`` cannot run on ``device`` with the installed libraries, or None.
+
+    Ring attention (torch ``context_parallel``) swaps SDPA for a ring schedule through DTensor
+    sharding rules registered for the CUDA kernels only; CPU SDPA dispatches
+    ``aten._scaled_dot_product_flash_attention_for_cpu``, so it needs a rule for that op.
+    """
+    if layout == "ring" and device == "cpu":
+        op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+        prop = DTensor._op_dispatcher.sharding_propagator
+        if op not in prop.op_strategy_funcs and op not in prop.op_to_rules:
+            return (
+                "torch context_parallel has no CPU SDPA kernel: DTensor has no sharding strategy "
+                f"for {op} (context_parallel handles the CUDA flash/efficient/cudnn kernels only)"
+            )
+    return None

@@ -1,0 +1,310 @@
+"""One builder per layout: the same Llama, batch and loss, parallelised by the real library.
+
+Every builder takes the full model (same weights on every rank), the full batch and the world
+size, and returns a ``Prepared``: the parallelised model and the two calls of a training step,
+``loss()`` (forward; returns the tensor to differentiate and the global loss, detached) and
+``reduce_grads()`` (gradient sums a layout leaves to the trainer, e.g. over sequence shards).
+
+| layout | library | weights per rank | tokens per rank |
+|---|---|---|---|
+| single | transformers | all | all |
+| tsp, tsp_no_overlap | tsp_ext.apply_tsp | 1/D | 1/D (zigzag) |
+| tp | torch ``parallelize_module`` with the model's HF tp plan | 1/D | all |
+| tp_sp | torch TP + ``SequenceParallel`` norms (Megatron TP+SP) | 1/D | 1/D between blocks |
+| ulysses | DeepSpeed ``UlyssesSPAttentionHF.register_with_transformers`` | all | 1/D |
+| tpxsp | torch TP on ``tp`` (inside) × DeepSpeed Ulysses on ``sp`` (across) | 1/tp | 1/sp |
+| ring | torch ``context_parallel`` (ring attention) | all | 1/D |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class Prepared:
+    """A parallelised model and its training-step pieces on this rank."""
+
+    model: nn.Module
+    loss: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+    reduce_grads: Callable[[], None] = lambda: None
+    # entered around forward and backward (ring attention's sequence sharding)
+    context: Callable[[], AbstractContextManager] = field(default=nullcontext)
+
+
+def tp_sp_split(layout: str, devices: int) -> tuple[int, int]:
+    """(tp, sp) sizes of a layout on ``devices`` ranks; TSP folds both onto one axis (D, D)."""
+    if layout == "single":
+        return 1, 1
+    if layout in ("tsp", "tsp_no_overlap"):
+        return devices, devices
+    if layout in ("tp", "tp_sp"):
+        return devices, 1
+    if layout in ("ulysses", "ring"):
+        return 1, devices
+    if layout == "tpxsp":
+        tp = 2 if devices % 2 == 0 and devices > 2 else 1
+        if tp == 1:
+            raise ValueError(f"tpxsp needs an even device count of at least 4, got {devices}")
+        return tp, devices // tp
+    raise ValueError(f"unknown layout {layout!r}; choose from {', '.join(LAYOUTS)}")
+
+
+def shifted_labels(ids: torch.Tensor) -> torch.Tensor:
+    """Labels shifted before sharding: position i predicts token i+1, the last one nothing."""
+    return torch.cat([ids[:, 1:], ids.new_full((ids.shape[0], 1), IGNORE_INDEX)], dim=1)
+
+
+def _sum_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(
+        logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+
+
+def _sharded_loss(model, inputs: dict, labels, count: int, group) -> Callable:
+    """Loss of a sequence-sharded layout: local token sum / global count (+ global value)."""
+
+    def loss():
+        local = _sum_ce(model(**inputs).logits, labels) / count
+        total = local.detach().clone()
+        dist.all_reduce(total, group=group)
+        return local, total
+
+    return loss
+
+
+def _grad_all_reduce(model: nn.Module, group) -> Callable[[], None]:
+    """Sum gradients over ranks that saw different tokens with the same weights."""
+
+    def reduce_grads():
+        for p in model.parameters():
+            if p.grad is not None:
+                g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                dist.all_reduce(g, group=group)
+
+    return reduce_grads
+
+
+def _hf_tp_plan(model: nn.Module) -> dict:
+    """The model's own HF tp plan (``model._tp_plan``: base plan + head) as torch parallel styles.
+
+    HF's style names map to torch's: ``colwise``/``rowwise`` as is, ``colwise_gather_output``
+    gathers the logits, ``embedding_rowwise`` is the vocab-parallel embedding (partial lookups
+    all-reduced).
+    """
+    styles = {
+        "colwise": ColwiseParallel,
+        "rowwise": RowwiseParallel,
+        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+    }
+    return {name: styles[style]() for name, style in model._tp_plan.items()}
+
+
+def build_single(model, ids, world, device) -> Prepared:
+    labels = ids.clone()
+
+    def loss():
+        out = model(input_ids=ids, labels=labels).loss
+        return out, out.detach()
+
+    return Prepared(model, loss)
+
+
+def build_tsp(model, ids, world, device, overlap: bool = True) -> Prepared:
+    from tsp_ext import TSPConfig, apply_tsp, init_tsp_mesh, shard_batch
+
+    mesh = init_tsp_mesh(world)
+    model = apply_tsp(model, mesh, config=TSPConfig(overlap=overlap))
+    batch = shard_batch({"input_ids": ids, "labels": ids}, mesh)
+
+    def loss():
+        out = model(**batch).loss
+        return out, out.detach()
+
+    return Prepared(model, loss)
+
+
+def build_tp(model, ids, world, device) -> Prepared:
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("tp",))
+    parallelize_module(model, mesh, _hf_tp_plan(model))
+    return build_single(model, ids, world, device)
+
+
+def _tp_sp_plan(model: nn.Module) -> dict:
+    """Megatron TP+SP: norms and residuals sequence-sharded, projections tensor-parallel."""
+    plan = {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "model.norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+    for i in range(len(model.model.layers)):
+        p = f"model.layers.{i}."
+        plan.update(
+            {
+                p + "input_layernorm": SequenceParallel(),
+                p + "self_attn": PrepareModuleInput(
+                    input_kwarg_layouts={"hidden_states": Shard(1)},
+                    desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                ),
+                p + "self_attn.q_proj": ColwiseParallel(),
+                p + "self_attn.k_proj": ColwiseParallel(),
+                p + "self_attn.v_proj": ColwiseParallel(),
+                p + "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+                p + "post_attention_layernorm": SequenceParallel(),
+                p + "mlp": PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                ),
+                p + "mlp.gate_proj": ColwiseParallel(),
+                p + "mlp.up_proj": ColwiseParallel(),
+                p + "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+            }
+        )
+    return plan
+
+
+def build_tp_sp(model, ids, world, device) -> Prepared:
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("tp",))
+    parallelize_module(model, mesh, _tp_sp_plan(model))
+    positions = torch.arange(ids.shape[1], device=device)[None].expand_as(ids)
+    labels = ids.clone()
+
+    def loss():
+        # explicit positions: the embedding output is sequence-sharded, HF would count S/D
+        out = model(input_ids=ids, position_ids=positions, labels=labels).loss
+        return out, out.detach()
+
+    return Prepared(model, loss)
+
+
+def _contiguous_shard(t: torch.Tensor, size: int, rank: int) -> torch.Tensor:
+    return t.chunk(size, dim=1)[rank].contiguous()
+
+
+def _sp_inputs(ids: torch.Tensor, size: int, rank: int):
+    positions = torch.arange(ids.shape[1], device=ids.device)[None].expand_as(ids)
+    inputs = {
+        "input_ids": _contiguous_shard(ids, size, rank),
+        "position_ids": _contiguous_shard(positions, size, rank),
+    }
+    return inputs, _contiguous_shard(shifted_labels(ids), size, rank)
+
+
+def build_ulysses(model, ids, world, device) -> Prepared:
+    import deepspeed.comm
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    deepspeed.comm.init_distributed(dist_backend=dist.get_backend())
+    B, S = ids.shape
+    mpu = UlyssesSPAttentionHF.register_with_transformers(
+        model, "sdpa", world, B, seq_length=S, seq_length_is_variable=False
+    )
+    group = mpu.get_sequence_parallel_group()
+    inputs, labels = _sp_inputs(ids, world, dist.get_rank(group))
+    count = B * (S - 1)
+    return Prepared(
+        model, _sharded_loss(model, inputs, labels, count, group), _grad_all_reduce(model, group)
+    )
+
+
+def _install_ulysses(cfg, tp: int, B: int, S: int, group) -> None:
+    """DeepSpeed's Ulysses attention over ``group`` for heads already split ``tp`` ways.
+
+    ``register_with_transformers`` reads the global head counts from the config; under TP each
+    rank holds 1/tp of them, so build the same ``UlyssesSPAttentionHF`` with the local counts and
+    install it the way ``register_with_transformers`` does (in place of the core attention).
+    """
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    sp = dist.get_world_size(group)
+    uattn = UlyssesSPAttentionHF(
+        attn=ALL_ATTENTION_FUNCTIONS["sdpa"],
+        batch_size=B,
+        attn_head_count=cfg.num_attention_heads // tp,
+        attn_head_size=cfg.hidden_size // cfg.num_attention_heads,
+        kv_head_count=cfg.num_key_value_heads // tp,
+        num_hidden_layers=cfg.num_hidden_layers,
+        process_group=group,
+        local_seq_length=S // sp,
+        global_seq_length=S,
+    )
+    uattn.core_attn_implementation = "sdpa"
+
+    def wrapper(module, query, key, value, attention_mask, *args, **kwargs):
+        return uattn(module, query, key, value, None, *args, **kwargs)  # causal: no 4-D mask
+
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = wrapper
+
+
+def build_tpxsp(model, ids, world, device) -> Prepared:
+    import deepspeed.comm
+
+    deepspeed.comm.init_distributed(dist_backend=dist.get_backend())
+    tp, sp = tp_sp_split("tpxsp", world)
+    mesh = init_device_mesh(device.type, (sp, tp), mesh_dim_names=("sp", "tp"))
+    parallelize_module(model, mesh["tp"], _hf_tp_plan(model))
+    group = mesh["sp"].get_group()
+    B, S = ids.shape
+    _install_ulysses(model.config, tp, B, S, group)
+    inputs, labels = _sp_inputs(ids, sp, mesh["sp"].get_local_rank())
+    count = B * (S - 1)
+    return Prepared(
+        model, _sharded_loss(model, inputs, labels, count, group), _grad_all_reduce(model, group)
+    )
+
+
+def build_ring(model, ids, world, device) -> Prepared:
+    from torch.distributed.tensor.experimental import context_parallel
+
+    mesh: DeviceMesh = init_device_mesh(device.type, (world,), mesh_dim_names=("cp",))
+    group = mesh.get_group()
+    positions = torch.arange(ids.shape[1], device=device)[None].expand_as(ids).contiguous()
+    full = (ids, positions, shifted_labels(ids))
+    count = ids.shape[0] * (ids.shape[1] - 1)
+    local: list[torch.Tensor] = []
+
+    def context():
+        # context_parallel shards its buffers in place (load-balanced for causal attention)
+        local[:] = [t.clone() for t in full]
+        return context_parallel(mesh, buffers=local, buffer_seq_dims=[1, 1, 1])
+
+    def loss():
+        ids_p, pos_p, labels_p = local
+        out = _sum_ce(model(input_ids=ids_p, position_ids=pos_p).logits, labels_p) / count
+        total = out.detach().clone()
+        dist.all_reduce(total, group=group)
+        return out, total
+
+    return Prepared(model, loss, _grad_all_reduce(model, group), context)
+
+
+BUILDERS: dict[str, Callable[..., Prepared]] = {
+    "single": build_single,
+    "tsp": build_tsp,
+    "tsp_no_overlap": lambda m, i, w, d: build_tsp(m, i, w, d, overlap=False),
+    "tp": build_tp,
+    "tp_sp": build_tp_sp,
+    "ulysses": build_ulysses,
+    "tpxsp": build_tpxsp,
+    "ring": build_ring,
+}
+LAYOUTS = tuple(BUILDERS)

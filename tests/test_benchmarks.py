@@ -1,0 +1,86 @@
+"""Smoke test of the benchmark harness: bytes and losses only, never time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from benchmarks.comm_counter import CommCounter
+from benchmarks.harness import measure
+from benchmarks.launch import run_processes
+
+TINY = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=64,
+)
+S = 64
+
+
+def _collectives(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    d = distribute_tensor(torch.ones(4, 100), mesh, [Shard(0)])  # a scatter from rank 0
+    with CommCounter() as c:
+        dist.all_reduce(torch.ones(100))
+        dist.broadcast(torch.ones(100), src=0)
+        dist.reduce(torch.ones(100), dst=0)
+        dist.all_gather_into_tensor(torch.empty(100 * world), torch.ones(100))
+        dist.reduce_scatter_tensor(torch.empty(100), torch.ones(100 * world))
+        dist.all_to_all_single(torch.empty(100), torch.ones(100))
+        peer = 1 - rank
+        ops = [
+            dist.P2POp(dist.isend, torch.ones(10), peer),
+            dist.P2POp(dist.irecv, torch.empty(10), peer),
+        ]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        d.redistribute(mesh, [Replicate()])  # DTensor: a functional all-gather
+    return dict(c.received)
+
+
+def test_comm_counter_bytes_received():
+    r0, r1 = run_processes(_collectives, 2, timeout=120)
+    # fp32, G = 2: all-reduce 2·(G-1)/G·400, gathers/scatters (G-1)/G of the full tensor
+    common = dict(all_reduce=400, reduce_scatter=400, all_to_all=200, send_recv=40)
+    assert r0 == {**common, "broadcast": 0, "reduce": 400, "all_gather": 400 + 800}
+    assert r1 == {**common, "broadcast": 400, "reduce": 0, "all_gather": 400 + 800}
+
+
+@pytest.fixture(scope="module")
+def rows() -> dict[str, dict]:
+    return {
+        layout: measure(layout, 2, S, TINY, steps=1, warmup=1, timeout=120)
+        for layout in ("single", "tsp", "tp")
+    }
+
+
+def test_rows_ok_and_losses_agree(rows):
+    single = rows["single"]
+    for layout, row in rows.items():
+        assert row["status"] == "ok", (layout, row["status"])
+        for key in ("loss", "final_loss"):
+            assert row[key] == pytest.approx(single[key], rel=1e-4), (layout, key)
+        mem = row["memory_bytes"]
+        assert all(mem[k] > 0 for k in ("params", "grads", "optimizer", "activations", "peak"))
+        if layout != "single":
+            assert row["comm_bytes"] and all(v >= 0 for v in row["comm_bytes"].values())
+            assert sum(row["comm_bytes"].values()) > 0
+
+
+def test_tsp_model_state_is_sharded(rows):
+    def state(row):
+        m = row["memory_bytes"]
+        return m["params"] + m["grads"] + m["optimizer"]
+
+    assert state(rows["tsp"]) < state(rows["single"])
+    assert (
+        rows["tsp"]["memory_bytes"]["activations"] < rows["single"]["memory_bytes"]["activations"]
+    )
+    assert rows["tp"]["comm_bytes"]["all_reduce"] > 0  # TP's activation all-reduces were counted

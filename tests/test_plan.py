@@ -1,0 +1,158 @@
+"""The layout planner: its CLI and JSON, its checks, and its memory model against measurements."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from tsp_ext import plan as planner
+from tsp_ext._plan_cli import main
+
+EXAMPLE = ["--model", "paper-7b", "--seq-len", "131072", "--devices", "8", "--recompute", "full"]
+MEMORY_KEYS = {"params", "grads", "optimizer", "activations", "transient", "total"}
+
+
+def run_json(capsys, argv: list[str]) -> dict:
+    assert main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_json_schema(capsys):
+    doc = run_json(capsys, EXAMPLE)
+    assert set(doc) == {"layouts", "recommended"}
+    assert {e["layout"] for e in doc["layouts"]} == {"tsp", "tp", "sp", "tpxsp"}
+    for e in doc["layouts"]:
+        assert set(e) == {"layout", "tp", "sp", "memory_bytes", "comm_bytes_per_layer"} | {
+            "est_step_seconds"
+        }
+        assert isinstance(e["tp"], int) and isinstance(e["sp"], int)
+        mem = e["memory_bytes"]
+        assert set(mem) == MEMORY_KEYS and all(isinstance(v, int) for v in mem.values())
+        parts = sum(v for k, v in mem.items() if k != "total")
+        assert abs(mem["total"] - parts) <= 5  # each part rounded on its own
+        assert e["comm_bytes_per_layer"] > 0 and e["est_step_seconds"] > 0
+        if e["layout"] == "tsp":
+            assert e["tp"] == e["sp"]  # one folded axis
+    rec = doc["recommended"]
+    assert rec is not None
+    chosen = [e for e in doc["layouts"] if (e["layout"], e["tp"], e["sp"]) == tuple(rec.values())]
+    assert len(chosen) == 1 and chosen[0]["memory_bytes"]["total"] <= 80 * 2**30
+
+
+def test_console_script():
+    exe = shutil.which("tsp-plan", path=str(Path(sys.executable).parent))
+    assert exe, "tsp-plan is not installed: pip install -e ."
+    table = subprocess.run([exe, *EXAMPLE], capture_output=True, text=True, check=True).stdout
+    assert "recommended:" in table and "tsp=8" in table
+
+
+def test_table(capsys):
+    assert main(EXAMPLE) == 0
+    out = capsys.readouterr().out
+    assert "recommended: " in out and "tp=2 x sp=4" in out
+
+
+def test_tsp_has_the_least_memory_at_long_context(capsys):
+    """All 8 devices in the model-parallel group (no data parallel): TSP's total is the least."""
+    doc = run_json(capsys, EXAMPLE)
+    full = [
+        e for e in doc["layouts"] if (e["tp"] if e["layout"] == "tsp" else e["tp"] * e["sp"]) == 8
+    ]
+    assert {e["layout"] for e in full} == {"tsp", "tp", "sp", "tpxsp"}
+    assert min(full, key=lambda e: e["memory_bytes"]["total"])["layout"] == "tsp"
+
+
+def test_layouts_that_cannot_run_are_skipped_with_a_reason(capsys):
+    """6 heads: no 4-way head split; the reason names what does not divide."""
+    shape = planner.ModelShape("six", 384, 2, 6, 6, 64, 1024, 1024)
+    result = planner.plan(shape, planner.Workload(seq_len=4096), planner.Cluster(devices=4))
+    reasons = {str(lay): why for lay, why in result.skipped}
+    assert reasons["tsp=4"] == "num_heads=6 is not divisible by tsp=4"
+    assert "tsp=2 dp=2" in {str(e.layout) for e in result.estimates}
+
+
+def test_no_valid_layout_is_an_error_naming_the_fix(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--model", "paper-7b", "--seq-len", "4096", "--devices", "7"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "no layout can run paper-7b on 7 devices" in err and "--devices" in err
+
+
+def test_bad_model_is_an_error(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        main(["--model", str(tmp_path / "missing"), "--seq-len", "4096"])
+    assert "neither a preset" in capsys.readouterr().err
+
+
+def test_hf_config_file(tmp_path, capsys):
+    cfg = {
+        "model_type": "qwen2",
+        "hidden_size": 512,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "intermediate_size": 1408,
+        "vocab_size": 4096,
+        "tie_word_embeddings": True,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    shape = planner.load_model(str(tmp_path))
+    assert (shape.head_dim, shape.qkv_bias, shape.tie_embeddings) == (64, True, True)
+    doc = run_json(capsys, ["--model", str(tmp_path), "--seq-len", "8192", "--devices", "4"])
+    assert doc["layouts"]
+
+
+def test_plot_needs_matplotlib_or_writes_png(tmp_path, capsys):
+    png = tmp_path / "mem.png"
+    argv = ["--model", "tiny", "--seq-len", "4096", "--devices", "4", "--plot", str(png)]
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert "--plot needs matplotlib" in capsys.readouterr().err
+    else:
+        assert main(argv) == 0
+        assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+# ---- the memory model against the benchmark harness's measurements ---------------------------
+
+# (harness layout, devices, sequence length): every planner layout, two lengths for TSP; small
+# enough for ~90 s on 2 cores (one warm-up and one measured step each)
+MEASURED = [
+    ("tsp", 2, 256),
+    ("tsp", 2, 512),
+    ("tp", 2, 512),
+    ("ulysses", 2, 256),
+    ("tpxsp", 4, 256),
+]
+PLANNER_KIND = {"tsp": "tsp", "tp": "tp", "ulysses": "sp", "tpxsp": "tpxsp"}
+STATE_AND_SAVED = ("params", "grads", "optimizer", "activations")
+
+
+@pytest.mark.parametrize("layout,devices,seq_len", MEASURED)
+def test_predicted_memory_within_10_percent_of_measured(layout, devices, seq_len):
+    from benchmarks.harness import DEFAULT_MODEL, measure
+
+    row = measure(layout, devices, seq_len, steps=1, warmup=1, dtype="float32")
+    assert row["status"] == "ok", row["status"]
+    shape = planner.ModelShape.from_hf_config(DEFAULT_MODEL, name="harness")
+    assert shape == replace(planner.PRESETS["tiny"], name="harness")
+    # as the harness runs: float32, torch AdamW on the model, the engine's defaults (gate/up
+    # recomputed; the baselines recompute nothing either way), no data parallelism
+    work = planner.Workload(seq_len=seq_len, dtype="float32", optimizer="adamw")
+    lay = planner.Layout(PLANNER_KIND[layout], row["tp"], row["sp"], dp=1)
+    predicted = planner.MEMORY[lay.kind](shape, work, lay)
+    measured = row["memory_bytes"]
+    for key in STATE_AND_SAVED:
+        assert getattr(predicted, key) == pytest.approx(measured[key], rel=0.10), key
+    total = sum(getattr(predicted, k) for k in STATE_AND_SAVED)
+    assert total == pytest.approx(sum(measured[k] for k in STATE_AND_SAVED), rel=0.10)

@@ -1,0 +1,174 @@
+"""``tsp-plan``: the command line of ``tsp_ext.plan`` (table, ``--json``, ``--plot``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+
+from .plan import (
+    DTYPE_BYTES,
+    GIB,
+    LAYOUTS,
+    OPTIMIZERS,
+    PRESETS,
+    RECOMPUTE,
+    Cluster,
+    Plan,
+    Workload,
+    load_model,
+    plan,
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tsp-plan",
+        description="Per-device memory, communication and step time of TSP, TP, SP (Ulysses) "
+        "and TP×SP layouts for one training step; recommends the fastest layout that fits.",
+    )
+    a = p.add_argument
+    a("--model", required=True, help=f"preset ({', '.join(PRESETS)}) or an HF config.json / dir")
+    a("--seq-len", type=int, required=True, help="tokens per sequence")
+    a("--micro-batch", type=int, default=1, help="sequences per step per model replica")
+    a("--devices", type=int, default=8, help="devices in all")
+    a("--devices-per-node", type=int, default=8)
+    a("--device-memory-gb", type=float, default=80.0, help="memory per device, GiB")
+    a("--recompute", choices=RECOMPUTE, default="selective", help="activation recompute")
+    a("--dtype", choices=tuple(DTYPE_BYTES), default="bfloat16", help="weights and activations")
+    a(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="adamw-master",
+        help="adamw: states in the model dtype; adamw-master: fp32 master weights and states",
+    )
+    a("--zero-stage", type=int, choices=(0, 1, 2, 3), default=3, help="over data parallel")
+    a("--no-shard-vocab", action="store_true", help="TSP: replicated embedding and LM head")
+    a("--loss-chunk", type=int, default=1024, help="TSP: tokens per fused LM-head/loss block")
+    a("--no-overlap", action="store_true", help="TSP: no communication/compute overlap")
+    a("--intra-node-bw", type=float, default=300.0, help="GB/s per device inside a node")
+    a("--inter-node-bw", type=float, default=40.0, help="GB/s per device across nodes")
+    a("--peak-tflops", type=float, default=989.0, help="device peak in --dtype")
+    a("--mfu", type=float, default=0.4, help="fraction of peak the matmuls reach")
+    a("--latency-us", type=float, default=10.0, help="fixed cost of one collective call")
+    a("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS), help="kinds to consider")
+    a("--json", action="store_true", help="print the plan as JSON")
+    a("--plot", metavar="PNG", help="also write total memory vs sequence length to PNG")
+    return p
+
+
+def _inputs(args: argparse.Namespace):
+    model = load_model(args.model)
+    work = Workload(
+        seq_len=args.seq_len,
+        micro_batch=args.micro_batch,
+        dtype=args.dtype,
+        optimizer=args.optimizer,
+        recompute=args.recompute,
+        zero_stage=args.zero_stage,
+        shard_vocab=not args.no_shard_vocab,
+        loss_chunk=args.loss_chunk,
+        overlap=not args.no_overlap,
+    )
+    cluster = Cluster(
+        devices=args.devices,
+        devices_per_node=args.devices_per_node,
+        device_memory_gb=args.device_memory_gb,
+        intra_node_gbs=args.intra_node_bw,
+        inter_node_gbs=args.inter_node_bw,
+        peak_tflops=args.peak_tflops,
+        mfu=args.mfu,
+        latency_us=args.latency_us,
+    )
+    return model, work, cluster
+
+
+def _unit(nbytes: float) -> tuple[str, int]:
+    """The binary unit that shows ``nbytes`` with a few significant digits."""
+    for name, size in (("GiB", GIB), ("MiB", 2**20)):
+        if nbytes >= size:
+            return name, size
+    return "KiB", 2**10
+
+
+def format_table(result: Plan) -> str:
+    """The plan as a text table: memory per device, traffic per layer, seconds per step."""
+    m, w, c = result.model, result.work, result.cluster
+    lines = [
+        f"{m.name}: {m.params / 1e6:,.1f}M params; seq {w.seq_len} x micro-batch {w.micro_batch}, "
+        f"{w.dtype}, {w.optimizer}, recompute={w.recompute}, ZeRO-{w.zero_stage}; "
+        f"{c.devices} devices ({c.devices_per_node}/node, {c.device_memory_gb:g} GiB each)",
+        "",
+    ]
+    mem_unit, mem_size = _unit(max(e.memory.total for e in result.estimates))
+    comm_unit, comm_size = _unit(max(e.comm_bytes_per_layer for e in result.estimates))
+    head = ("layout", "params", "grads", "optim", "activ", "transient", "total", "fits")
+    head += ("comm/layer", "step")
+    rows = [head, ("",) + (mem_unit,) * 6 + ("", comm_unit, "s (est)")]
+    for e in result.estimates:
+        mem = e.memory
+        sizes = (mem.params, mem.grads, mem.optimizer, mem.activations, mem.transient, mem.total)
+        rows.append(
+            (str(e.layout), *(f"{x / mem_size:.2f}" for x in sizes), "yes" if e.fits else "NO")
+            + (f"{e.comm_bytes_per_layer / comm_size:.1f}", f"{e.step_seconds:.3g}")
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    for r in rows:
+        cells = [r[0].ljust(widths[0])] + [x.rjust(wd) for x, wd in zip(r[1:], widths[1:])]
+        lines.append("  ".join(cells).rstrip())
+    lines += [f"skipped {lay}: {why}" for lay, why in result.skipped]
+    lines += ["", f"recommended: {result.reason}"]
+    return "\n".join(lines)
+
+
+def plot_memory(result: Plan, path: str) -> None:
+    """Write total memory per device vs sequence length (log-log) for every layout to ``path``."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise ValueError("--plot needs matplotlib: pip install matplotlib") from err
+    m, w, c = result.model, result.work, result.cluster
+    top = max(w.seq_len * 2, 2048)
+    lengths = [2**k for k in range(10, top.bit_length())]
+    curves: dict = {e.layout: [] for e in result.estimates}
+    kinds = tuple({e.layout.kind for e in result.estimates})
+    for n in lengths:
+        for e in plan(m, replace(w, seq_len=n), c, kinds).estimates:
+            if e.layout in curves:
+                curves[e.layout].append((n, e.memory.total / GIB))
+    fig, ax = plt.subplots(figsize=(10, 5.5))
+    style = {"tsp": "-", "tp": "--", "sp": ":", "tpxsp": "-."}
+    for i, (lay, points) in enumerate(curves.items()):
+        ax.plot(*zip(*points), style[lay.kind], color=f"C{i % 10}", marker=".", label=str(lay))
+    ax.axhline(c.device_memory_gb, color="k", linestyle="--", label="device memory")
+    ax.axvline(w.seq_len, color="grey", linestyle=":")
+    ax.set(xscale="log", yscale="log", xlabel="sequence length", ylabel="GiB per device")
+    ax.set_title(f"{m.name}, {c.devices} devices, recompute={w.recompute}, {w.dtype}")
+    ax.legend(fontsize="small", loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``tsp-plan``."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        result = plan(*_inputs(args), kinds=tuple(args.layouts))
+        if args.plot:
+            plot_memory(result, args.plot)
+    except ValueError as err:
+        parser.error(str(err))
+    if args.json:
+        print(json.dumps(result.as_dict(), indent=2))
+        for lay, why in result.skipped:
+            print(f"tsp-plan: skipped {lay}: {why}", file=sys.stderr)
+        print(f"tsp-plan: recommended: {result.reason}", file=sys.stderr)
+    else:
+        print(format_table(result))
+    return 0
