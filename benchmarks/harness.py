@@ -26,7 +26,6 @@ import time
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tsp_ext.memory import SavedTensorBytes
@@ -66,20 +65,6 @@ def make_batch(vocab: int, micro_batch: int, seq_len: int, seed: int = 1) -> tor
     """Token ids ``[micro_batch, seq_len]``, the same on every rank."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(vocab, (micro_batch, seq_len), generator=g)
-
-
-class _SavedLocalBytes(SavedTensorBytes):
-    """``SavedTensorBytes`` that counts a saved tensor subclass (DTensor, funcol's
-    AsyncCollectiveTensor) by the plain tensors inside it: a wrapper has no storage of its own."""
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        if is_traceable_wrapper_subclass(t):
-            for name in t.__tensor_flatten__()[0]:
-                inner = getattr(t, name)
-                if isinstance(inner, torch.Tensor):
-                    self._pack(inner)
-            return t
-        return super()._pack(t)
 
 
 def _local_bytes(tensors) -> int:
@@ -144,7 +129,7 @@ def _instrumented_step(prep: Prepared, opt, device) -> dict:
     _reset_peak(device)
     with CommCounter() as comm:
         with prep.context():
-            with _SavedLocalBytes(ignore=prep.model.parameters()) as saved:
+            with SavedTensorBytes(ignore=prep.model.parameters()) as saved:
                 local, _ = prep.loss()
             local.backward()
             del local

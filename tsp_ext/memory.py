@@ -6,13 +6,15 @@ from collections.abc import Iterable
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
 class SavedTensorBytes:
     """Context manager recording every tensor autograd saves for backward inside it.
 
     ``nbytes`` counts each underlying storage once (views and re-saves of one buffer are not
-    double counted); ``shapes`` lists the saved tensors' shapes in order. Example::
+    double counted; a tensor subclass such as DTensor by the plain tensors inside it);
+    ``shapes`` lists the saved tensors' shapes in order. Example::
 
         with SavedTensorBytes() as saved:
             loss = model(**batch).loss
@@ -27,6 +29,12 @@ class SavedTensorBytes:
         self.shapes: list[tuple[int, ...]] = []
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if is_traceable_wrapper_subclass(t):  # DTensor, AsyncCollectiveTensor: no own storage
+            for name in t.__tensor_flatten__()[0]:
+                inner = getattr(t, name)
+                if isinstance(inner, torch.Tensor):
+                    self._pack(inner)
+            return t
         st = t.untyped_storage()
         if st.data_ptr() in self._ignore:
             return t
