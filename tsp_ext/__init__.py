@@ -5,48 +5,52 @@ One line turns a Llama-family model into a TSP model::
     mesh = init_tsp_mesh(tsp_size=4)
     model = apply_tsp(model, mesh)
     out = model(**shard_batch({"input_ids": ids, "labels": labels}, mesh))
+
+Public names are imported on first use, so that torch-free parts (``tsp_ext.planner``) import
+without torch or transformers installed.
 """
 
-from .attention import AttentionSpec, TSPAttention
-from .batch import gather_sequence, shard_batch
-from .config import TSPConfig
-from .export import save_pretrained
-from .layout import IGNORE_INDEX, ZigzagLayout, pad_sequence, padded_length
-from .loading import load_pretrained
-from .mesh import init_tsp_mesh, tsp_group
-from .mlp import TSPGatedMLP
-from .model import apply_tsp, check_supported
-from .norms import clip_grad_norm_
-from .state import (
-    full_grads,
-    full_optimizer_state,
-    full_state_dict,
-    load_optimizer_state,
-)
-from .vocab import TSPVocabEmbedding, TSPVocabLMHead
+from __future__ import annotations
 
-__all__ = [
-    "IGNORE_INDEX",
-    "AttentionSpec",
-    "TSPAttention",
-    "TSPConfig",
-    "TSPGatedMLP",
-    "TSPVocabEmbedding",
-    "TSPVocabLMHead",
-    "ZigzagLayout",
-    "apply_tsp",
-    "check_supported",
-    "clip_grad_norm_",
-    "full_grads",
-    "full_optimizer_state",
-    "full_state_dict",
-    "gather_sequence",
-    "init_tsp_mesh",
-    "load_optimizer_state",
-    "load_pretrained",
-    "pad_sequence",
-    "save_pretrained",
-    "padded_length",
-    "shard_batch",
-    "tsp_group",
-]
+import importlib
+
+# public name -> module that defines it (relative to this package)
+_EXPORTS = {
+    "AttentionSpec": ".attention",
+    "TSPAttention": ".attention",
+    "gather_sequence": ".batch",
+    "shard_batch": ".batch",
+    "TSPConfig": ".config",
+    "save_pretrained": ".export",
+    "IGNORE_INDEX": ".layout",
+    "ZigzagLayout": ".layout",
+    "pad_sequence": ".layout",
+    "padded_length": ".layout",
+    "load_pretrained": ".loading",
+    "init_tsp_mesh": ".mesh",
+    "tsp_group": ".mesh",
+    "TSPGatedMLP": ".mlp",
+    "apply_tsp": ".model",
+    "check_supported": ".model",
+    "clip_grad_norm_": ".norms",
+    "full_grads": ".state",
+    "full_optimizer_state": ".state",
+    "full_state_dict": ".state",
+    "load_optimizer_state": ".state",
+    "TSPVocabEmbedding": ".vocab",
+    "TSPVocabLMHead": ".vocab",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'tsp_ext' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value  # later look-ups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
