@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test lint demo bench
+.PHONY: setup test test-unit lint demo bench
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -22,6 +22,10 @@ lint: $(STAMP)
 # the tests build every model from a config: nothing may reach a model or dataset hub
 test: lint
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -q
+
+# the single-process tests only (seconds): layout, kernels, planner, boundaries
+test-unit: $(STAMP)
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -q -m "not multiproc"
 
 DEMO_DIR ?= outputs/demo
 DEMO_ARGS ?= --tsp-size 2 --seq-len 4096 --max-steps 30 --eval-every 10

@@ -8,5 +8,5 @@
 - ``run``: the sweep CLI (``python -m benchmarks.run``) writing JSON, markdown and PNG plots;
 - ``emulate``: one rank of a D-rank layout alone on the fake process group (real memory at
   full scale on one device);
-- ``comm_counter``, ``launch``, ``report``, ``plots``: the pieces they share.
+- ``comm_counter``, ``report``, ``plots``: the pieces they share.
 """

@@ -26,8 +26,9 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .harness import MODEL_KEYS, _train_rank
-from .launch import run_processes
+from tsp_ext.testing.launch import run_processes
+
+from .harness import MALLOC_ENV, MODEL_KEYS, _train_rank
 from .layouts import tp_sp_split
 
 log = logging.getLogger("benchmarks.emulate")
@@ -117,7 +118,13 @@ def emulate(
         device=device,
     )
     (result,) = run_processes(
-        _emulated_rank, devices, spec, backend="fake", timeout=timeout, ranks=[rank]
+        _emulated_rank,
+        devices,
+        spec,
+        backend="fake",
+        timeout=timeout,
+        ranks=[rank],
+        env=MALLOC_ENV,
     )
     result.pop("times", None)
     return {

@@ -29,9 +29,9 @@ from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tsp_ext.memory import SavedTensorBytes
+from tsp_ext.testing.launch import run_processes
 
 from .comm_counter import CommCounter
-from .launch import run_processes
 from .layouts import BUILDERS, Prepared, tp_sp_split
 
 # a small Llama every layout divides at D in {2, 4}: heads 8 / D, KV heads 4 / D, MLP 704 / D
@@ -45,6 +45,9 @@ DEFAULT_MODEL = dict(
 )
 MODEL_KEYS = tuple(DEFAULT_MODEL)
 LR = 1e-3
+# glibc: serve every allocation over 64 KiB by mmap, so freed tensors leave the resident set at
+# once and the peak RSS (VmHWM) tracks live memory rather than the allocator's cache
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
 def build_model(
@@ -255,7 +258,9 @@ def measure(
     )
     backend = "nccl" if device == "cuda" else "gloo"
     try:
-        results = run_processes(_train_rank, world, spec, backend=backend, timeout=timeout)
+        results = run_processes(
+            _train_rank, world, spec, backend=backend, timeout=timeout, env=MALLOC_ENV
+        )
     except RuntimeError as e:
         if "exit code -9" in str(e):  # the kernel's OOM killer
             return {**row, "status": "oom"}

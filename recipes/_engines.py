@@ -8,26 +8,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 
 import torch
-import torch.distributed as dist
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch.nn.parallel import DistributedDataParallel
 
 import tsp_ext.fsdp
-from tsp_ext import (
-    apply_tsp,
-    clip_grad_norm_,
-    full_optimizer_state,
-    full_state_dict,
-    load_optimizer_state,
-    save_pretrained,
-)
-from tsp_ext.state import local_index
-
-UNIVERSAL = "train_state.safetensors"  # TSP-size independent (ddp engine)
+from tsp_ext import apply_tsp, clip_grad_norm_, full_state_dict, save_pretrained
+from tsp_ext.checkpoint.training import load_training_state, save_training_state
 
 
 def lr_lambda(warmup: int, total: int):
@@ -105,91 +92,20 @@ class Engine:
     # -- checkpoints -------------------------------------------------------------------------
 
     def save(self, path: str, step: int) -> None:
-        """Full training state at ``step`` under ``path`` (the engine's native format)."""
-        os.makedirs(path, exist_ok=True)
-        if self.kind == "deepspeed":
-            self.engine.save_checkpoint(path, tag="state")
-        elif self.kind == "fsdp2":
-            from torch.distributed.checkpoint.state_dict import get_state_dict
-
-            msd, osd = get_state_dict(self.model, self.optimizer)
-            tsp_ext.fsdp.dcp_save({"model": msd, "optim": osd}, path, self.model)
-        else:  # ddp: full tensors, so that any TSP size can resume (resharding)
-            model_state = full_state_dict(self.model)
-            optim_state = full_optimizer_state(self.model, self.optimizer)
-            if dist.get_rank() == 0:
-                tensors = {f"model/{k}": v for k, v in model_state.items()}
-                for name, st in optim_state.items():
-                    tensors.update({f"optim/{name}/{k}": v for k, v in st.items()})
-                save_file(tensors, os.path.join(path, UNIVERSAL))
-        if dist.get_rank() == 0:
-            meta = {
-                "step": step,
-                "scheduler": self.scheduler.state_dict(),
-                "dp_engine": self.kind,
-                "tsp_size": self.args.tsp_size,
-                "seq_len": self.args.seq_len,
-            }
-            if self.kind == "ddp":  # lr, betas, ...: the per-parameter state is in UNIVERSAL
-                meta["optimizer_groups"] = [
-                    {k: v for k, v in g.items() if k != "params"}
-                    for g in self.optimizer.param_groups
-                ]
-            with open(os.path.join(path, "trainer_state.json"), "w") as f:
-                json.dump(meta, f)
-        dist.barrier()
+        """Full training state at ``step`` under ``path`` (see ``tsp_ext.checkpoint.training``)."""
+        save_training_state(
+            path, self.model, self.optimizer, self.scheduler, step, **self._checkpoint_kwargs()
+        )
 
     def load(self, path: str) -> int:
         """Restore what ``save`` wrote; returns the step to continue from."""
-        with open(os.path.join(path, "trainer_state.json")) as f:
-            meta = json.load(f)
-        # ddp checkpoints hold full tensors: they reshard to any TSP size
-        keys = (
-            ("dp_engine", "seq_len") if self.kind == "ddp" else ("dp_engine", "tsp_size", "seq_len")
+        return load_training_state(
+            path, self.model, self.optimizer, self.scheduler, **self._checkpoint_kwargs()
         )
-        for key in keys:
-            mine = self.kind if key == "dp_engine" else getattr(self.args, key)
-            if meta[key] != mine:
-                raise ValueError(
-                    f"--resume-from {path} was saved with {key}={meta[key]!r}, this run has "
-                    f"{mine!r}: resume with the same setting"
-                )
-        if self.kind == "deepspeed":
-            self.engine.load_checkpoint(path, tag="state")
-        elif self.kind == "fsdp2":
-            from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-            msd, osd = get_state_dict(self.model, self.optimizer)
-            sd = {"model": msd, "optim": osd}
-            tsp_ext.fsdp.dcp_load(sd, path, self.model)
-            set_state_dict(
-                self.model,
-                self.optimizer,
-                model_state_dict=sd["model"],
-                optim_state_dict=sd["optim"],
-            )
-        else:
-            self._load_universal(os.path.join(path, UNIVERSAL))
-            for group, saved in zip(self.optimizer.param_groups, meta["optimizer_groups"]):
-                group.update(saved)
-        if self.kind != "deepspeed":  # DeepSpeed restores its scheduler itself
-            self.scheduler.load_state_dict(meta["scheduler"])
-        return meta["step"]
-
-    def _load_universal(self, file: str) -> None:
-        """Each rank reads its slices of the full model and optimizer tensors."""
-        with safe_open(file, "pt") as f, torch.no_grad():
-            keys = set(f.keys())
-            for name, param in self.model.named_parameters():
-                param.copy_(f.get_slice(f"model/{name}")[local_index(self.model, name)])
-
-            def read(name, key, index):
-                full = f"optim/{name}/{key}"
-                if full not in keys:
-                    return None
-                return f.get_tensor(full) if index == () else f.get_slice(full)[index]
-
-            load_optimizer_state(self.model, self.optimizer, read)
+    def _checkpoint_kwargs(self) -> dict:
+        engine = self.engine if self.kind == "deepspeed" else None
+        return {"engine": engine, "meta": {"seq_len": self.args.seq_len}}
 
     def export(self, path: str, tokenizer) -> None:
         """A plain Hugging Face checkpoint of the current weights."""

@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from tsp_ext import init_tsp_mesh, shard_batch
+from tsp_ext.checkpoint.training import TRAINER_STATE
 from tsp_ext.memory import SavedTensorBytes
 
 log = logging.getLogger("finetune_long_llama")
@@ -96,9 +97,7 @@ def check_args(args, world: int) -> None:
         )
     if args.dp_engine == "deepspeed" and not os.path.isfile(args.ds_config):
         raise SystemExit(f"--ds-config {args.ds_config} does not exist")
-    if args.resume_from and not os.path.isfile(
-        os.path.join(args.resume_from, "trainer_state.json")
-    ):
+    if args.resume_from and not os.path.isfile(os.path.join(args.resume_from, TRAINER_STATE)):
         raise SystemExit(f"--resume-from {args.resume_from} is not a checkpoint-<step> directory")
 
 

@@ -6,11 +6,14 @@ import functools
 
 import pytest
 import torch
+from conftest import error_message
 from models import batch, build
-from multiproc import error_message, run_distributed
 from transformers import GPT2Config, GPT2LMHeadModel, MixtralConfig, MixtralForCausalLM
 
-from tsp_ext import apply_tsp, init_tsp_mesh, shard_batch
+from tsp_ext import ZigzagLayout, apply_tsp, gather_sequence, init_tsp_mesh, shard_batch
+from tsp_ext.testing.launch import run_processes
+
+pytestmark = pytest.mark.multiproc
 
 
 def errors_worker(rank, world):
@@ -70,12 +73,14 @@ def errors_worker(rank, world):
         "unknown_key": error_message(
             lambda: shard_batch({**data, "pixel_values": data["labels"]}, mesh)
         ),
+        "gather_none": error_message(lambda: gather_sequence(model(**local).logits, mesh)),
+        "odd_length": error_message(lambda: ZigzagLayout(6, 2)),
     }
 
 
 @functools.cache
 def messages():
-    return run_distributed(errors_worker, 2)[0]
+    return run_processes(errors_worker, 2)[0]
 
 
 @pytest.mark.parametrize(
@@ -100,6 +105,8 @@ def messages():
         ("id_range", "input_ids must be in [0, 96)"),
         ("logits_to_keep", "logits_to_keep is not supported"),
         ("unknown_key", "does not know how to shard ['pixel_values']"),
+        ("gather_none", "gather_sequence needs a local [B, S/D, ...] tensor, got NoneType"),
+        ("odd_length", "shard the batch with tsp_ext.shard_batch"),
     ],
 )
 def test_clear_errors(case, expected):

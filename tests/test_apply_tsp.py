@@ -7,8 +7,8 @@ import functools
 
 import pytest
 import torch
+from conftest import rel_err
 from models import FAMILIES, batch, build, lm_loss
-from multiproc import run_distributed
 
 from tsp_ext import (
     TSPConfig,
@@ -18,6 +18,9 @@ from tsp_ext import (
     init_tsp_mesh,
     shard_batch,
 )
+from tsp_ext.testing.launch import run_processes
+
+pytestmark = pytest.mark.multiproc
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 # (family, dtype, batch, seq_len, right-padding of the last sequence, variant); 21 and 30 need
@@ -40,10 +43,6 @@ VARIANTS = {
     "pad_id": ({"pad_token_id": 3}, TSPConfig(loss_chunk=5)),
     "replicated": ({}, TSPConfig(shard_vocab=False)),
 }
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 def reference(model, data):
@@ -94,7 +93,7 @@ def parity_worker(rank, world):
 
 @functools.cache
 def parity(world):
-    return run_distributed(parity_worker, world)
+    return run_processes(parity_worker, world)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

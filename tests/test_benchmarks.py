@@ -8,7 +8,9 @@ import torch.distributed as dist
 
 from benchmarks.comm_counter import CommCounter
 from benchmarks.harness import measure
-from benchmarks.launch import run_processes
+from tsp_ext.testing.launch import run_processes
+
+pytestmark = pytest.mark.multiproc
 
 TINY = dict(
     hidden_size=32,

@@ -8,7 +8,6 @@ import os
 import pytest
 import torch
 from models import batch, build
-from multiproc import run_distributed
 
 from tsp_ext import (
     apply_tsp,
@@ -18,6 +17,9 @@ from tsp_ext import (
     save_pretrained,
     shard_batch,
 )
+from tsp_ext.testing.launch import run_processes
+
+pytestmark = pytest.mark.multiproc
 
 
 class FailingTokenizer:
@@ -81,12 +83,7 @@ def roundtrip_worker(rank, world, tmp, family):
 
 @functools.cache
 def roundtrips(world: int, tmp: str):
-    return {f: run_distributed(roundtrip_worker, world, tmp, f) for f in ("llama", "llama_tied")}
-
-
-@pytest.fixture(scope="module")
-def tmp(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("ckpt"))
+    return {f: run_processes(roundtrip_worker, world, tmp, f) for f in ("llama", "llama_tied")}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -149,8 +146,8 @@ def test_shard_on_read_peak_memory_is_about_the_shard(big_checkpoint):
         for f in os.listdir(big_checkpoint)
         if f.endswith(".safetensors")
     )
-    lean = run_distributed(load_memory_worker, 4, big_checkpoint, True)
-    naive = run_distributed(load_memory_worker, 4, big_checkpoint, False)
+    lean = run_processes(load_memory_worker, 4, big_checkpoint, True)
+    naive = run_processes(load_memory_worker, 4, big_checkpoint, False)
     # measured here: +67 MB per rank (its shard: 57 MB) vs +162..186 MB, of a 204 MB model
     for res in lean:
         assert res["peak_delta"] < 0.45 * full, (res, full)

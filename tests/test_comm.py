@@ -5,9 +5,11 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-from multiproc import run_distributed
 
-from tsp_ext import comm
+from tsp_ext.engine import comm
+from tsp_ext.testing.launch import run_processes
+
+pytestmark = pytest.mark.multiproc
 
 
 def _global_dot(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -56,7 +58,7 @@ def duals_worker(rank, world):
 
 @functools.cache
 def duals(world):
-    return run_distributed(duals_worker, world)
+    return run_processes(duals_worker, world)
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-from multiproc import run_distributed
+from conftest import rel_err
 from transformers import LlamaConfig, Qwen3Config
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRotaryEmbedding
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3MLP
@@ -20,6 +20,9 @@ from tsp_ext import (
     pad_sequence,
     padded_length,
 )
+from tsp_ext.testing.launch import run_processes
+
+pytestmark = pytest.mark.multiproc
 
 TOL = {"float64": 1e-10, "float32": 1e-5}
 
@@ -57,10 +60,6 @@ def make_config(name: str):
         attn_implementation="sdpa",
     )
     return cls(**{**base, **kw})
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 def _parity_case(rank, world, name, dtype_name, B, S, attn_block):
@@ -127,7 +126,7 @@ def parity_worker(rank, world, cases, attn_block):
 
 @functools.cache
 def parity_results(world: int, attn_block: int) -> dict:
-    return run_distributed(parity_worker, world, tuple(CASES), attn_block)
+    return run_processes(parity_worker, world, tuple(CASES), attn_block)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

@@ -5,11 +5,14 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-from multiproc import error_message, run_distributed
+from conftest import error_message
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRotaryEmbedding
 
 from tsp_ext import AttentionSpec, TSPAttention, TSPConfig, TSPGatedMLP
+from tsp_ext.testing.launch import run_processes
+
+pytestmark = pytest.mark.multiproc
 
 
 def errors_worker(rank, world):
@@ -43,7 +46,7 @@ def errors_worker(rank, world):
 
 @functools.cache
 def messages():
-    return run_distributed(errors_worker, 2)[0]
+    return run_processes(errors_worker, 2)[0]
 
 
 @pytest.mark.parametrize(

@@ -9,10 +9,12 @@ import pytest
 import torch
 from dp_reference import CLIP, STEPS, adamw, param_errors, reference, replica_batches
 from models import build
-from multiproc import run_distributed
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from tsp_ext import full_state_dict, init_tsp_mesh, shard_batch
+from tsp_ext.testing.launch import run_processes
+
+pytestmark = pytest.mark.multiproc
 
 
 def fsdp_run(mesh, dtype, **shard_kwargs):
@@ -87,12 +89,7 @@ def fsdp_worker(rank, world, tsp, tmp):
 
 @functools.cache
 def results(tsp: int, tmp: str):
-    return run_distributed(fsdp_worker, 4, tsp, tmp, timeout=600)
-
-
-@pytest.fixture(scope="module")
-def tmp(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("fsdp"))
+    return run_processes(fsdp_worker, 4, tsp, tmp, timeout=600)
 
 
 @pytest.mark.parametrize("tsp", [2, 4, 1])

@@ -7,12 +7,14 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-from multiproc import run_distributed
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRotaryEmbedding
 
 from tsp_ext import TSPAttention, TSPConfig, TSPGatedMLP, ZigzagLayout
 from tsp_ext.memory import SavedTensorBytes
+from tsp_ext.testing.launch import run_processes
+
+pytestmark = pytest.mark.multiproc
 
 SEQ, HIDDEN, FFN = 240, 48, 64  # sizes distinct from each other and from every S/D
 
@@ -56,7 +58,7 @@ def memory_worker(rank, world):
 
 @functools.cache
 def measured(world):
-    return run_distributed(memory_worker, world)
+    return run_processes(memory_worker, world)
 
 
 @pytest.mark.parametrize("module", ["attn", "mlp", "mlp_kept"])

@@ -10,8 +10,11 @@ import sys
 
 import pytest
 import torch
-from multiproc import free_port
 from safetensors.torch import load_file
+
+from tsp_ext.testing.launch import free_port
+
+pytestmark = pytest.mark.multiproc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "recipes", "finetune_long_llama.py")
@@ -74,11 +77,6 @@ def run(engine: str, tmp: str) -> dict:
     )
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     return {"out": out, "resumed": resumed, "log": first.stdout}
-
-
-@pytest.fixture(scope="module")
-def tmp(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("recipe"))
 
 
 @pytest.mark.parametrize("engine", ["ddp", "deepspeed", "fsdp2"])

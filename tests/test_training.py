@@ -7,14 +7,13 @@ import functools
 
 import pytest
 import torch
+from conftest import rel_err
 from models import batch, build, causal_lm_loss
-from multiproc import run_distributed
 
 from tsp_ext import apply_tsp, full_grads, full_state_dict, init_tsp_mesh, shard_batch
+from tsp_ext.testing.launch import run_processes
 
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+pytestmark = pytest.mark.multiproc
 
 
 def adamw_steps(mesh, steps=3):
@@ -94,7 +93,7 @@ def training_worker(rank, world):
 
 @functools.cache
 def results(world):
-    return run_distributed(training_worker, world)
+    return run_processes(training_worker, world)
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -11,11 +11,13 @@ import functools
 import pytest
 import torch
 from models import lm_loss
-from multiproc import run_distributed
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tsp_ext import TSPConfig, apply_tsp, full_grads, gather_sequence, init_tsp_mesh, shard_batch
 from tsp_ext.memory import PeakAllocated, SavedTensorBytes
+from tsp_ext.testing.launch import run_processes
+
+pytestmark = pytest.mark.multiproc
 
 VOCAB, HIDDEN, SEQ, CHUNK = 32768, 64, 2048, 128
 F32 = 4
@@ -82,7 +84,7 @@ def logits_path_worker(rank, world):
 
 @functools.cache
 def measured(world):
-    return run_distributed(vocab_worker, world)
+    return run_processes(vocab_worker, world)
 
 
 def reference_logits_bytes(tokens: int) -> int:
@@ -118,5 +120,5 @@ def test_loss_transient_is_bounded_by_the_chunk_not_the_logits(world):
 
 @pytest.mark.parametrize("world", [2])
 def test_requested_logits_have_exact_gradients(world):
-    for rank, err in enumerate(run_distributed(logits_path_worker, world)):
+    for rank, err in enumerate(run_processes(logits_path_worker, world)):
         assert err < 1e-5, (rank, err)

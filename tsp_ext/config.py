@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
@@ -52,3 +53,35 @@ class TSPConfig:
     def accum_for(self, dtype: torch.dtype) -> torch.dtype:
         """Accumulation dtype for activations of ``dtype`` (never less precise than them)."""
         return torch.promote_types(dtype, self.accum_dtype)
+
+    @classmethod
+    def from_dict(cls, options: dict[str, Any], where: str = "the TSP options") -> TSPConfig:
+        """A config from JSON-style options (e.g. a DeepSpeed ``"tsp"`` block): any field name,
+        ``size`` as an alias of ``tsp_size``, dtypes as strings (``"float32"``). ``where``
+        names the options in error messages."""
+        kw = dict(options)
+        if "size" in kw:
+            if "tsp_size" in kw:
+                raise ValueError(f'{where}: give the TSP size once, "size" or "tsp_size"')
+            kw["tsp_size"] = kw.pop("size")
+        known = {f.name for f in fields(cls)}
+        unknown = set(kw) - known
+        if unknown:
+            raise ValueError(
+                f"unknown keys in {where}: {sorted(unknown)} (known: {sorted(known | {'size'})})"
+            )
+        if isinstance(kw.get("accum_dtype"), str):
+            name = kw["accum_dtype"].removeprefix("torch.")
+            dtype = getattr(torch, name, None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"{where}: accum_dtype {kw['accum_dtype']!r} is not a dtype")
+            kw["accum_dtype"] = dtype
+        return cls(**kw)
+
+    def differences(self, other: TSPConfig) -> dict[str, tuple[Any, Any]]:
+        """``{field: (self's value, other's value)}`` for every field that differs."""
+        return {
+            f.name: (getattr(self, f.name), getattr(other, f.name))
+            for f in fields(self)
+            if getattr(self, f.name) != getattr(other, f.name)
+        }

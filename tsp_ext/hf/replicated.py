@@ -13,14 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .comm import replicated
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim, statistics in float32, as Hugging Face's Llama family does."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+from ..engine.comm import replicated
+from ..engine.pointwise import rms_norm
 
 
 class TSPRMSNorm(nn.Module):

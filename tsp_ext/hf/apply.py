@@ -17,18 +17,15 @@ from __future__ import annotations
 import types
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from . import comm
-from .attention import AttentionSpec, TSPAttention
-from .config import TSPConfig
-from .layout import IGNORE_INDEX, ZigzagLayout
-from .mesh import init_tsp_mesh, tsp_group
+from ..config import TSPConfig
+from ..engine.attention import AttentionSpec
+from ..mesh import init_tsp_mesh, tsp_group
+from .attention import TSPAttention
+from .causal_lm import TSPCausalLMLoss, check_inputs, vocab_sharded_forward
 from .mlp import TSPGatedMLP
 from .replicated import TSPEmbedding, TSPLMHead, TSPRMSNorm
 from .vocab import TSPVocabEmbedding, TSPVocabLMHead, check_vocab_divisible
@@ -44,10 +41,6 @@ SUPPORTED_MODELS = (
 ATTN_IMPLEMENTATION = "tsp"
 # RoPE variants whose cos/sin depend on the token's position only (not on the sequence seen)
 _POSITION_ONLY_ROPE = ("default", "linear", "llama3", "yarn")
-_NEEDS_SHIFT_LABELS = (
-    "a TSP model needs labels shifted before sharding: build the batch with tsp_ext.shard_batch "
-    "(it returns shift_labels)"
-)
 
 
 @dataclass(frozen=True)
@@ -111,7 +104,7 @@ def apply_tsp(
         decoder.embed_tokens = TSPVocabEmbedding.from_hf(decoder.embed_tokens, group)
         tied_to = decoder.embed_tokens if tied else None
         model.lm_head = TSPVocabLMHead.from_hf(model.lm_head, group, config, tied_to)
-        model.forward = types.MethodType(_vocab_sharded_forward, model)
+        model.forward = types.MethodType(vocab_sharded_forward, model)
     else:
         decoder.embed_tokens = TSPEmbedding.from_hf(decoder.embed_tokens, group)
         model.lm_head = TSPLMHead.from_hf(model.lm_head, group)
@@ -124,7 +117,7 @@ def apply_tsp(
     model.config.use_cache = False  # no KV cache under TSP (prefill and training only)
     model.loss_function = TSPCausalLMLoss(group)
     model.tsp = TSPState(mesh, group, config, changed)
-    model.register_forward_pre_hook(_check_inputs, with_kwargs=True)
+    model.register_forward_pre_hook(check_inputs, with_kwargs=True)
     return model
 
 
@@ -190,124 +183,3 @@ def _check_divisible(cfg, D: int, shard_vocab: bool) -> None:
         )
     if shard_vocab:
         check_vocab_divisible(cfg.vocab_size, D)
-
-
-class TSPCausalLMLoss:
-    """Causal-LM loss of a TSP model: the token mean over the whole TSP group's batch.
-
-    Same value as Hugging Face's ``ForCausalLMLoss`` on the full batch (at least float32 logits,
-    ignored labels excluded), identical on every TSP rank; its backward gives every rank exactly its
-    tokens' share (no factor of D). ``num_items_in_batch``, if given, is the *global* number of
-    target tokens (e.g. across gradient-accumulation steps).
-    """
-
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
-
-    def __call__(
-        self,
-        logits: torch.Tensor,
-        labels: torch.Tensor | None,
-        vocab_size: int,
-        num_items_in_batch: torch.Tensor | int | None = None,
-        ignore_index: int = IGNORE_INDEX,
-        shift_labels: torch.Tensor | None = None,
-        **kwargs,
-    ) -> torch.Tensor:
-        if shift_labels is None:
-            raise ValueError(_NEEDS_SHIFT_LABELS)
-        # float32 at least, as Hugging Face does; float64 models keep float64
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        local = F.cross_entropy(
-            logits.reshape(-1, vocab_size),
-            shift_labels.reshape(-1).to(logits.device),
-            ignore_index=ignore_index,
-            reduction="sum",
-        )
-        return self.global_mean(local, shift_labels, num_items_in_batch, ignore_index)
-
-    def global_mean(
-        self,
-        local_sum: torch.Tensor,
-        shift_labels: torch.Tensor,
-        num_items_in_batch: torch.Tensor | int | None = None,
-        ignore_index: int = IGNORE_INDEX,
-    ) -> torch.Tensor:
-        """Sum of every rank's ``local_sum`` over the global number of target tokens."""
-        if num_items_in_batch is None:
-            count = (shift_labels != ignore_index).sum().to(local_sum.device)
-            comm.all_reduce(count, self.group)
-        else:
-            count = torch.as_tensor(num_items_in_batch, device=local_sum.device)
-        return comm.sum_over_ranks(local_sum, self.group) / count
-
-
-def _vocab_sharded_forward(
-    self,
-    input_ids: torch.Tensor | None = None,
-    position_ids: torch.Tensor | None = None,
-    inputs_embeds: torch.Tensor | None = None,
-    labels: torch.Tensor | None = None,
-    shift_labels: torch.Tensor | None = None,
-    num_items_in_batch: torch.Tensor | int | None = None,
-    return_logits: bool = False,
-    logits_to_keep: int = 0,
-    use_cache: bool | None = None,
-    return_dict: bool | None = None,
-    **kwargs,
-) -> CausalLMOutputWithPast:
-    """``forward`` of a TSP causal LM whose embedding and LM head are vocab-sharded.
-
-    With ``labels`` the loss is computed by the fused ring LM head + cross-entropy and no logits
-    are built (``logits`` is None) unless ``return_logits=True``; without labels the logits of
-    the local tokens ``[B, S/D, V]`` are returned, as Hugging Face does.
-    """
-    if logits_to_keep:
-        raise ValueError("logits_to_keep is not supported by a TSP model (every token is local)")
-    outputs = self.model(
-        input_ids=input_ids,
-        position_ids=position_ids,
-        inputs_embeds=inputs_embeds,
-        use_cache=False,
-        **kwargs,
-    )
-    hidden = outputs.last_hidden_state
-    loss = logits = None
-    if labels is not None:
-        if shift_labels is None:
-            raise ValueError(_NEEDS_SHIFT_LABELS)
-        local = self.lm_head(hidden, shift_labels)
-        loss = self.loss_function.global_mean(local, shift_labels, num_items_in_batch)
-    if labels is None or return_logits:
-        logits = self.lm_head(hidden)
-    out = CausalLMOutputWithPast(
-        loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
-    )
-    return out.to_tuple() if return_dict is False else out
-
-
-def _check_inputs(model: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook: reject inputs that would silently give wrong results under TSP."""
-    if args:
-        raise ValueError("call a TSP model with keyword arguments: model(**shard_batch(...))")
-    if kwargs.get("attention_mask") is not None:
-        raise ValueError(
-            "a TSP model takes no attention_mask: pass the full batch's mask to "
-            "tsp_ext.shard_batch, which turns right padding into ignored labels"
-        )
-    pos = kwargs.get("position_ids")
-    if pos is None:
-        raise ValueError(
-            "a TSP model needs the global position_ids of its tokens: use tsp_ext.shard_batch"
-        )
-    state: TSPState = model.tsp
-    expected = ZigzagLayout.from_local(pos.shape[-1], state.size).positions(
-        dist.get_rank(state.group), pos.device
-    )
-    if not torch.equal(
-        pos.reshape(-1, pos.shape[-1]), expected.expand(pos.numel() // pos.shape[-1], -1)
-    ):
-        raise ValueError(
-            "position_ids are not this rank's zigzag positions: build the batch with "
-            "tsp_ext.shard_batch on the same mesh"
-        )

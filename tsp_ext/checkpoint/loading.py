@@ -10,9 +10,9 @@ from safetensors import safe_open
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .config import TSPConfig
-from .model import apply_tsp
-from .state import local_index
+from ..config import TSPConfig
+from ..hf.apply import apply_tsp
+from ..hf.sharding import local_index
 
 
 def _resolve(path_or_id: str) -> str:

@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .roles import Role, param_roles
+from ..hf.sharding import Role, param_roles
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:

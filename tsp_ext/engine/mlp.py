@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
+from ..config import TSPConfig
 from . import comm
-from .config import TSPConfig
-from .shard_ring import GradientRing, circulate
+from .weight_ring import GradientRing, circulate
 
 
 def _swiglu_backward(x, dy, g, u, dn, acc: torch.dtype, hidden=None):
@@ -113,76 +112,14 @@ class _TSPMLPFunction(torch.autograd.Function):
         return None, None, dx, d_g, d_u, d_dn
 
 
-class TSPGatedMLP(nn.Module):
-    """SwiGLU MLP on a TSP axis: ``down(silu(gate(x)) * up(x))`` with slice p of the
-    intermediate dimension. Input and output ``[B, S/D, h]`` (this rank's tokens)."""
-
-    shard_dims = {"gate_proj.weight": 0, "up_proj.weight": 0, "down_proj.weight": 1}
-
-    def __init__(
-        self,
-        hidden_size: int,
-        intermediate_size: int,
-        group,
-        config: TSPConfig | None = None,
-        *,
-        dtype=None,
-        device=None,
-    ) -> None:
-        super().__init__()
-        D, _ = comm.size_and_rank(group)
-        if intermediate_size % D:
-            raise ValueError(
-                f"intermediate_size={intermediate_size} is not divisible by tsp_size={D}: choose a "
-                "TSP size that divides the MLP width"
-            )
-        self.group, self.config = group, config or TSPConfig()
-        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
-        f = intermediate_size // D
-        kw = {"dtype": dtype, "device": device, "bias": False}
-        self.gate_proj = nn.Linear(hidden_size, f, **kw)
-        self.up_proj = nn.Linear(hidden_size, f, **kw)
-        self.down_proj = nn.Linear(f, hidden_size, **kw)
-
-    @classmethod
-    def from_hf(cls, mlp: nn.Module, group, config: TSPConfig | None = None) -> TSPGatedMLP:
-        """Build from a Hugging Face gated MLP (gate/up/down projections, SiLU, no biases)."""
-        act = getattr(mlp.config, "hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ValueError(f"TSP gated MLP supports SiLU (SwiGLU) only, the model uses {act!r}")
-        if any(getattr(mlp, n).bias is not None for n in ("gate_proj", "up_proj", "down_proj")):
-            raise ValueError("TSP gated MLP does not support MLP biases (mlp_bias=True)")
-        w = mlp.gate_proj.weight
-        h, F_ = w.shape[1], w.shape[0]
-        mod = cls(h, F_, group, config, dtype=w.dtype, device=w.device)
-        with torch.no_grad():
-            for name, param in mod.named_parameters():
-                param.copy_(mod.local_slice(name, mlp.get_parameter(name)))
-        return mod
-
-    def local_index(self, name: str) -> tuple[slice, ...]:
-        """Index of this rank's slice in the full (Hugging Face) tensor behind ``name``."""
-        D, p = comm.size_and_rank(self.group)
-        f = self.intermediate_size // D
-        rows = slice(p * f, (p + 1) * f)
-        return (slice(None), rows) if self.shard_dims[name] == 1 else (rows,)
-
-    def local_slice(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of the full (Hugging Face) tensor behind parameter ``name``."""
-        return full[self.local_index(name)]
-
-    def assemble(self, name: str, shards: torch.Tensor) -> torch.Tensor:
-        """Full Hugging Face tensor from every rank's shard of ``name``, ``shards [D, ...]``."""
-        return torch.cat(list(shards), dim=self.shard_dims[name])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 3 or x.shape[-1] != self.hidden_size:
-            raise ValueError(f"x must be [B, S/D, {self.hidden_size}], got {tuple(x.shape)}")
-        return _TSPMLPFunction.apply(
-            self.group,
-            self.config,
-            x,
-            self.gate_proj.weight,
-            self.up_proj.weight,
-            self.down_proj.weight,
-        )
+def tsp_mlp(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    group,
+    config: TSPConfig,
+) -> torch.Tensor:
+    """Ring SwiGLU of this rank's tokens: ``x [B, S/D, h]`` -> ``[B, S/D, h]`` with this rank's
+    slices ``gate, up [F/D, h]`` and ``down [h, F/D]``."""
+    return _TSPMLPFunction.apply(group, config, x, gate, up, down)

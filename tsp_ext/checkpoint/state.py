@@ -7,7 +7,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from . import comm
+from ..engine import comm
+from ..hf.sharding import local_index, shard_owner
 
 
 def _require_tsp(model: nn.Module):
@@ -15,21 +16,6 @@ def _require_tsp(model: nn.Module):
     if state is None:
         raise ValueError("not a TSP model: call tsp_ext.apply_tsp(model, mesh) first")
     return state
-
-
-def _shard_owner(model: nn.Module, name: str) -> tuple[nn.Module, str] | None:
-    """``(module, key)`` such that ``module.shard_dims`` has ``key`` for parameter ``name``: the
-    parameter's own module (vocab-sharded tables) or its parent (attention and MLP weights);
-    None for a replicated parameter."""
-    parts = name.split(".")
-    for cut in (len(parts) - 1, len(parts) - 2):
-        if cut < 0:
-            continue
-        owner = model.get_submodule(".".join(parts[:cut]))
-        key = ".".join(parts[cut:])
-        if key in getattr(owner, "shard_dims", {}):
-            return owner, key
-    return None
 
 
 def _full(model: nn.Module, tensors: dict[str, torch.Tensor | None], rank0_only: bool):
@@ -41,7 +27,7 @@ def _full(model: nn.Module, tensors: dict[str, torch.Tensor | None], rank0_only:
             continue
         if isinstance(t, DTensor):  # FSDP2: gather the dp shards first
             t = t.full_tensor()
-        sharded = _shard_owner(model, name)
+        sharded = shard_owner(model, name)
         if sharded is not None:
             shards, _ = comm.all_gather_seq(t.detach(), state.group)
             t = sharded[0].assemble(sharded[1], shards)
@@ -49,12 +35,6 @@ def _full(model: nn.Module, tensors: dict[str, torch.Tensor | None], rank0_only:
     if rank0_only and dist.get_rank(state.group) != 0:
         return {}
     return out
-
-
-def local_index(model: nn.Module, name: str) -> tuple[slice, ...]:
-    """Index of this rank's slice in the full Hugging Face tensor behind parameter ``name``."""
-    sharded = _shard_owner(model, name)
-    return (slice(None),) if sharded is None else sharded[0].local_index(sharded[1])
 
 
 def full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:

@@ -49,7 +49,8 @@ class ZigzagLayout:
         if self.seq_len <= 0 or self.seq_len % (2 * self.size):
             raise ValueError(
                 f"sequence length {self.seq_len} is not a positive multiple of 2*tsp_size="
-                f"{2 * self.size}; pad it first (tsp_ext.layout.padded_length / pad_sequence)"
+                f"{2 * self.size}; shard the batch with tsp_ext.shard_batch, which pads it (or "
+                "pad with tsp_ext.pad_sequence)"
             )
 
     @classmethod
@@ -58,7 +59,7 @@ class ZigzagLayout:
         if local_len <= 0 or local_len % 2:
             raise ValueError(
                 f"local sequence length {local_len} must be even and positive: a zigzag shard "
-                "holds two equal chunks (shard the batch with tsp_ext.layout.shard_sequence)"
+                "holds two equal chunks (shard the batch with tsp_ext.shard_batch)"
             )
         return cls(local_len * size, size)
 
@@ -82,14 +83,6 @@ class ZigzagLayout:
         """Rank ``p``'s tokens as two contiguous spans of global positions."""
         c = self.chunk
         return tuple(Span(i * c, j * c, c) for i, j in enumerate(self.chunks(p)))
-
-    def gathered_spans(self) -> list[Span]:
-        """Spans of a sequence all-gathered in rank order (rank 0's shard first)."""
-        return [
-            Span(q * self.local_len + s.offset, s.start, s.length)
-            for q in range(self.size)
-            for s in self.spans(q)
-        ]
 
     def positions(self, p: int, device: torch.device | str | None = None) -> torch.Tensor:
         """Global position ids of rank ``p``'s tokens, ``[S/D]`` int64."""

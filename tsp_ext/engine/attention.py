@@ -19,18 +19,16 @@ its gradient is the sum over those groups, all-reduced so the copies stay equal.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
+from ..config import TSPConfig
 from . import comm
-from .attention_core import attention_backward, attention_forward
-from .config import TSPConfig
+from .blockwise_attention import attention_backward, attention_forward
 from .layout import Span, ZigzagLayout
-from .replicated import rms_norm
+from .pointwise import rms_norm, rope
 
 # Names of the sharded tensors of one head group, in broadcast order: the q/o part first, the
 # k/v part last (so that shared KV heads can be reduced separately).
@@ -91,13 +89,6 @@ class AttentionSpec:
         return slice(first * self.head_dim, (first + self.kv_per_rank) * self.head_dim)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of ``x [B, T, H, d]`` with ``cos, sin [B, T, d]``."""
-    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
 class _Schedule:
     """One call's fixed context: group, layout, spec, options."""
 
@@ -139,7 +130,7 @@ class _Schedule:
         if q_norm is not None:
             q = rms_norm(q, q_norm, self.spec.qk_norm_eps)
             k = rms_norm(k, k_norm, self.spec.qk_norm_eps)
-        return _rope(q, cos, sin), _rope(k, cos, sin), v
+        return rope(q, cos, sin), rope(k, cos, sin), v
 
     def gather_kv(self, k: torch.Tensor, v: torch.Tensor):
         """Start the all-gather of one group's K/V: ``[B, T, hk, d]`` each ->
@@ -273,160 +264,31 @@ class _TSPAttentionFunction(torch.autograd.Function):
         return (None, None, dx, None, None, d_qn, d_kn, *(d_own[n] for n in ctx.names))
 
 
-class TSPAttention(nn.Module):
-    """Llama-family self-attention on a TSP axis; holds head group p of every projection.
+def tsp_attention(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    weights: dict[str, torch.Tensor],
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    spec: AttentionSpec,
+    group,
+    config: TSPConfig,
+) -> torch.Tensor:
+    """TSP attention of this rank's tokens: ``x [B, S/D, h]`` -> ``Y_p [B, S/D, h]`` (no o bias).
 
-    Same call signature as Hugging Face's ``LlamaAttention``: ``hidden_states [B, S/D, h]`` in
-    zigzag layout and ``position_embeddings = (cos, sin)`` of those tokens' *global* positions;
-    returns ``(output [B, S/D, h], None)``. Parameters keep the Hugging Face names; q/k/v_proj
-    hold rows, o_proj columns of this rank's head group; o_proj's bias and the q/k norms (if
-    any) are replicated, their gradients summed over the TSP group.
+    ``cos, sin [B or 1, S/D, d]`` are the RoPE tables of the tokens' global positions; ``weights``
+    holds this rank's head-group shards (``wq, wo, wk, wv`` and optional ``bq, bk, bv``);
+    ``q_norm, k_norm`` the replicated per-head norm weights or None.
     """
-
-    # dim along which each sharded parameter is cut (others are replicated)
-    shard_dims = {
-        "q_proj.weight": 0,
-        "q_proj.bias": 0,
-        "k_proj.weight": 0,
-        "k_proj.bias": 0,
-        "v_proj.weight": 0,
-        "v_proj.bias": 0,
-        "o_proj.weight": 1,
-    }
-
-    def __init__(
-        self,
-        spec: AttentionSpec,
-        group,
-        config: TSPConfig | None = None,
-        *,
-        qkv_bias: bool = False,
-        o_bias: bool = False,
-        q_norm: nn.Module | None = None,
-        k_norm: nn.Module | None = None,
-        dtype=None,
-        device=None,
-    ) -> None:
-        super().__init__()
-        D, p = comm.size_and_rank(group)
-        if D != spec.tsp_size:
-            raise ValueError(
-                f"process group has {D} ranks but the spec is for tsp_size={spec.tsp_size}"
-            )
-        if (q_norm is None) != (spec.qk_norm_eps is None) or (q_norm is None) != (k_norm is None):
-            raise ValueError(
-                "q_norm and k_norm must both be given exactly when spec.qk_norm_eps is set"
-            )
-        self.spec, self.group, self.config = spec, group, config or TSPConfig()
-        h, d = spec.hidden_size, spec.head_dim
-        kw = {"dtype": dtype, "device": device}
-        self.q_proj = nn.Linear(h, spec.heads_per_rank * d, bias=qkv_bias, **kw)
-        self.k_proj = nn.Linear(h, spec.kv_per_rank * d, bias=qkv_bias, **kw)
-        self.v_proj = nn.Linear(h, spec.kv_per_rank * d, bias=qkv_bias, **kw)
-        self.o_proj = nn.Linear(spec.heads_per_rank * d, h, bias=o_bias, **kw)
-        self.q_norm, self.k_norm = q_norm, k_norm
-
-    @classmethod
-    def from_hf(cls, attn: nn.Module, group, config: TSPConfig | None = None) -> TSPAttention:
-        """Build from a Hugging Face attention module, copying this rank's slices of its weights."""
-        cfg = attn.config
-        D, p = comm.size_and_rank(group)
-        # replicated per-head norms (Qwen3): private copies, so the HF module can be discarded
-        q_norm, k_norm = (copy.deepcopy(getattr(attn, n, None)) for n in ("q_norm", "k_norm"))
-        spec = AttentionSpec(
-            hidden_size=cfg.hidden_size,
-            n_heads=cfg.num_attention_heads,
-            n_kv_heads=cfg.num_key_value_heads,
-            head_dim=attn.head_dim,
-            tsp_size=D,
-            scaling=attn.scaling,
-            qk_norm_eps=q_norm.variance_epsilon if q_norm is not None else None,
+    sched = _Schedule(spec, group, config, x)
+    B, T, _ = x.shape
+    if cos.shape[-2:] != (T, spec.head_dim) or cos.shape != sin.shape:
+        raise ValueError(
+            f"position_embeddings must be (cos, sin) of shape [B, {T}, {spec.head_dim}] "
+            f"for this rank's tokens, got {tuple(cos.shape)} and {tuple(sin.shape)}"
         )
-        w = attn.q_proj.weight
-        mod = cls(
-            spec,
-            group,
-            config,
-            qkv_bias=attn.q_proj.bias is not None,
-            o_bias=attn.o_proj.bias is not None,
-            q_norm=q_norm,
-            k_norm=k_norm,
-            dtype=w.dtype,
-            device=w.device,
-        )
-        full = dict(attn.named_parameters())
-        with torch.no_grad():
-            for name, param in mod.named_parameters():
-                param.copy_(mod.local_slice(name, full[name]))
-        return mod
-
-    def local_index(self, name: str) -> tuple[slice, ...]:
-        """Index of this rank's slice in the full (Hugging Face) tensor behind ``name``."""
-        if name not in self.shard_dims:
-            return (slice(None),)
-        p = comm.size_and_rank(self.group)[1]
-        rows = self.spec.q_rows(p) if name.startswith(("q_", "o_")) else self.spec.kv_rows(p)
-        return (slice(None), rows) if self.shard_dims[name] == 1 else (rows,)
-
-    def local_slice(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of the full (Hugging Face) tensor behind parameter ``name``."""
-        return full[self.local_index(name)]
-
-    def assemble(self, name: str, shards: torch.Tensor) -> torch.Tensor:
-        """Full Hugging Face tensor from every rank's shard of ``name``, ``shards [D, ...]``."""
-        if name not in self.shard_dims:
-            return shards[0]
-        if name.startswith(("k_", "v_")):
-            shards = shards[:: self.spec.kv_replicas]  # one copy of each replicated KV head
-        return torch.cat(list(shards), dim=self.shard_dims[name])
-
-    def _own(self) -> dict[str, torch.Tensor]:
-        own = {
-            "wq": self.q_proj.weight,
-            "wo": self.o_proj.weight,
-            "wk": self.k_proj.weight,
-            "wv": self.v_proj.weight,
-        }
-        if self.q_proj.bias is not None:
-            own.update(bq=self.q_proj.bias, bk=self.k_proj.bias, bv=self.v_proj.bias)
-        return own
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None = None,
-        **kwargs,
-    ) -> tuple[torch.Tensor, None]:
-        x = hidden_states
-        if x.dim() != 3 or x.shape[-1] != self.spec.hidden_size:
-            raise ValueError(
-                f"hidden_states must be [B, S/D, {self.spec.hidden_size}], got {tuple(x.shape)}"
-            )
-        if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
-            raise ValueError("TSP attention has no KV cache: call the model with use_cache=False")
-        if attention_mask is not None:
-            raise ValueError(
-                "TSP attention is causal by global position and takes no attention_mask; right "
-                "padding needs none (padded tokens come last and carry ignored labels)"
-            )
-        sched = _Schedule(self.spec, self.group, self.config, x)
-        cos, sin = position_embeddings
-        B, T, _ = x.shape
-        if cos.shape[-2:] != (T, self.spec.head_dim) or cos.shape != sin.shape:
-            raise ValueError(
-                f"position_embeddings must be (cos, sin) of shape [B, {T}, {self.spec.head_dim}] "
-                f"for this rank's tokens, got {tuple(cos.shape)} and {tuple(sin.shape)}"
-            )
-        cos, sin = cos.expand(B, T, -1), sin.expand(B, T, -1)
-        own = self._own()
-        q_norm = k_norm = None
-        if self.q_norm is not None:
-            q_norm = comm.replicated(self.q_norm.weight, self.group)
-            k_norm = comm.replicated(self.k_norm.weight, self.group)
-        y = _TSPAttentionFunction.apply(
-            sched, tuple(own), x, cos, sin, q_norm, k_norm, *own.values()
-        )
-        if self.o_proj.bias is not None:
-            y = y + comm.replicated(self.o_proj.bias, self.group)
-        return y, None
+    cos, sin = cos.expand(B, T, -1), sin.expand(B, T, -1)
+    return _TSPAttentionFunction.apply(
+        sched, tuple(weights), x, cos, sin, q_norm, k_norm, *weights.values()
+    )

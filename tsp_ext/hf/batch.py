@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from .comm import gather_seq
-from .layout import IGNORE_INDEX, ZigzagLayout, pad_sequence, padded_length
-from .mesh import tsp_submesh
+from ..engine.comm import gather_seq
+from ..engine.layout import IGNORE_INDEX, ZigzagLayout, pad_sequence, padded_length
+from ..mesh import tsp_submesh
 
 _KNOWN_KEYS = {"input_ids", "labels", "attention_mask"}
 
@@ -71,6 +71,12 @@ def gather_sequence(x: torch.Tensor, mesh: DeviceMesh, seq_len: int | None = Non
     Differentiable (its backward reduce-scatters). ``seq_len`` drops the padding shard_batch
     added; None keeps all S' positions.
     """
+    if not isinstance(x, torch.Tensor) or x.dim() < 2:
+        got = type(x).__name__ if not isinstance(x, torch.Tensor) else f"shape {tuple(x.shape)}"
+        raise ValueError(
+            f"gather_sequence needs a local [B, S/D, ...] tensor, got {got} (e.g. the logits of a "
+            "TSP model called without labels, or with return_logits=True)"
+        )
     sub = tsp_submesh(mesh)
     full = ZigzagLayout.from_local(x.shape[1], sub.size()).unshard(gather_seq(x, sub.get_group()))
     return full if seq_len is None else full[:, :seq_len]

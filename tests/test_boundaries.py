@@ -1,0 +1,39 @@
+"""The package's layers import only what they are allowed to (checked in fresh interpreters)."""
+
+from __future__ import annotations
+
+import pkgutil
+import subprocess
+import sys
+
+import pytest
+
+import tsp_ext.engine
+
+
+def imported_after(statement: str) -> set[str]:
+    """Top-level package names in ``sys.modules`` after running ``statement`` in a new Python."""
+    report = "import sys\nprint(' '.join({m.split('.')[0] for m in sys.modules}))"
+    code = f"{statement}\n{report}"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return set(out.stdout.split())
+
+
+def test_engine_imports_torch_only():
+    names = [m.name for m in pkgutil.iter_modules(tsp_ext.engine.__path__)]
+    assert {"attention", "mlp", "vocab", "comm", "layout"} <= set(names)
+    loaded = imported_after("\n".join(f"import tsp_ext.engine.{n}" for n in names))
+    assert "torch" in loaded
+    assert not loaded & {"transformers", "deepspeed", "accelerate", "datasets", "safetensors"}
+
+
+@pytest.mark.parametrize(
+    "statement, forbidden",
+    [
+        ("from tsp_ext import apply_tsp, shard_batch", {"deepspeed", "accelerate", "datasets"}),
+        ("import tsp_ext.fsdp", {"deepspeed", "accelerate", "datasets"}),
+        ("import tsp_ext.checkpoint.training", {"deepspeed", "accelerate", "datasets"}),
+    ],
+)
+def test_layers_do_not_pull_optional_integrations(statement, forbidden):
+    assert not imported_after(statement) & forbidden

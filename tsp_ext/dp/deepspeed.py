@@ -1,0 +1,214 @@
+"""DeepSpeed ZeRO-1/2/3 data parallelism across TSP groups, through a ``"tsp"`` config key.
+
+    engine, optimizer, _, scheduler = tsp_ext.deepspeed.initialize(
+        model=model, config={"train_micro_batch_size_per_gpu": 1, "zero_optimization":
+        {"stage": 3}, "tsp": {"size": 4}}, optimizer=lambda params: AdamW(params, lr=1e-5))
+
+Same arguments and return value as ``deepspeed.initialize``. It builds the (dp, tsp) mesh, applies
+TSP if the model is not a TSP model yet, and gives DeepSpeed an ``mpu`` so that ZeRO partitions and
+reduces over the dp group only, batch sizes count dp replicas, and gradient norms count each
+TSP-sharded parameter once per shard and each replicated parameter once.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..config import TSPConfig
+from ..hf.apply import apply_tsp
+from ..hf.sharding import Role, param_roles
+from ..mesh import init_tsp_mesh
+
+# DeepSpeed options that build their own model/sequence-parallel groups, which would then take
+# precedence over TSP's and partition or average across the TSP axis
+_CONFLICTING = ("sequence_parallel_size", "data_parallel_size", "mesh_param")
+
+
+class TSPModelParallelUnit:
+    """The ``mpu`` DeepSpeed asks for: data parallel = the mesh's dp axis, model parallel = tsp.
+
+    Deliberately no ``get_sequence_parallel_*`` / ``get_sequence_data_parallel_*`` methods: with
+    them DeepSpeed would treat TSP as Ulysses and reduce ZeRO state across the TSP axis.
+    """
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.mesh = mesh
+        self._dp = mesh["dp"].get_group()
+        self._tsp = mesh["tsp"].get_group()
+
+    def get_data_parallel_group(self):
+        return self._dp
+
+    def get_data_parallel_world_size(self) -> int:
+        return dist.get_world_size(self._dp)
+
+    def get_data_parallel_rank(self) -> int:
+        return dist.get_rank(self._dp)
+
+    def get_model_parallel_group(self):
+        return self._tsp
+
+    def get_model_parallel_world_size(self) -> int:
+        return dist.get_world_size(self._tsp)
+
+    def get_model_parallel_rank(self) -> int:
+        return dist.get_rank(self._tsp)
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_pipeline_model_parallel_rank(self) -> int:
+        return 0
+
+
+def tsp_config_from_ds(config: dict[str, Any]) -> TSPConfig:
+    """The ``TSPConfig`` described by a DeepSpeed config's ``"tsp"`` block: ``size`` (required)
+    and any other ``TSPConfig`` field, e.g. ``{"size": 4, "recompute_mlp": false}``."""
+    block = config.get("tsp")
+    if not isinstance(block, dict) or "size" not in block:
+        raise ValueError('the DeepSpeed config needs a "tsp" block with a "size", e.g. {"size": 4}')
+    return TSPConfig.from_dict(block, where='the "tsp" block')
+
+
+def _load(config: str | dict[str, Any] | None) -> dict[str, Any]:
+    if config is None:
+        raise ValueError('tsp_ext.deepspeed.initialize needs a DeepSpeed config with a "tsp" block')
+    if isinstance(config, (str, os.PathLike)):
+        with open(config) as f:
+            return json.load(f)
+    return copy.deepcopy(config)
+
+
+def _check_conflicts(config: dict[str, Any], kwargs: dict[str, Any]) -> None:
+    if kwargs.get("mpu") is not None:
+        raise ValueError("do not pass mpu: tsp_ext.deepspeed builds the (dp, tsp) groups itself")
+    for key in _CONFLICTING:
+        if key in config:
+            raise ValueError(
+                f"DeepSpeed config key {key!r} would build groups across the TSP axis; remove it "
+                'and set the TSP size in the "tsp" block (dp is world size / tsp size)'
+            )
+    autotp = (config.get("tensor_parallel") or {}).get("autotp_size", 1)
+    if autotp and autotp > 1:
+        raise ValueError(
+            "DeepSpeed AutoTP (tensor_parallel.autotp_size > 1) cannot be combined with TSP"
+        )
+
+
+def mark_parallel_params(model: nn.Module) -> None:
+    """Tag parameters the way DeepSpeed's gradient norm expects.
+
+    ``tensor_model_parallel=True``: counted on every TSP rank (distinct shards). Untagged:
+    counted on TSP rank 0 only (replicated weights, and copies of replicated KV heads, whose
+    first owner is tagged instead).
+    """
+    roles = param_roles(model)
+    for name, p in model.named_parameters():
+        p.tensor_model_parallel = roles[name] is Role.SHARDED
+
+
+def _check_zero3_dtype(config: dict[str, Any], model: nn.Module) -> None:
+    stage = (config.get("zero_optimization") or {}).get("stage", 0)
+    dtypes = {p.dtype for p in model.parameters()}
+    if stage == 3 and dtypes - {torch.float32, torch.bfloat16, torch.float16}:
+        raise ValueError(
+            f"DeepSpeed ZeRO-3 partitions float32, bfloat16 and float16 parameters only; the model "
+            f"has {sorted(map(str, dtypes))}: convert it (model.float()) or use ZeRO stage 1/2"
+        )
+
+
+def _check_optimizer_params(model: nn.Module, optimizer, model_parameters) -> None:
+    """An optimizer (or parameter list) built before apply_tsp points at the freed full weights."""
+    live = {id(p) for p in model.parameters()}
+    params = []
+    if isinstance(optimizer, torch.optim.Optimizer):
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+    elif model_parameters is not None:
+        model_parameters = list(model_parameters)
+        for item in model_parameters:
+            params.extend(item["params"] if isinstance(item, dict) else [item])
+    if any(id(p) not in live for p in params):
+        raise ValueError(
+            "the optimizer / model_parameters refer to parameters that are no longer in the model "
+            "(apply_tsp replaced them): pass an optimizer factory (lambda params: AdamW(params)) "
+            "or call apply_tsp before building the optimizer"
+        )
+    return model_parameters
+
+
+def initialize(
+    model: nn.Module,
+    config: str | dict[str, Any] | None = None,
+    optimizer=None,
+    model_parameters=None,
+    **kwargs,
+):
+    """``deepspeed.initialize`` for a TSP model; see the module docstring.
+
+    Returns ``(engine, optimizer, training_dataloader, lr_scheduler)``; ``engine.tsp_mesh`` is
+    the (dp, tsp) mesh, for ``shard_batch`` / ``gather_sequence``.
+    """
+    cfg = _load(config)
+    tsp_cfg = tsp_config_from_ds(cfg)
+    _check_conflicts(cfg, kwargs)
+    _check_zero3_dtype(cfg, model)
+    cfg.pop("tsp")
+    state = getattr(model, "tsp", None)
+    if state is None:
+        mesh = init_tsp_mesh(tsp_cfg.tsp_size)
+        apply_tsp(model, mesh, config=tsp_cfg)
+    else:
+        mesh = state.mesh
+        applied = dataclasses.replace(state.config, tsp_size=state.size)
+        diff = applied.differences(tsp_cfg)
+        if diff:
+            said = ", ".join(f"{k}={v[1]!r} (model: {v[0]!r})" for k, v in diff.items())
+            raise ValueError(
+                f'the "tsp" block disagrees with how the model was made a TSP model: {said}; '
+                'make them agree, or pass the model before apply_tsp and let the "tsp" block '
+                "apply it"
+            )
+    if mesh.mesh_dim_names != ("dp", "tsp"):
+        raise ValueError(f"DeepSpeed needs a ('dp', 'tsp') mesh, got {mesh.mesh_dim_names}")
+    model_parameters = _check_optimizer_params(model, optimizer, model_parameters)
+    if model_parameters is None and not isinstance(optimizer, torch.optim.Optimizer):
+        model_parameters = list(model.parameters())
+    mark_parallel_params(model)
+    mpu = TSPModelParallelUnit(mesh)
+    out = deepspeed.initialize(
+        model=model,
+        config=cfg,
+        optimizer=optimizer,
+        model_parameters=model_parameters,
+        mpu=mpu,
+        **kwargs,
+    )
+    out[0].tsp_mesh = mesh
+    return out
+
+
+def full_state_dict(engine, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+    """Full parameters of a DeepSpeed-wrapped TSP model under the original Hugging Face names.
+
+    Gathers ZeRO-3 partitions over dp (``GatheredParameters``), then TSP shards over the TSP
+    group. Collective: call on every rank.
+    """
+    from ..checkpoint.state import full_state_dict as tsp_full_state_dict
+
+    model = engine.module
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        return tsp_full_state_dict(model, rank0_only=rank0_only)

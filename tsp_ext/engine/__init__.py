@@ -1,0 +1,11 @@
+"""The paper's schedules as pure tensor code (imports torch only, never transformers).
+
+- ``layout``: zigzag sharding of the sequence (chunks p and 2D-1-p on rank p)
+- ``comm``: collectives on the TSP axis, the ring, and their autograd duals
+- ``weight_ring``: weight shards circulating the ring, their gradients riding back to the owner
+- ``blockwise_attention``: causal attention by global position, blockwise, with log-sum-exp
+- ``attention``: head-group broadcast + K/V all-gather schedule, hand-written backward
+- ``mlp``: ring SwiGLU schedule
+- ``vocab``: embedding row exchange, ring LM head + fused cross-entropy
+- ``pointwise``: RMSNorm and RoPE
+"""

@@ -1,0 +1,169 @@
+"""``TSPAttention``: the Hugging Face attention module replaced by its TSP head group.
+
+The schedule itself (broadcast of head-group weights, K/V all-gather, hand-written backward) is
+``tsp_ext.engine.attention``; this module holds the shards under the Hugging Face names, slices
+them from a Hugging Face module and checks the call.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config import TSPConfig
+from ..engine import comm
+from ..engine.attention import AttentionSpec, tsp_attention
+from .sharding import Role, ShardedModule
+
+
+class TSPAttention(ShardedModule):
+    """Llama-family self-attention on a TSP axis; holds head group p of every projection.
+
+    Same call signature as Hugging Face's ``LlamaAttention``: ``hidden_states [B, S/D, h]`` in
+    zigzag layout and ``position_embeddings = (cos, sin)`` of those tokens' *global* positions;
+    returns ``(output [B, S/D, h], None)``. Parameters keep the Hugging Face names; q/k/v_proj
+    hold rows, o_proj columns of this rank's head group; o_proj's bias and the q/k norms (if
+    any) are replicated, their gradients summed over the TSP group.
+    """
+
+    # dim along which each sharded parameter is cut (others are replicated)
+    shard_dims = {
+        "q_proj.weight": 0,
+        "q_proj.bias": 0,
+        "k_proj.weight": 0,
+        "k_proj.bias": 0,
+        "v_proj.weight": 0,
+        "v_proj.bias": 0,
+        "o_proj.weight": 1,
+    }
+
+    def __init__(
+        self,
+        spec: AttentionSpec,
+        group,
+        config: TSPConfig | None = None,
+        *,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        q_norm: nn.Module | None = None,
+        k_norm: nn.Module | None = None,
+        dtype=None,
+        device=None,
+    ) -> None:
+        super().__init__()
+        D, p = comm.size_and_rank(group)
+        if D != spec.tsp_size:
+            raise ValueError(
+                f"process group has {D} ranks but the spec is for tsp_size={spec.tsp_size}"
+            )
+        if (q_norm is None) != (spec.qk_norm_eps is None) or (q_norm is None) != (k_norm is None):
+            raise ValueError(
+                "q_norm and k_norm must both be given exactly when spec.qk_norm_eps is set"
+            )
+        self.spec, self.group, self.config = spec, group, config or TSPConfig()
+        h, d = spec.hidden_size, spec.head_dim
+        kw = {"dtype": dtype, "device": device}
+        self.q_proj = nn.Linear(h, spec.heads_per_rank * d, bias=qkv_bias, **kw)
+        self.k_proj = nn.Linear(h, spec.kv_per_rank * d, bias=qkv_bias, **kw)
+        self.v_proj = nn.Linear(h, spec.kv_per_rank * d, bias=qkv_bias, **kw)
+        self.o_proj = nn.Linear(spec.heads_per_rank * d, h, bias=o_bias, **kw)
+        self.q_norm, self.k_norm = q_norm, k_norm
+
+    @classmethod
+    def from_hf(cls, attn: nn.Module, group, config: TSPConfig | None = None) -> TSPAttention:
+        """Build from a Hugging Face attention module, copying this rank's slices of its weights."""
+        cfg = attn.config
+        D, p = comm.size_and_rank(group)
+        # replicated per-head norms (Qwen3): private copies, so the HF module can be discarded
+        q_norm, k_norm = (copy.deepcopy(getattr(attn, n, None)) for n in ("q_norm", "k_norm"))
+        spec = AttentionSpec(
+            hidden_size=cfg.hidden_size,
+            n_heads=cfg.num_attention_heads,
+            n_kv_heads=cfg.num_key_value_heads,
+            head_dim=attn.head_dim,
+            tsp_size=D,
+            scaling=attn.scaling,
+            qk_norm_eps=q_norm.variance_epsilon if q_norm is not None else None,
+        )
+        w = attn.q_proj.weight
+        mod = cls(
+            spec,
+            group,
+            config,
+            qkv_bias=attn.q_proj.bias is not None,
+            o_bias=attn.o_proj.bias is not None,
+            q_norm=q_norm,
+            k_norm=k_norm,
+            dtype=w.dtype,
+            device=w.device,
+        )
+        full = dict(attn.named_parameters())
+        with torch.no_grad():
+            for name, param in mod.named_parameters():
+                param.copy_(mod.local_slice(name, full[name]))
+        return mod
+
+    def local_index(self, name: str) -> tuple[slice, ...]:
+        """Index of this rank's slice in the full (Hugging Face) tensor behind ``name``."""
+        if name not in self.shard_dims:
+            return (slice(None),)
+        p = comm.size_and_rank(self.group)[1]
+        rows = self.spec.q_rows(p) if name.startswith(("q_", "o_")) else self.spec.kv_rows(p)
+        return (slice(None), rows) if self.shard_dims[name] == 1 else (rows,)
+
+    def assemble(self, name: str, shards: torch.Tensor) -> torch.Tensor:
+        """Full Hugging Face tensor from every rank's shard of ``name``, ``shards [D, ...]``."""
+        if name.startswith(("k_", "v_")):
+            shards = shards[:: self.spec.kv_replicas]  # one copy of each replicated KV head
+        return super().assemble(name, shards)
+
+    def role(self, name: str) -> Role:
+        """K/V slices on a rank that is not their head's first owner are ``Role.COPY``."""
+        kv = name.startswith(("k_proj.", "v_proj."))
+        if kv and dist.get_rank(self.group) % self.spec.kv_replicas:
+            return Role.COPY
+        return super().role(name)
+
+    def _own(self) -> dict[str, torch.Tensor]:
+        own = {
+            "wq": self.q_proj.weight,
+            "wo": self.o_proj.weight,
+            "wk": self.k_proj.weight,
+            "wv": self.v_proj.weight,
+        }
+        if self.q_proj.bias is not None:
+            own.update(bq=self.q_proj.bias, bk=self.k_proj.bias, bv=self.v_proj.bias)
+        return own
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
+        x = hidden_states
+        if x.dim() != 3 or x.shape[-1] != self.spec.hidden_size:
+            raise ValueError(
+                f"hidden_states must be [B, S/D, {self.spec.hidden_size}], got {tuple(x.shape)}"
+            )
+        if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+            raise ValueError("TSP attention has no KV cache: call the model with use_cache=False")
+        if attention_mask is not None:
+            raise ValueError(
+                "TSP attention is causal by global position and takes no attention_mask; right "
+                "padding needs none (padded tokens come last and carry ignored labels)"
+            )
+        cos, sin = position_embeddings
+        own = self._own()
+        q_norm = k_norm = None
+        if self.q_norm is not None:
+            q_norm = comm.replicated(self.q_norm.weight, self.group)
+            k_norm = comm.replicated(self.k_norm.weight, self.group)
+        y = tsp_attention(x, cos, sin, own, q_norm, k_norm, self.spec, self.group, self.config)
+        if self.o_proj.bias is not None:
+            y = y + comm.replicated(self.o_proj.bias, self.group)
+        return y, None

@@ -1,0 +1,76 @@
+"""``TSPGatedMLP``: the Hugging Face SwiGLU MLP replaced by its slice of the intermediate dim.
+
+The ring schedule is ``tsp_ext.engine.mlp``; this module holds the slices under the Hugging Face
+names and builds them from a Hugging Face module.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import TSPConfig
+from ..engine import comm
+from ..engine.mlp import tsp_mlp
+from .sharding import ShardedModule
+
+
+class TSPGatedMLP(ShardedModule):
+    """SwiGLU MLP on a TSP axis: ``down(silu(gate(x)) * up(x))`` with slice p of the
+    intermediate dimension. Input and output ``[B, S/D, h]`` (this rank's tokens)."""
+
+    shard_dims = {"gate_proj.weight": 0, "up_proj.weight": 0, "down_proj.weight": 1}
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        group,
+        config: TSPConfig | None = None,
+        *,
+        dtype=None,
+        device=None,
+    ) -> None:
+        super().__init__()
+        D, _ = comm.size_and_rank(group)
+        if intermediate_size % D:
+            raise ValueError(
+                f"intermediate_size={intermediate_size} is not divisible by tsp_size={D}: choose a "
+                "TSP size that divides the MLP width"
+            )
+        self.group, self.config = group, config or TSPConfig()
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        f = intermediate_size // D
+        kw = {"dtype": dtype, "device": device, "bias": False}
+        self.gate_proj = nn.Linear(hidden_size, f, **kw)
+        self.up_proj = nn.Linear(hidden_size, f, **kw)
+        self.down_proj = nn.Linear(f, hidden_size, **kw)
+
+    @classmethod
+    def from_hf(cls, mlp: nn.Module, group, config: TSPConfig | None = None) -> TSPGatedMLP:
+        """Build from a Hugging Face gated MLP (gate/up/down projections, SiLU, no biases)."""
+        act = getattr(mlp.config, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"TSP gated MLP supports SiLU (SwiGLU) only, the model uses {act!r}")
+        if any(getattr(mlp, n).bias is not None for n in ("gate_proj", "up_proj", "down_proj")):
+            raise ValueError("TSP gated MLP does not support MLP biases (mlp_bias=True)")
+        w = mlp.gate_proj.weight
+        h, F_ = w.shape[1], w.shape[0]
+        mod = cls(h, F_, group, config, dtype=w.dtype, device=w.device)
+        with torch.no_grad():
+            for name, param in mod.named_parameters():
+                param.copy_(mod.local_slice(name, mlp.get_parameter(name)))
+        return mod
+
+    def local_index(self, name: str) -> tuple[slice, ...]:
+        """Index of this rank's slice in the full (Hugging Face) tensor behind ``name``."""
+        D, p = comm.size_and_rank(self.group)
+        f = self.intermediate_size // D
+        rows = slice(p * f, (p + 1) * f)
+        return (slice(None), rows) if self.shard_dims[name] == 1 else (rows,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 3 or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x must be [B, S/D, {self.hidden_size}], got {tuple(x.shape)}")
+        w = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+        return tsp_mlp(x, *w, self.group, self.config)

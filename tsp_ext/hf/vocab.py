@@ -1,0 +1,114 @@
+"""Vocabulary-sharded embedding and LM head modules (rows p of the table on TSP rank p).
+
+The schedules (row exchange for the embedding, ring LM head + fused cross-entropy) are
+``tsp_ext.engine.vocab``; these modules hold the rows under the Hugging Face names.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import TSPConfig
+from ..engine import comm
+from ..engine.layout import IGNORE_INDEX
+from ..engine.vocab import embedding_exchange, ring_cross_entropy, ring_logits
+from .sharding import ShardedModule
+
+
+def check_vocab_divisible(vocab_size: int, D: int) -> None:
+    """Raise ``ValueError`` saying what to change if ``vocab_size`` cannot be split D ways."""
+    if vocab_size % D:
+        raise ValueError(
+            f"vocab_size={vocab_size} is not divisible by tsp_size={D}: pad the vocabulary "
+            f"(model.resize_token_embeddings(n, pad_to_multiple_of={D})) or keep the embedding "
+            "and LM head replicated with TSPConfig(shard_vocab=False)"
+        )
+
+
+class _VocabRows(ShardedModule):
+    """A ``[V/D, h]`` parameter ``weight`` holding vocabulary rows p of a ``[V, h]`` table."""
+
+    shard_dims = {"weight": 0}
+
+    def __init__(self, vocab_size: int, hidden_size: int, group) -> None:
+        super().__init__()
+        D, _ = comm.size_and_rank(group)
+        check_vocab_divisible(vocab_size, D)
+        self.vocab_size, self.hidden_size, self.group = vocab_size, hidden_size, group
+
+    def local_index(self, name: str) -> tuple[slice, ...]:
+        """Index of this rank's rows in the full (Hugging Face) ``[V, h]`` tensor."""
+        D, p = comm.size_and_rank(self.group)
+        rows = self.vocab_size // D
+        return (slice(p * rows, (p + 1) * rows),)
+
+
+def _shard_parameter(full: torch.Tensor, index) -> nn.Parameter:
+    return nn.Parameter(full.detach()[index].clone(), requires_grad=full.requires_grad)
+
+
+class TSPVocabEmbedding(_VocabRows):
+    """Token embedding with vocabulary rows p on rank p: ``ids [B, S/D] -> [B, S/D, h]``."""
+
+    def __init__(self, weight: nn.Parameter, vocab_size: int, padding_idx: int | None, group):
+        super().__init__(vocab_size, weight.shape[1], group)
+        self.weight, self.padding_idx = weight, padding_idx
+
+    @classmethod
+    def from_hf(cls, emb: nn.Embedding, group) -> TSPVocabEmbedding:
+        V, h = emb.weight.shape
+        mod = cls(nn.Parameter(emb.weight.new_empty(0, h)), V, emb.padding_idx, group)
+        mod.weight = _shard_parameter(emb.weight, mod.local_index("weight"))
+        return mod
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return embedding_exchange(ids, self.weight, self.padding_idx, self.group)
+
+
+class TSPVocabLMHead(_VocabRows):
+    """LM head with vocabulary rows p on rank p, computing the loss without full logits:
+    ``head(h, labels)`` is the fused ring LM head + cross-entropy, ``head(h)`` the logits."""
+
+    def __init__(self, weight: nn.Parameter, vocab_size: int, group, config: TSPConfig):
+        super().__init__(vocab_size, weight.shape[1], group)
+        self.weight, self.config = weight, config
+
+    @classmethod
+    def from_hf(
+        cls, head: nn.Linear, group, config: TSPConfig, tied_to: TSPVocabEmbedding | None = None
+    ) -> TSPVocabLMHead:
+        """Build from ``lm_head``; ``tied_to``: the embedding whose sharded weight it shares."""
+        if head.bias is not None:
+            raise ValueError(
+                "a vocab-sharded LM head has no bias: use TSPConfig(shard_vocab=False) for "
+                "models with an LM-head bias"
+            )
+        V, h = head.weight.shape
+        mod = cls(nn.Parameter(head.weight.new_empty(0, h)), V, group, config)
+        if tied_to is not None:
+            mod.weight = tied_to.weight
+        else:
+            mod.weight = _shard_parameter(head.weight, mod.local_index("weight"))
+        return mod
+
+    def forward(
+        self, h: torch.Tensor, labels: torch.Tensor | None = None, ignore_index: int = IGNORE_INDEX
+    ) -> torch.Tensor:
+        """Without ``labels``: the logits ``[B, T, V]`` of the local tokens, built shard by shard.
+        With ``labels [B, T]`` (already shifted): the fused ring loss instead, the sum over the
+        labelled local tokens of ``-log softmax(h·Wᵀ)[label]`` (float32 at least).
+
+        One ``forward`` for both so that DP engines' module hooks (ZeRO-3, FSDP2) see each use.
+        """
+        flat = h.reshape(-1, h.shape[-1])
+        if labels is None:
+            logits = ring_logits(flat, self.weight, self.group, self.config)
+            return logits.view(*h.shape[:-1], self.vocab_size)
+        flat_labels = labels.reshape(-1).to(h.device)
+        out_of_range = (flat_labels < 0) | (flat_labels >= self.vocab_size)
+        if (out_of_range & (flat_labels != ignore_index)).any():
+            raise ValueError(f"labels must be in [0, {self.vocab_size}) or {ignore_index}")
+        return ring_cross_entropy(
+            flat, flat_labels, self.weight, self.group, self.config, ignore_index
+        )
