@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tsp_ext import plan as planner
-from tsp_ext._plan_cli import main
+from tsp_ext.planner.cli import main
 
 EXAMPLE = ["--model", "paper-7b", "--seq-len", "131072", "--devices", "8", "--recompute", "full"]
 MEMORY_KEYS = {"params", "grads", "optimizer", "activations", "transient", "total"}
