@@ -109,6 +109,24 @@ def test_hf_config_file(tmp_path, capsys):
     assert doc["layouts"]
 
 
+def test_hf_config_kwargs_inverts_from_hf_config():
+    """The LlamaConfig kwargs the benchmarks build presets from: head_dim, tying and bias only
+    where they differ from what LlamaConfig derives or defaults to."""
+    odd = planner.ModelShape("odd", 512, 2, 4, 2, 96, 1024, 4096, True, True)
+    for shape in (*planner.PRESETS.values(), odd):
+        assert planner.ModelShape.from_hf_config(shape.hf_config_kwargs(), shape.name) == shape
+    assert planner.PRESETS["tiny"].hf_config_kwargs() == dict(
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=2048,
+    )
+    extra = {k: odd.hf_config_kwargs()[k] for k in ("head_dim", "tie_word_embeddings")}
+    assert extra == {"head_dim": 96, "tie_word_embeddings": True}
+
+
 def test_plot_needs_matplotlib_or_writes_png(tmp_path, capsys):
     png = tmp_path / "mem.png"
     argv = ["--model", "tiny", "--seq-len", "4096", "--devices", "4", "--plot", str(png)]

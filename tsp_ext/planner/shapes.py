@@ -46,6 +46,27 @@ class ModelShape:
             qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False)),
         )
 
+    def hf_config_kwargs(self) -> dict:
+        """The ``LlamaConfig`` keyword arguments that build this shape (the inverse of
+        ``from_hf_config``); ``head_dim``, ``tie_word_embeddings`` and ``attention_bias`` only
+        where they differ from what ``LlamaConfig`` derives (h / heads) or defaults to (untied,
+        no bias)."""
+        kwargs = dict(
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            vocab_size=self.vocab_size,
+        )
+        if self.head_dim != self.hidden_size // self.num_heads:
+            kwargs["head_dim"] = self.head_dim
+        if self.tie_embeddings:
+            kwargs["tie_word_embeddings"] = True
+        if self.qkv_bias:
+            kwargs["attention_bias"] = True
+        return kwargs
+
     @property
     def params(self) -> int:
         """Total parameter count."""
