@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tsp_ext.planner import PRESETS
 from tsp_ext.testing.launch import run_processes
 
 from .harness import MALLOC_ENV, MODEL_KEYS, _train_rank
@@ -33,15 +34,8 @@ from .layouts import tp_sp_split
 
 log = logging.getLogger("benchmarks.emulate")
 
-# the paper's 7B: h = 4096, 32 layers, 32 heads (MHA), SwiGLU with F = 4h, Llama-2 vocabulary
-PAPER_7B = dict(
-    hidden_size=4096,
-    intermediate_size=16384,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=32,
-    vocab_size=32000,
-)
+# the paper's 7B (MHA, SwiGLU with F = 4h, Llama-2 vocabulary): the planner's preset
+PAPER_7B = PRESETS["paper-7b"].hf_config_kwargs()
 
 
 def _group(pg) -> dist.ProcessGroup:

@@ -29,20 +29,14 @@ from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tsp_ext.memory import SavedTensorBytes
+from tsp_ext.planner import PRESETS
 from tsp_ext.testing.launch import run_processes
 
 from .comm_counter import CommCounter
 from .layouts import BUILDERS, Prepared, tp_sp_split
 
 # a small Llama every layout divides at D in {2, 4}: heads 8 / D, KV heads 4 / D, MLP 704 / D
-DEFAULT_MODEL = dict(
-    hidden_size=256,
-    intermediate_size=704,
-    num_hidden_layers=2,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    vocab_size=2048,
-)
+DEFAULT_MODEL = PRESETS["tiny"].hf_config_kwargs()
 MODEL_KEYS = tuple(DEFAULT_MODEL)
 LR = 1e-3
 # glibc: serve every allocation over 64 KiB by mmap, so freed tensors leave the resident set at

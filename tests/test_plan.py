@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tsp_ext import plan as planner
-from tsp_ext._plan_cli import main
+from tsp_ext.planner.cli import main
 
 EXAMPLE = ["--model", "paper-7b", "--seq-len", "131072", "--devices", "8", "--recompute", "full"]
 MEMORY_KEYS = {"params", "grads", "optimizer", "activations", "transient", "total"}
@@ -107,6 +107,24 @@ def test_hf_config_file(tmp_path, capsys):
     assert (shape.head_dim, shape.qkv_bias, shape.tie_embeddings) == (64, True, True)
     doc = run_json(capsys, ["--model", str(tmp_path), "--seq-len", "8192", "--devices", "4"])
     assert doc["layouts"]
+
+
+def test_hf_config_kwargs_inverts_from_hf_config():
+    """The LlamaConfig kwargs the benchmarks build presets from: head_dim, tying and bias only
+    where they differ from what LlamaConfig derives or defaults to."""
+    odd = planner.ModelShape("odd", 512, 2, 4, 2, 96, 1024, 4096, True, True)
+    for shape in (*planner.PRESETS.values(), odd):
+        assert planner.ModelShape.from_hf_config(shape.hf_config_kwargs(), shape.name) == shape
+    assert planner.PRESETS["tiny"].hf_config_kwargs() == dict(
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=2048,
+    )
+    extra = {k: odd.hf_config_kwargs()[k] for k in ("head_dim", "tie_word_embeddings")}
+    assert extra == {"head_dim": 96, "tie_word_embeddings": True}
 
 
 def test_plot_needs_matplotlib_or_writes_png(tmp_path, capsys):

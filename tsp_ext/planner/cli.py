@@ -1,4 +1,4 @@
-"""``tsp-plan``: the command line of ``tsp_ext.plan`` (table, ``--json``, ``--plot``)."""
+"""``tsp-plan``: the command line of the planner (table, ``--json``, ``--plot``)."""
 
 from __future__ import annotations
 
@@ -7,19 +7,9 @@ import json
 import sys
 from dataclasses import replace
 
-from .plan import (
-    DTYPE_BYTES,
-    GIB,
-    LAYOUTS,
-    OPTIMIZERS,
-    PRESETS,
-    RECOMPUTE,
-    Cluster,
-    Plan,
-    Workload,
-    load_model,
-    plan,
-)
+from .inputs import DTYPE_BYTES, GIB, LAYOUTS, OPTIMIZERS, RECOMPUTE, Cluster, Plan, Workload
+from .ranking import plan
+from .shapes import PRESETS, load_model
 
 
 def _parser() -> argparse.ArgumentParser:

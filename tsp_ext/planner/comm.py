@@ -1,0 +1,90 @@
+"""Collective traffic of each layout, per decoder layer and per step."""
+
+from __future__ import annotations
+
+from .inputs import Cluster, Layout, Transfer, Workload
+from .memory import _tsp_seq
+from .shapes import ModelShape, _heads, _layer_params, _shard_params, _vocab_params
+
+
+def tsp_comm(m: ModelShape, w: Workload, c: Cluster, lay: Layout) -> tuple[list, list]:
+    """Per-layer and per-step transfers of TSP: weights broadcast (attention) and ringed (MLP)
+    in forward and again in backward, weight gradients reduced to owners, K/V all-gathered and
+    dK/dV reduce-scattered; embedding rows exchanged and LM-head shards ringed (shard_vocab)
+    or the replicated vocabulary gradients all-reduced."""
+    D, B, h, d, b, acc = lay.tp, w.micro_batch, m.hidden_size, m.head_dim, w.beta, w.acc
+    bw, ov = c.bandwidth(1, D), w.overlap
+    nh, nkv = _heads(m, D)
+    attn = _layer_params(m, nh, nkv, 0) - 2 * h  # one head group's q/k/v/o shard
+    mlp = 3 * h * m.intermediate_size / D
+    kv = 2 * B * _tsp_seq(w, D) * nkv * d * (D - 1)  # elements received, all D groups
+    layer = [
+        Transfer("broadcast attention weights (fwd+bwd)", 2 * (D - 1) * attn * b, 2 * D, ov, bw),
+        Transfer("reduce attention weight grads", (D - 1) * attn * acc, D, ov, bw),
+        Transfer("ring MLP weights (fwd+bwd)", 2 * (D - 1) * mlp * b, 2 * (D - 1), ov, bw),
+        Transfer("ring MLP weight grads", (D - 1) * mlp * acc, D - 1, ov, bw),
+        Transfer("all-gather K/V (fwd)", kv * b, D, False, bw),
+        Transfer("all-gather K/V (bwd)", kv * b, D, ov, bw),
+        Transfer("reduce-scatter dK/dV", kv * acc, D, False, bw),
+        Transfer("all-reduce norm grads", 2 * 2 * (D - 1) / D * h * b, 2, False, bw),
+    ]
+    if D > m.num_kv_heads:  # shared KV heads: their copies' gradients are all-reduced
+        shared = 2 * (D - 1) / D * 2 * h * d * acc * m.num_kv_heads
+        layer.append(Transfer("all-reduce shared K/V grads", shared, m.num_kv_heads, False, bw))
+    T, V = _tsp_seq(w, D) / D, m.vocab_size
+    if w.shard_vocab:
+        ring = (D - 1) * V / D * h
+        step = [
+            Transfer(
+                "ring LM-head shards (fwd+bwd)", 2 * ring * b + ring * acc, 3 * (D - 1), ov, bw
+            ),
+            Transfer("all-to-all embedding rows", 2 * (D - 1) / D * B * T * h * b, 2, False, bw),
+        ]
+    else:
+        tables = 1 if m.tie_embeddings else 2
+        step = [Transfer("all-reduce vocab grads", 2 * (D - 1) / D * V * h * b * tables, 2, ov, bw)]
+    return layer + _dp_comm(m, w, c, lay, _shard_params(m, D)), step
+
+
+def baseline_comm(m: ModelShape, w: Workload, c: Cluster, lay: Layout) -> tuple[list, list]:
+    """Per-layer and per-step transfers of TP / SP / TP×SP. TP (DTensor, HF plan): all-reduces
+    of ``[B, S/sp, h]``, two in forward (o_proj, down_proj) and five in backward (the input
+    gradients of q, k, v, gate, up, each its own column-parallel linear); per step the vocab-
+    parallel embedding's output and the LM-head input gradient, and the gathered logits.
+    Ulysses: eight all-to-alls of q, k, v and the output (heads / tp) and the all-reduce of
+    the weight gradients over the SP group (every rank saw other tokens)."""
+    tp, sp, B, h, d, b = lay.tp, lay.sp, w.micro_batch, m.hidden_size, m.head_dim, w.beta
+    T, V = w.seq_len / sp, m.vocab_size
+    layer, step = [], []
+    if tp > 1:
+        bw, ar = c.bandwidth(1, tp), 2 * (tp - 1) / tp * B * T * h * b
+        layer.append(Transfer("all-reduce activations", 7 * ar, 7, False, bw))
+        step += [
+            Transfer("all-reduce embedding out / LM-head in grad", 2 * ar, 2, False, bw),
+            Transfer("all-gather logits", (tp - 1) / tp * B * T * V * b, 1, False, bw),
+        ]
+    if sp > 1:
+        bw, g = c.bandwidth(tp, sp), (sp - 1) / sp
+        nh, nkv = _heads(m, tp)
+        a2a = 2 * g * B * T * (2 * nh + 2 * max(nkv, sp)) * d * b
+        grads = 2 * g * _shard_params(m, tp) * b
+        vocab = 2 * g * (_vocab_params(m, V / tp, V / tp) + V * h * (1 - 1 / tp)) * b
+        layer += [
+            Transfer("all-to-all q/k/v/out (fwd+bwd)", a2a, 8, False, bw),
+            Transfer("all-reduce weight grads over sp", grads, 1, True, bw),
+        ]
+        step.append(Transfer("all-reduce vocab grads over sp", vocab, 1, True, bw))
+    return layer + _dp_comm(m, w, c, lay, _shard_params(m, tp)), step
+
+
+def _dp_comm(m: ModelShape, w: Workload, c: Cluster, lay: Layout, params: float) -> list:
+    """ZeRO / DDP over dp, per layer: ZeRO-3 gathers the weights in forward and in backward and
+    reduce-scatters the gradients; lower stages reduce gradients and gather updated weights."""
+    if lay.dp == 1:
+        return []
+    times = 3 if w.zero_stage == 3 else 2
+    nbytes = times * (lay.dp - 1) / lay.dp * params * w.beta
+    return [Transfer("data parallel (ZeRO)", nbytes, times, True, c.bandwidth(lay.group, lay.dp))]
+
+
+COMM = {"tsp": tsp_comm, "tp": baseline_comm, "sp": baseline_comm, "tpxsp": baseline_comm}

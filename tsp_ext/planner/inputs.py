@@ -1,0 +1,189 @@
+"""The planner's inputs (workload, cluster, layout) and its results (memory, transfers,
+estimates, the plan)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .shapes import ModelShape
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+RECOMPUTE = ("none", "selective", "full")
+OPTIMIZERS = ("adamw", "adamw-master")
+LAYOUTS = ("tsp", "tp", "sp", "tpxsp")
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One training step: micro-batch, sequence, precision, optimizer, recompute and the TSP
+    engine options that change memory (``TSPConfig`` defaults)."""
+
+    seq_len: int
+    micro_batch: int = 1
+    dtype: str = "bfloat16"
+    optimizer: str = "adamw-master"  # bf16 weights + fp32 master and Adam states (16 B/param)
+    recompute: str = "selective"
+    zero_stage: int = 3  # ZeRO / FSDP sharding of model state over the data-parallel devices
+    shard_vocab: bool = True
+    loss_chunk: int = 1024
+    overlap: bool = True
+    attn_block: int = 512
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.seq_len >= 1, f"seq_len must be >= 1, got {self.seq_len}"),
+            (self.micro_batch >= 1, f"micro_batch must be >= 1, got {self.micro_batch}"),
+            (self.dtype in DTYPE_BYTES, f"dtype must be one of {', '.join(DTYPE_BYTES)}"),
+            (self.optimizer in OPTIMIZERS, f"optimizer must be one of {', '.join(OPTIMIZERS)}"),
+            (self.recompute in RECOMPUTE, f"recompute must be one of {', '.join(RECOMPUTE)}"),
+            (self.zero_stage in (0, 1, 2, 3), f"zero_stage must be 0-3, got {self.zero_stage}"),
+            (self.loss_chunk >= 1, f"loss_chunk must be >= 1, got {self.loss_chunk}"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(msg)
+
+    @property
+    def beta(self) -> int:
+        """Bytes per element of weights and activations."""
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def acc(self) -> int:
+        """Bytes per element of float32-or-wider accumulators and softmax statistics."""
+        return max(4, self.beta)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Devices and their links. Bandwidths are per device, one direction, in GB/s."""
+
+    devices: int = 8
+    devices_per_node: int = 8
+    device_memory_gb: float = 80.0
+    intra_node_gbs: float = 300.0
+    inter_node_gbs: float = 40.0
+    peak_tflops: float = 989.0
+    mfu: float = 0.4
+    latency_us: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.devices < 1 or self.devices_per_node < 1:
+            raise ValueError("devices and devices_per_node must be >= 1")
+        if min(self.intra_node_gbs, self.inter_node_gbs, self.peak_tflops, self.mfu) <= 0:
+            raise ValueError("bandwidths, peak_tflops and mfu must be > 0")
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.device_memory_gb * GIB
+
+    def bandwidth(self, stride: int, size: int) -> float:
+        """Bytes/s of a group of ``size`` devices ``stride`` ranks apart (ranks fill nodes)."""
+        crosses = stride * size > self.devices_per_node and size > 1
+        return (self.inter_node_gbs if crosses else self.intra_node_gbs) * 1e9
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A layout of the devices: ``kind`` on its model-parallel group, ZeRO data parallel on
+    ``dp``. TSP folds both: ``tp == sp == D``, the one axis that shards weights and tokens."""
+
+    kind: str
+    tp: int
+    sp: int
+    dp: int
+
+    @property
+    def group(self) -> int:
+        """Devices of the model-parallel group."""
+        return self.tp if self.kind == "tsp" else self.tp * self.sp
+
+    def __str__(self) -> str:
+        axes = {
+            "tsp": f"tsp={self.tp}",
+            "tp": f"tp={self.tp}",
+            "sp": f"sp={self.sp}",
+            "tpxsp": f"tp={self.tp} x sp={self.sp}",
+        }[self.kind]
+        return axes + (f" dp={self.dp}" if self.dp > 1 else "")
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Per-device bytes: model state, saved activations, peak transient buffers."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    transient: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.transient
+
+    def as_dict(self) -> dict[str, int]:
+        keys = ("params", "grads", "optimizer", "activations", "transient", "total")
+        return {k: int(round(getattr(self, k))) for k in keys}
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One kind of collective traffic: bytes received per device, the number of calls, and
+    whether it can hide behind compute."""
+
+    name: str
+    nbytes: float
+    calls: int
+    overlapped: bool
+    bandwidth: float  # bytes/s of the group it runs on
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One layout's per-device memory, transfers and estimated step time."""
+
+    layout: Layout
+    memory: Memory
+    per_layer: tuple[Transfer, ...]  # one decoder layer, forward + backward
+    per_step: tuple[Transfer, ...]  # embedding, LM head, replicated-weight gradients
+    step_seconds: float
+    fits: bool
+
+    @property
+    def comm_bytes_per_layer(self) -> float:
+        return sum(t.nbytes for t in self.per_layer)
+
+    def as_dict(self) -> dict:
+        return {
+            "layout": self.layout.kind,
+            "tp": self.layout.tp,
+            "sp": self.layout.sp,
+            "memory_bytes": self.memory.as_dict(),
+            "comm_bytes_per_layer": int(round(self.comm_bytes_per_layer)),
+            "est_step_seconds": self.step_seconds,
+        }
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every valid layout's estimate, the skipped ones with the reason, the recommendation."""
+
+    model: ModelShape
+    work: Workload
+    cluster: Cluster
+    estimates: tuple[Estimate, ...]
+    skipped: tuple[tuple[Layout, str], ...]
+    recommended: Estimate | None
+    reason: str = ""
+
+    def as_dict(self) -> dict:
+        """The ``--json`` document."""
+        rec = self.recommended
+        return {
+            "layouts": [e.as_dict() for e in self.estimates],
+            "recommended": None
+            if rec is None
+            else {"layout": rec.layout.kind, "tp": rec.layout.tp, "sp": rec.layout.sp},
+        }

@@ -1,0 +1,125 @@
+"""Model shapes: the sizes of a Llama-family decoder, the presets, and parameter counts."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a Llama-family decoder that decide memory and communication."""
+
+    name: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+
+    @classmethod
+    def from_hf_config(cls, cfg: Mapping, name: str = "custom") -> ModelShape:
+        """From a Hugging Face ``config.json`` dict (Llama, Mistral, Qwen2, Qwen3 keys)."""
+        required = ("hidden_size", "num_hidden_layers", "num_attention_heads")
+        missing = [k for k in (*required, "intermediate_size", "vocab_size") if k not in cfg]
+        if missing:
+            raise ValueError(
+                f"config {name!r} lacks {', '.join(missing)}: not a Llama-family config"
+            )
+        h, nh = cfg["hidden_size"], cfg["num_attention_heads"]
+        return cls(
+            name=name,
+            hidden_size=h,
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=nh,
+            num_kv_heads=cfg.get("num_key_value_heads") or nh,
+            head_dim=cfg.get("head_dim") or h // nh,
+            intermediate_size=cfg["intermediate_size"],
+            vocab_size=cfg["vocab_size"],
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False)),
+        )
+
+    def hf_config_kwargs(self) -> dict:
+        """The ``LlamaConfig`` keyword arguments that build this shape (the inverse of
+        ``from_hf_config``); ``head_dim``, ``tie_word_embeddings`` and ``attention_bias`` only
+        where they differ from what ``LlamaConfig`` derives (h / heads) or defaults to (untied,
+        no bias)."""
+        kwargs = dict(
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            vocab_size=self.vocab_size,
+        )
+        if self.head_dim != self.hidden_size // self.num_heads:
+            kwargs["head_dim"] = self.head_dim
+        if self.tie_embeddings:
+            kwargs["tie_word_embeddings"] = True
+        if self.qkv_bias:
+            kwargs["attention_bias"] = True
+        return kwargs
+
+    @property
+    def params(self) -> int:
+        """Total parameter count."""
+        full = _layer_params(self, self.num_heads, self.num_kv_heads, self.intermediate_size)
+        return self.num_layers * full + _vocab_params(self, self.vocab_size, self.vocab_size)
+
+
+PRESETS = {
+    # the benchmark harness's default model (benchmarks/harness.py)
+    "tiny": ModelShape("tiny", 256, 2, 8, 4, 32, 704, 2048),
+    # the paper's 7B: MHA, SwiGLU with F = 4h (8.85B parameters with this vocabulary)
+    "paper-7b": ModelShape("paper-7b", 4096, 32, 32, 32, 128, 16384, 32000),
+    "llama3-8b": ModelShape("llama3-8b", 4096, 32, 32, 8, 128, 14336, 128256),
+    "llama3-70b": ModelShape("llama3-70b", 8192, 80, 64, 8, 128, 28672, 128256),
+}
+
+
+def load_model(spec: str) -> ModelShape:
+    """A preset name, or the path of a Hugging Face ``config.json`` (or of its directory)."""
+    if spec in PRESETS:
+        return PRESETS[spec]
+    path = Path(spec)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ValueError(
+            f"--model {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json file"
+        )
+    return ModelShape.from_hf_config(json.loads(path.read_text()), name=spec)
+
+
+# ---- parameters ----------------------------------------------------------------------------------
+
+
+def _layer_params(m: ModelShape, heads: float, kv_heads: float, ffn: float) -> float:
+    """Parameters of one decoder layer holding ``heads`` query heads, ``kv_heads`` KV heads and
+    ``ffn`` MLP columns (norm weights replicated)."""
+    h, d = m.hidden_size, m.head_dim
+    bias = (heads + 2 * kv_heads) * d if m.qkv_bias else 0
+    return 2 * h * d * (heads + kv_heads) + bias + 3 * h * ffn + 2 * h
+
+
+def _vocab_params(m: ModelShape, embed_rows: float, head_rows: float) -> float:
+    """Embedding and LM-head rows held (one table when tied) plus the final norm."""
+    head = 0 if m.tie_embeddings else head_rows
+    return (embed_rows + head) * m.hidden_size + m.hidden_size
+
+
+def _heads(m: ModelShape, n: int) -> tuple[float, float]:
+    """Query and KV heads per rank when n ranks split the heads (KV replicated if n > n_kv)."""
+    return m.num_heads / n, m.num_kv_heads / min(n, m.num_kv_heads)
+
+
+def _shard_params(m: ModelShape, n: int) -> float:
+    """One decoder layer's parameters on each of n ranks that split heads and MLP width."""
+    return _layer_params(m, *_heads(m, n), m.intermediate_size / n)
