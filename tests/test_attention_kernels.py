@@ -133,3 +133,31 @@ def test_cuda_backends(name, dtype, hq, hk):
         pytest.skip(f"{name} cannot run {dtype} here")
     for S, D, p in [(256, 2, 0), (256, 4, 1)]:
         _check_parity(kernel, _spans(S, D, p), S, hq, hk, 64, dtype, cuda)
+
+
+@pytest.mark.parametrize("name", ["cuda_flash", "cuda_efficient"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_op_calls_match_schema_on_meta(name, dtype):
+    """The aten calls, argument for argument, against the ops' meta kernels: shapes and dtypes
+    only, but it runs without a GPU."""
+    q, k, v, dout = (t.to("meta") for t in _inputs(2, 64, 32, 4, 2, 16, dtype))
+    spans = _spans(64, 2, 1)
+    kernel = BACKENDS[name]
+    out, lse = chunked_attention_forward(kernel, q, spans, k, v, 0.25)
+    dq, dk, dv = chunked_attention_backward(kernel, dout, q, spans, k, v, out, lse, 0.25)
+    assert (out.shape, out.dtype, lse.shape, lse.dtype) == (
+        q.shape,
+        dtype,
+        (2, 4, 32),
+        torch.float32,
+    )
+    assert (dq.shape, dq.dtype, dk.shape, dv.shape) == (q.shape, dtype, k.shape, v.shape)
+
+
+def test_benchmark_rows():
+    from benchmarks.attention_kernels import bench, markdown_table
+
+    rows = bench(64, 4, 2, 16, 2, repeats=1, warmup=0)
+    assert [r["kernel"] for r in rows][:2] == ["blockwise", "cpu_flash"]
+    assert rows[1]["max_abs_diff"] < 1e-5 and rows[0]["fwd_vs_blockwise"] == 1.0
+    assert markdown_table(rows).count("\n| ") == len(rows) + 1

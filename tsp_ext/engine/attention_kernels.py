@@ -79,9 +79,6 @@ class AttentionKernel:
     def backward(self, dout, q, k, v, out, lse, scale: float, is_causal: bool):
         raise NotImplementedError
 
-    def __repr__(self) -> str:
-        return f"<attention kernel {self.name}>"
-
 
 class CpuFlash(AttentionKernel):
     name, device_type = "cpu_flash", "cpu"
@@ -272,6 +269,11 @@ def _check(q: Tensor, q_spans: Sequence[Span], k: Tensor, v: Tensor) -> None:
             raise ValueError(f"{s} does not fit q {tuple(q.shape)} and k {tuple(k.shape)}")
 
 
+def _pieces(s: Span) -> list[tuple[slice, bool]]:
+    """Key ranges of a query span and whether each is causal: the diagonal, then the prefix."""
+    return [(slice(s.start, s.stop), True)] + ([(slice(0, s.start), False)] if s.start else [])
+
+
 def chunked_attention_forward(
     kernel: AttentionKernel,
     q: Tensor,
@@ -297,11 +299,10 @@ def chunked_attention_forward(
         if s.length == 0:
             continue
         rows = slice(s.offset, s.offset + s.length)
-        diag, pre = slice(s.start, s.stop), slice(0, s.start)
-        o, l = kernel.forward(q[:, rows], k[:, diag], v[:, diag], scale, True)
-        if s.start > 0:
-            o_pre, l_pre = kernel.forward(q[:, rows], k[:, pre], v[:, pre], scale, False)
-            o, l = _merge(o, l.to(lse.dtype), o_pre, l_pre.to(lse.dtype))
+        o = l = None
+        for keys, causal in _pieces(s):
+            o_p, l_p = kernel.forward(q[:, rows], k[:, keys], v[:, keys], scale, causal)
+            o, l = (o_p, l_p) if o is None else _merge(o, l, o_p, l_p.to(lse.dtype))
         out[:, rows] = o
         lse[:, :, rows] = l
     return out, lse
@@ -336,11 +337,8 @@ def chunked_attention_backward(
         rows = slice(s.offset, s.offset + s.length)
         args = (dout[:, rows], q[:, rows])
         o_c, l_c = out[:, rows], lse[:, :, rows].contiguous()
-        pieces = [(slice(s.start, s.stop), True)]
-        if s.start > 0:
-            pieces.append((slice(0, s.start), False))
         dq_c = None
-        for keys, causal in pieces:
+        for keys, causal in _pieces(s):
             g_q, g_k, g_v = kernel.backward(*args, k[:, keys], v[:, keys], o_c, l_c, scale, causal)
             dq_c = g_q.to(cdt) if dq_c is None else dq_c + g_q
             dk[:, keys] += g_k
