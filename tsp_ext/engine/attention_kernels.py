@@ -1,0 +1,347 @@
+"""Fused attention kernels behind one interface, and the chunked causal attention TSP runs on them.
+
+A kernel computes attention of ``q [B, Lq, Hq, d]`` against ``k, v [B, Lk, Hk, d]`` (GQA:
+Hq = g * Hk, query head i uses KV head i // g, Hugging Face order) and returns the output in q's
+dtype and the log-sum-exp ``lse [B, Hq, Lq]`` (float32; float64 for float64 inputs).
+``is_causal=True`` is only used on square blocks (Lq == Lk), where top-left and bottom-right
+alignment agree. ``backward`` takes the *merged* out and lse of all the pieces a query attends
+to, so it returns that piece's exact share of the gradients.
+
+The chunked functions take K/V in natural token order (position i at index i). A local query
+chunk at global positions ``[s, s+C)`` is two fused calls: the prefix keys ``[0, s)`` with no
+mask and the diagonal block ``[s, s+C)`` with ``is_causal=True``, merged by log-sum-exp. The
+transients are one chunk's outputs and gradients; nothing of size T x S exists.
+
+Backends (``select_backend``):
+
+============== ====== ====================== =================================================
+name           device dtypes                 op
+============== ====== ====================== =================================================
+cpu_flash      cpu    fp32 fp64 bf16 fp16    ``aten._scaled_dot_product_flash_attention_for_cpu``
+cuda_flash     cuda   bf16 fp16              ``aten._scaled_dot_product_flash_attention``
+cuda_efficient cuda   fp32 bf16 fp16         ``aten._scaled_dot_product_efficient_attention``
+flash_attn     cuda   bf16 fp16              ``flash_attn`` (>= 2.7) ``_flash_attn_forward``
+blockwise      any    any float              ``tsp_ext.attention_core`` (Python, exact)
+============== ====== ====================== =================================================
+
+cpu_flash, cuda_flash and flash_attn handle GQA natively and take ``[B, H, L, d]`` strided views
+of ``[B, L, H, d]`` tensors. cuda_efficient has no GQA: K/V are expanded to Hq heads for the
+duration of one call and dK/dV summed back over the group. cuda_flash and flash_attn need
+d % 8 == 0 (d <= 256).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
+
+import torch
+
+from tsp_ext.attention_core import attention_backward, attention_forward
+from tsp_ext.layout import Span
+
+Tensor = torch.Tensor
+aten = torch.ops.aten
+_HALF = frozenset({torch.bfloat16, torch.float16})
+
+
+def _stat_dtype(t: Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _bhld(x: Tensor) -> Tensor:
+    """``[B, L, H, d]`` -> ``[B, H, L, d]`` view (no copy)."""
+    return x.transpose(1, 2)
+
+
+class AttentionKernel:
+    """One attention backend. Subclasses set ``name``, ``device_type`` (None: any) and ``dtypes``.
+
+    ``forward(q, k, v, scale, is_causal) -> (out [B, Lq, Hq, d], lse [B, Hq, Lq])``;
+    ``backward(dout, q, k, v, out, lse, scale, is_causal) -> (dq, dk, dv)`` shaped like q, k, v
+    (q's dtype, except blockwise: dk, dv in the statistics dtype).
+    """
+
+    name = ""
+    device_type: str | None = None
+    dtypes: frozenset[torch.dtype] = frozenset({torch.float32, torch.float64, *_HALF})
+
+    def installed(self) -> bool:
+        return True
+
+    def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
+        ok_device = self.device_type is None or device.type == self.device_type
+        return ok_device and dtype in self.dtypes and self.installed()
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, scale: float, is_causal: bool):
+        raise NotImplementedError
+
+    def backward(self, dout, q, k, v, out, lse, scale: float, is_causal: bool):
+        raise NotImplementedError
+
+
+class CpuFlash(AttentionKernel):
+    name, device_type = "cpu_flash", "cpu"
+
+    def forward(self, q, k, v, scale, is_causal):
+        o, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+            _bhld(q), _bhld(k), _bhld(v), 0.0, is_causal, scale=scale
+        )
+        return _bhld(o), lse
+
+    def backward(self, dout, q, k, v, out, lse, scale, is_causal):
+        grads = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            *map(_bhld, (dout, q, k, v, out)), lse, 0.0, is_causal, scale=scale
+        )
+        return tuple(map(_bhld, grads))
+
+
+class CudaFlash(AttentionKernel):
+    """The op returns 9 values; its backward needs (cum_seq_q, cum_seq_k, max_q, max_k) and the
+    RNG pair (rng_state, unused) back as (philox_seed, philox_offset)."""
+
+    name, device_type, dtypes = "cuda_flash", "cuda", _HALF
+
+    def installed(self) -> bool:
+        return torch.backends.cuda.is_flash_attention_available()
+
+    def forward(self, q, k, v, scale, is_causal):
+        o, lse, *_ = aten._scaled_dot_product_flash_attention(
+            _bhld(q), _bhld(k), _bhld(v), 0.0, is_causal, False, scale=scale
+        )
+        return _bhld(o), lse
+
+    def backward(self, dout, q, k, v, out, lse, scale, is_causal):
+        # With dropout 0 the RNG state is never read; empty tensors stand in for it.
+        seed = offset = torch.empty(0, dtype=torch.int64, device=q.device)
+        rest = (None, None, q.shape[1], k.shape[1], 0.0, is_causal, seed, offset)
+        grads = aten._scaled_dot_product_flash_attention_backward(
+            *map(_bhld, (dout.contiguous(), q, k, v, out)), lse.contiguous(), *rest, scale=scale
+        )
+        return tuple(map(_bhld, grads))
+
+
+class CudaEfficient(AttentionKernel):
+    """No GQA in this op: K/V are expanded per call. Its lse is padded to a multiple of 32 along
+    L (the backward checks that alignment), so it is sliced on the way out and padded back in."""
+
+    name, device_type = "cuda_efficient", "cuda"
+    dtypes = frozenset({torch.float32, *_HALF})
+
+    def installed(self) -> bool:
+        return torch.backends.cuda.is_built()
+
+    @staticmethod
+    def _expand(x: Tensor, hq: int) -> Tensor:
+        B, L, hk, d = x.shape  # [B, L, Hk, d] -> [B, L, Hq, d], KV head j serves heads j*g..
+        return x[:, :, :, None].expand(B, L, hk, hq // hk, d).reshape(B, L, hq, d)
+
+    def forward(self, q, k, v, scale, is_causal):
+        hq = q.shape[2]
+        k, v = (_bhld(self._expand(x, hq)) for x in (k, v))
+        o, lse, _, _ = aten._scaled_dot_product_efficient_attention(
+            _bhld(q), k, v, None, True, 0.0, is_causal, scale=scale
+        )
+        return _bhld(o), lse[:, :, : q.shape[1]]
+
+    def backward(self, dout, q, k, v, out, lse, scale, is_causal):
+        B, Lq, hq, _ = q.shape
+        lse_pad = lse.new_full((B, hq, -(-Lq // 32) * 32), float("inf"))
+        lse_pad[:, :, :Lq] = lse
+        seed = offset = torch.zeros((), dtype=torch.int64, device=q.device)
+        kx, vx = (_bhld(self._expand(x, hq)) for x in (k, v))
+        rest = (None, _bhld(out), lse_pad, seed, offset, 0.0, [True, True, True, False], is_causal)
+        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+            _bhld(dout.contiguous()), _bhld(q), kx, vx, *rest, scale=scale
+        )
+        hk = k.shape[2]
+
+        def fold(g: Tensor) -> Tensor:  # [B, Hq, Lk, d] -> [B, Lk, Hk, d], summed over the group
+            return _bhld(g.unflatten(1, (hk, hq // hk)).sum(2))
+
+        return _bhld(dq), fold(dk), fold(dv)
+
+
+class FlashAttn(AttentionKernel):
+    """The ``flash_attn`` package's op layer (>= 2.7): ``[B, L, H, d]`` in, lse ``[B, Hq, Lq]``."""
+
+    name, device_type, dtypes = "flash_attn", "cuda", _HALF
+
+    def installed(self) -> bool:
+        return importlib.util.find_spec("flash_attn") is not None
+
+    # window_size_left, window_size_right, softcap, alibi_slopes: all off
+    _NO_EXTRAS = (-1, -1, 0.0, None)
+
+    def forward(self, q, k, v, scale, is_causal):
+        from flash_attn.flash_attn_interface import _flash_attn_forward
+
+        o, lse, _, _ = _flash_attn_forward(q, k, v, 0.0, scale, is_causal, *self._NO_EXTRAS, False)
+        return o, lse
+
+    def backward(self, dout, q, k, v, out, lse, scale, is_causal):
+        from flash_attn.flash_attn_interface import _flash_attn_backward
+
+        grads = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # written to
+        rest = (0.0, scale, is_causal, *self._NO_EXTRAS, False, None)  # ..., deterministic, rng
+        _flash_attn_backward(dout, q, k, v, out, lse.contiguous(), *grads, *rest)
+        return grads
+
+
+class Blockwise(AttentionKernel):
+    """The Python reference. Keys sit at positions ``[0, Lk)``; causal queries start at 0 too
+    (the diagonal), non-causal queries start at Lk so that every key is earlier."""
+
+    name = "blockwise"
+
+    def _spans(self, q: Tensor, k: Tensor, is_causal: bool) -> tuple[list[Span], Span]:
+        return [Span(0, 0 if is_causal else k.shape[1], q.shape[1])], Span(0, 0, k.shape[1])
+
+    def forward(self, q, k, v, scale, is_causal):
+        q_spans, kspan = self._spans(q, k, is_causal)
+        return attention_forward(q, q_spans, [(kspan, k, v)], scale)
+
+    def backward(self, dout, q, k, v, out, lse, scale, is_causal):
+        q_spans, kspan = self._spans(q, k, is_causal)
+        dk, dv = (torch.zeros(k.shape, dtype=_stat_dtype(q), device=k.device) for _ in "kv")
+        dq = attention_backward(dout, q, q_spans, [(kspan, k, v)], [(dk, dv)], out, lse, scale)
+        return dq, dk, dv
+
+
+BACKENDS: dict[str, AttentionKernel] = {
+    b.name: b for b in (CpuFlash(), CudaFlash(), CudaEfficient(), FlashAttn(), Blockwise())
+}
+
+
+def available_backends(device: torch.device | str, dtype: torch.dtype) -> list[str]:
+    """Names of the backends that can run on ``device`` with ``dtype``."""
+    device = torch.device(device)
+    return [n for n, b in BACKENDS.items() if b.supports(device, dtype)]
+
+
+def select_backend(name: str, device: torch.device | str, dtype: torch.dtype) -> AttentionKernel:
+    """The backend ``name`` (or ``"auto"``) for ``device`` / ``dtype``.
+
+    ``auto``: cpu -> cpu_flash if it takes the dtype; cuda bf16/fp16 -> flash_attn if installed,
+    else cuda_flash; cuda fp32 -> cuda_efficient; otherwise (or if those are missing) blockwise.
+    Raises ValueError for an unknown name or a backend that cannot run there.
+    """
+    device = torch.device(device)
+    ok = available_backends(device, dtype)
+    if name == "auto":
+        order = {
+            "cpu": ["cpu_flash"],
+            "cuda": ["flash_attn", "cuda_flash"] if dtype in _HALF else ["cuda_efficient"],
+        }.get(device.type, [])
+        return BACKENDS[next((n for n in order if n in ok), "blockwise")]
+    if name not in BACKENDS:
+        raise ValueError(
+            f"unknown attention backend {name!r}; choose 'auto' or one of {sorted(BACKENDS)}"
+        )
+    if name not in ok:
+        why = "is not installed" if not BACKENDS[name].installed() else "does not support it"
+        raise ValueError(
+            f"attention backend {name!r} cannot run on {device.type} with {dtype} ({name} {why}); "
+            f"backends that can: {ok}"
+        )
+    return BACKENDS[name]
+
+
+def _merge(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> tuple[Tensor, Tensor]:
+    """Combine two partial softmaxes over disjoint key sets; ``o [B, C, H, d]``, ``lse [B, H, C]``.
+
+    Returns out in the statistics dtype and the merged lse. A row that saw no key in either
+    piece has lse -inf; its weights are taken against 0 so it yields 0, not NaN.
+    """
+    cdt = lse1.dtype
+    lse = torch.logaddexp(lse1, lse2)
+    ref = lse.masked_fill(lse == float("-inf"), 0.0)
+    w1 = torch.exp(lse1 - ref).transpose(1, 2)[..., None]  # [B, C, H, 1]
+    w2 = torch.exp(lse2 - ref).transpose(1, 2)[..., None]
+    return o1.to(cdt) * w1 + o2.to(cdt) * w2, lse
+
+
+def _check(q: Tensor, q_spans: Sequence[Span], k: Tensor, v: Tensor) -> None:
+    if k.shape != v.shape or k.shape[0] != q.shape[0] or q.shape[2] % k.shape[2]:
+        raise ValueError(f"bad shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    for s in q_spans:
+        if s.offset < 0 or s.offset + s.length > q.shape[1] or s.start < 0 or s.stop > k.shape[1]:
+            raise ValueError(f"{s} does not fit q {tuple(q.shape)} and k {tuple(k.shape)}")
+
+
+def _pieces(s: Span) -> list[tuple[slice, bool]]:
+    """Key ranges of a query span and whether each is causal: the diagonal, then the prefix."""
+    return [(slice(s.start, s.stop), True)] + ([(slice(0, s.start), False)] if s.start else [])
+
+
+def chunked_attention_forward(
+    kernel: AttentionKernel,
+    q: Tensor,
+    q_spans: Sequence[Span],
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+) -> tuple[Tensor, Tensor]:
+    """Causal attention of local query chunks to keys in natural order.
+
+    Args:
+        q: ``[B, T, Hq, d]``; ``q_spans`` cover its rows: ``Span(offset, start, length)`` =
+            rows ``[offset, offset+length)`` hold global positions ``[start, start+length)``.
+        k, v: ``[B, S, Hk, d]``, key i at position i. A query sees keys at positions <= its own.
+    Returns:
+        out ``[B, T, Hq, d]`` (q's dtype), lse ``[B, Hq, T]`` (float32; float64 for float64).
+    """
+    _check(q, q_spans, k, v)
+    B, T, hq, _ = q.shape
+    out = torch.zeros_like(q)
+    lse = torch.full((B, hq, T), float("-inf"), dtype=_stat_dtype(q), device=q.device)
+    for s in q_spans:
+        if s.length == 0:
+            continue
+        rows = slice(s.offset, s.offset + s.length)
+        o = l = None
+        for keys, causal in _pieces(s):
+            o_p, l_p = kernel.forward(q[:, rows], k[:, keys], v[:, keys], scale, causal)
+            o, l = (o_p, l_p) if o is None else _merge(o, l, o_p, l_p.to(lse.dtype))
+        out[:, rows] = o
+        lse[:, :, rows] = l
+    return out, lse
+
+
+def chunked_attention_backward(
+    kernel: AttentionKernel,
+    dout: Tensor,
+    q: Tensor,
+    q_spans: Sequence[Span],
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of ``chunked_attention_forward`` given its ``out`` and ``lse``.
+
+    Returns dq ``[B, T, Hq, d]`` in q's dtype and dk, dv ``[B, S, Hk, d]`` in float32 (float64
+    for float64 inputs): every key collects terms from several query chunks, and the caller
+    reduce-scatters them across ranks, so they are accumulated and returned at full precision.
+    Rows of q outside every span get dq = 0. Transient: one chunk's per-piece gradients.
+    """
+    _check(q, q_spans, k, v)
+    cdt = _stat_dtype(q)
+    dq = torch.zeros_like(q)
+    dk = torch.zeros(k.shape, dtype=cdt, device=k.device)
+    dv = torch.zeros(v.shape, dtype=cdt, device=v.device)
+    for s in q_spans:
+        if s.length == 0:
+            continue
+        rows = slice(s.offset, s.offset + s.length)
+        args = (dout[:, rows], q[:, rows])
+        o_c, l_c = out[:, rows], lse[:, :, rows].contiguous()
+        dq_c = None
+        for keys, causal in _pieces(s):
+            g_q, g_k, g_v = kernel.backward(*args, k[:, keys], v[:, keys], o_c, l_c, scale, causal)
+            dq_c = g_q.to(cdt) if dq_c is None else dq_c + g_q
+            dk[:, keys] += g_k
+            dv[:, keys] += g_v
+        dq[:, rows] = dq_c
+    return dq, dk, dv
