@@ -31,7 +31,7 @@ from tsp_ext.engine.attention_kernels import (
     chunked_attention_backward,
     chunked_attention_forward,
 )
-from tsp_ext.layout import ZigzagLayout
+from tsp_ext.engine.layout import ZigzagLayout
 
 log = logging.getLogger("benchmarks.attention_kernels")
 

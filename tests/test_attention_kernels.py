@@ -12,7 +12,7 @@ from tsp_ext.engine.attention_kernels import (
     chunked_attention_forward,
     select_backend,
 )
-from tsp_ext.layout import Span, ZigzagLayout
+from tsp_ext.engine.layout import Span, ZigzagLayout
 
 CPU = torch.device("cpu")
 TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 2e-2}

@@ -21,7 +21,7 @@ cpu_flash      cpu    fp32 fp64 bf16 fp16    ``aten._scaled_dot_product_flash_at
 cuda_flash     cuda   bf16 fp16              ``aten._scaled_dot_product_flash_attention``
 cuda_efficient cuda   fp32 bf16 fp16         ``aten._scaled_dot_product_efficient_attention``
 flash_attn     cuda   bf16 fp16              ``flash_attn`` (>= 2.7) ``_flash_attn_forward``
-blockwise      any    any float              ``tsp_ext.attention_core`` (Python, exact)
+blockwise      any    any float              ``engine.blockwise_attention`` (exact)
 ============== ====== ====================== =================================================
 
 cpu_flash, cuda_flash and flash_attn handle GQA natively and take ``[B, H, L, d]`` strided views
@@ -37,8 +37,8 @@ from collections.abc import Sequence
 
 import torch
 
-from tsp_ext.attention_core import attention_backward, attention_forward
-from tsp_ext.layout import Span
+from .blockwise_attention import attention_backward, attention_forward
+from .layout import Span
 
 Tensor = torch.Tensor
 aten = torch.ops.aten
