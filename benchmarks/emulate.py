@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tsp_ext.planner import PRESETS
 from tsp_ext.testing.launch import run_processes
 
-from .harness import MALLOC_ENV, MODEL_KEYS, _train_rank
+from .harness import MODEL_KEYS, _train_rank
 from .layouts import tp_sp_split
 
 log = logging.getLogger("benchmarks.emulate")
@@ -118,7 +118,6 @@ def emulate(
         backend="fake",
         timeout=timeout,
         ranks=[rank],
-        env=MALLOC_ENV,
     )
     result.pop("times", None)
     return {

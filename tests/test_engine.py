@@ -20,6 +20,7 @@ from tsp_ext import (
     pad_sequence,
     padded_length,
 )
+from tsp_ext.engine.attention_kernels import available_backends
 from tsp_ext.testing.launch import run_processes
 
 pytestmark = pytest.mark.multiproc
@@ -62,7 +63,7 @@ def make_config(name: str):
     return cls(**{**base, **kw})
 
 
-def _parity_case(rank, world, name, dtype_name, B, S, attn_block):
+def _parity_case(rank, world, name, dtype_name, B, S, backend):
     dtype = getattr(torch, dtype_name)
     group = dist.group.WORLD
     cfg = make_config(name)
@@ -89,11 +90,12 @@ def _parity_case(rank, world, name, dtype_name, B, S, attn_block):
     pos = lay.positions(rank)
     real = pos < S
     cos_l, sin_l = rope(x, pos[None].expand(B, -1))
-    tsp_cfg = TSPConfig(attn_block=attn_block)
+    # a small block makes the blockwise kernel skip, fully compute and mask blocks at these lengths
+    tsp_cfg = TSPConfig(attn_backend=backend, attn_block=4)
     t_attn = TSPAttention.from_hf(attn, group, tsp_cfg)
     t_mlp = TSPGatedMLP.from_hf(mlp, group, tsp_cfg)
     t_mlp_kept = TSPGatedMLP.from_hf(
-        mlp, group, TSPConfig(attn_block=attn_block, recompute_mlp=False)
+        mlp, group, TSPConfig(attn_backend=backend, recompute_mlp=False)
     )
 
     def local(t):  # this rank's real tokens of a full [B, S, ...] tensor
@@ -120,19 +122,29 @@ def _parity_case(rank, world, name, dtype_name, B, S, attn_block):
     return errs
 
 
-def parity_worker(rank, world, cases, attn_block):
-    return {c: _parity_case(rank, world, *c, attn_block) for c in cases}
+def parity_worker(rank, world, cases, backend):
+    return {c: _parity_case(rank, world, *c, backend) for c in cases}
 
 
 @functools.cache
-def parity_results(world: int, attn_block: int) -> dict:
-    return run_processes(parity_worker, world, tuple(CASES), attn_block)
+def parity_results(world: int, backend: str) -> dict:
+    return run_processes(parity_worker, world, tuple(CASES), backend)
 
 
+# every attention kernel this machine can run for both dtypes (CUDA kernels: gpu_check)
+BACKENDS = sorted(
+    set(available_backends("cpu", torch.float64)) & set(available_backends("cpu", torch.float32))
+)
+
+
+def test_cpu_backends_are_covered():
+    assert {"blockwise", "cpu_flash"} <= set(BACKENDS)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_parity_with_hf_modules(world):
-    # a small attention block exercises skipped, full and diagonal blocks at these lengths
-    results = parity_results(world, 4)
+def test_parity_with_hf_modules(world, backend):
+    results = parity_results(world, backend)
     for rank, per_case in enumerate(results):
         for case, errs in per_case.items():
             tol = TOL[case[1]]

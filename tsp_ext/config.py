@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from .engine.attention_kernels import BACKENDS
+
 
 @dataclass(frozen=True)
 class TSPConfig:
@@ -19,8 +21,12 @@ class TSPConfig:
             accumulate in float64).
         overlap: prefetch the next weight shard (broadcast / ring) while computing the current
             one. Off makes every transfer synchronous (debugging, profiling).
-        attn_block: query and key block size of the blockwise attention; bounds the transient
-            score block to ``B x heads/D x attn_block^2``.
+        attn_backend: attention kernel: ``"auto"`` (fused where the device and dtype allow:
+            ``cpu_flash`` on CPU, ``flash_attn`` / ``cuda_flash`` for bf16/fp16 and
+            ``cuda_efficient`` for fp32 on CUDA, else ``blockwise``) or one of those names
+            (``tsp_ext.engine.attention_kernels.BACKENDS``).
+        attn_block: query and key block size of the ``blockwise`` attention kernel; bounds its
+            transient score block to ``B x heads/D x attn_block^2``.
         recompute_mlp: recompute the MLP's gate/up projections shard by shard in backward (saves
             only X_p). Off keeps them: ``2 x B x S/D x F`` more saved elements per layer, two
             fewer matmuls per ring step in backward.
@@ -35,6 +41,7 @@ class TSPConfig:
     tsp_size: int | None = None
     accum_dtype: torch.dtype = torch.float32
     overlap: bool = True
+    attn_backend: str = "auto"
     attn_block: int = 512
     recompute_mlp: bool = True
     shard_vocab: bool = True
@@ -45,6 +52,10 @@ class TSPConfig:
             raise ValueError(f"tsp_size must be >= 1, got {self.tsp_size}")
         if not self.accum_dtype.is_floating_point:
             raise ValueError(f"accum_dtype must be a floating dtype, got {self.accum_dtype}")
+        if self.attn_backend != "auto" and self.attn_backend not in BACKENDS:
+            raise ValueError(
+                f"attn_backend={self.attn_backend!r} is not 'auto' or one of {sorted(BACKENDS)}"
+            )
         if self.attn_block < 1:
             raise ValueError(f"attn_block must be >= 1, got {self.attn_block}")
         if self.loss_chunk < 1:

@@ -194,17 +194,21 @@ class Blockwise(AttentionKernel):
 
     name = "blockwise"
 
+    def __init__(self, block: int = 512) -> None:
+        self.block = block  # query/key block size: bounds the score block to block^2 per head
+
     def _spans(self, q: Tensor, k: Tensor, is_causal: bool) -> tuple[list[Span], Span]:
         return [Span(0, 0 if is_causal else k.shape[1], q.shape[1])], Span(0, 0, k.shape[1])
 
     def forward(self, q, k, v, scale, is_causal):
         q_spans, kspan = self._spans(q, k, is_causal)
-        return attention_forward(q, q_spans, [(kspan, k, v)], scale)
+        return attention_forward(q, q_spans, [(kspan, k, v)], scale, self.block)
 
     def backward(self, dout, q, k, v, out, lse, scale, is_causal):
         q_spans, kspan = self._spans(q, k, is_causal)
         dk, dv = (torch.zeros(k.shape, dtype=_stat_dtype(q), device=k.device) for _ in "kv")
-        dq = attention_backward(dout, q, q_spans, [(kspan, k, v)], [(dk, dv)], out, lse, scale)
+        kv, dkv = [(kspan, k, v)], [(dk, dv)]
+        dq = attention_backward(dout, q, q_spans, kv, dkv, out, lse, scale, self.block)
         return dq, dk, dv
 
 
@@ -219,8 +223,11 @@ def available_backends(device: torch.device | str, dtype: torch.dtype) -> list[s
     return [n for n, b in BACKENDS.items() if b.supports(device, dtype)]
 
 
-def select_backend(name: str, device: torch.device | str, dtype: torch.dtype) -> AttentionKernel:
-    """The backend ``name`` (or ``"auto"``) for ``device`` / ``dtype``.
+def select_backend(
+    name: str, device: torch.device | str, dtype: torch.dtype, block: int = 512
+) -> AttentionKernel:
+    """The backend ``name`` (or ``"auto"``) for ``device`` / ``dtype``; ``block``: the block size
+    of the blockwise kernel.
 
     ``auto``: cpu -> cpu_flash if it takes the dtype; cuda bf16/fp16 -> flash_attn if installed,
     else cuda_flash; cuda fp32 -> cuda_efficient; otherwise (or if those are missing) blockwise.
@@ -233,18 +240,18 @@ def select_backend(name: str, device: torch.device | str, dtype: torch.dtype) ->
             "cpu": ["cpu_flash"],
             "cuda": ["flash_attn", "cuda_flash"] if dtype in _HALF else ["cuda_efficient"],
         }.get(device.type, [])
-        return BACKENDS[next((n for n in order if n in ok), "blockwise")]
-    if name not in BACKENDS:
+        name = next((n for n in order if n in ok), "blockwise")
+    elif name not in BACKENDS:
         raise ValueError(
             f"unknown attention backend {name!r}; choose 'auto' or one of {sorted(BACKENDS)}"
         )
-    if name not in ok:
+    elif name not in ok:
         why = "is not installed" if not BACKENDS[name].installed() else "does not support it"
         raise ValueError(
             f"attention backend {name!r} cannot run on {device.type} with {dtype} ({name} {why}); "
             f"backends that can: {ok}"
         )
-    return BACKENDS[name]
+    return Blockwise(block) if name == "blockwise" else BACKENDS[name]
 
 
 def _merge(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> tuple[Tensor, Tensor]:
@@ -329,8 +336,8 @@ def chunked_attention_backward(
     _check(q, q_spans, k, v)
     cdt = _stat_dtype(q)
     dq = torch.zeros_like(q)
-    dk = torch.zeros(k.shape, dtype=cdt, device=k.device)
-    dv = torch.zeros(v.shape, dtype=cdt, device=v.device)
+    dk = torch.zeros_like(k, dtype=cdt)  # k's memory layout, so the adds below are dense
+    dv = torch.zeros_like(v, dtype=cdt)
     for s in q_spans:
         if s.length == 0:
             continue
