@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-unit lint demo bench
+.PHONY: setup test test-unit lint demo bench gpu-check
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -46,3 +46,8 @@ bench: $(STAMP)
 	mkdir -p $(BENCH_DIR)
 	HF_HUB_OFFLINE=1 $(PY) -m benchmarks.run $(BENCH_ARGS) --json $(BENCH_DIR)/results.json \
 		--markdown $(BENCH_DIR)/results.md --plots $(BENCH_DIR)
+
+# On a machine with one GPU (< 8 minutes): CUDA parity of every attention backend, the kernel
+# micro-benchmark and the 7B-layer emulation at D = 8, S = 32K..128K -> outputs/gpu_check/gpu_check.json
+gpu-check: $(STAMP)
+	PY=$(PY) benchmarks/gpu_check.sh outputs/gpu_check

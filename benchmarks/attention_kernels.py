@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from tsp_ext.engine.attention import heads_major
 from tsp_ext.engine.attention_kernels import (
     BACKENDS,
     available_backends,
@@ -73,8 +74,9 @@ def bench(
     def rand(*shape):
         return torch.randn(*shape, generator=gen).to(dev, dtype)
 
-    q, dout = rand(batch, T, heads, head_dim), rand(batch, T, heads, head_dim)
-    k, v = rand(batch, seq_len, kv_heads, head_dim), rand(batch, seq_len, kv_heads, head_dim)
+    # heads-major storage, as the TSP schedule hands them to the kernels
+    q, dout = (heads_major(rand(batch, T, heads, head_dim)) for _ in "qo")
+    k, v = (heads_major(rand(batch, seq_len, kv_heads, head_dim)) for _ in "kv")
 
     rows, outs = [], {}
     names = ["blockwise"] + [n for n in available_backends(dev, dtype) if n != "blockwise"]

@@ -12,6 +12,7 @@ import torch
 
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "multiproc: spawns real process groups (integration test)")
+    config.addinivalue_line("markers", "cuda: needs a GPU (skipped without one; gpu_check.sh)")
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

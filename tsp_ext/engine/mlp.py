@@ -27,21 +27,21 @@ from .weight_ring import GradientRing, circulate
 
 
 def _swiglu_backward(x, dy, g, u, dn, acc: torch.dtype, hidden=None):
-    """Gradients of ``_swiglu`` for one shard: ``(dX, dG, dU, dDn)``, weight grads in ``acc``.
+    """Gradients of one shard's ``(silu(X·Gᵀ) ⊙ (X·Uᵀ))·Dnᵀ``: ``(dX, dG, dU, dDn)``, the weight
+    gradients in ``acc``.
 
     ``hidden``: the saved gate/up pre-activations ``[2, B, T, F/D]``; recomputed if None.
     """
     hg, hu = hidden if hidden is not None else (F.linear(x, g), F.linear(x, u))  # [B, T, F/D]
-    sig = torch.sigmoid(hg)
-    act = hg * sig
+    act = F.silu(hg)
     dm = dy @ dn  # [B, T, F/D]
     dhu = dm * act
-    dhg = dm * hu * sig * (1 + hg * (1 - sig))
+    dhg = torch.ops.aten.silu_backward(dm.mul_(hu), hg)  # one fused kernel for silu'
     x2, dy2 = x.flatten(0, 1).to(acc), dy.flatten(0, 1).to(acc)
-    d_dn = dy2.t() @ (act * hu).flatten(0, 1).to(acc)
+    d_dn = dy2.t() @ act.mul_(hu).flatten(0, 1).to(acc)
     d_g = dhg.flatten(0, 1).to(acc).t() @ x2
     d_u = dhu.flatten(0, 1).to(acc).t() @ x2
-    dx = dhg @ g + dhu @ u
+    dx = torch.addmm(dhg.flatten(0, 1) @ g, dhu.flatten(0, 1), u).view_as(x)
     return dx, d_g, d_u, d_dn
 
 

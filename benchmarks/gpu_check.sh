@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# One prepared GPU check (one GPU, under 8 minutes): CUDA parity of every attention backend
+# (kernels and the TSP layer, bf16 + float32), the attention-kernel micro-benchmark, and the
+# single-GPU emulation of rank 0 of the paper's 7B layer at D = 8 for S = 32K..128K.
+# Writes $OUT_DIR/gpu_check.json (one document) plus the logs next to it.
+#   usage: benchmarks/gpu_check.sh [OUT_DIR]     (default outputs/gpu_check)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+OUT_DIR=${1:-outputs/gpu_check}
+mkdir -p "$OUT_DIR"
+export HF_HUB_OFFLINE=1
+
+"$PY" -c "import torch; assert torch.cuda.is_available(), 'no GPU visible'; print(torch.cuda.get_device_name())" \
+  || exit 1
+
+# parity: kernels vs a dense reference, the TSP layer vs the HF modules (JUnit XML for the JSON)
+timeout 240 "$PY" -m pytest -q tests/test_attention_kernels.py tests/test_cuda.py \
+  --junitxml "$OUT_DIR/parity.xml" 2>&1 | tee "$OUT_DIR/parity.log"
+
+# kernels: TSP chunked attention (every backend) vs plain SDPA on the same tokens
+for dt in bfloat16 float32; do
+  timeout 60 "$PY" -m benchmarks.attention_kernels --device cuda --dtype "$dt" --seq-len 32768 \
+    --heads 32 --kv-heads 8 --head-dim 128 --tsp 8 --json "$OUT_DIR/kernels_$dt.json" \
+    2>&1 | tee -a "$OUT_DIR/kernels.log"
+done
+
+# memory and step time of one rank of the paper's 7B layer, D = 8, on the fake process group
+for s in 32768 65536 131072; do
+  timeout 90 "$PY" -m benchmarks.emulate --device cuda --dtype bfloat16 --devices 8 \
+    --seq-len "$s" --json "$OUT_DIR/emulate_$s.json" 2>&1 | tee -a "$OUT_DIR/emulate.log"
+done
+
+"$PY" - "$OUT_DIR" <<'PYEOF'
+import glob, json, os, sys
+import xml.etree.ElementTree as ET
+out = sys.argv[1]
+doc = {"parity": {}, "kernels": {}, "emulate": {}}
+if os.path.exists(f"{out}/parity.xml"):
+    for case in ET.parse(f"{out}/parity.xml").iter("testcase"):
+        state = "failed" if case.find("failure") is not None or case.find("error") is not None \
+            else "skipped" if case.find("skipped") is not None else "passed"
+        doc["parity"][f"{case.get('classname')}::{case.get('name')}"] = state
+for kind in ("kernels", "emulate"):
+    for f in sorted(glob.glob(f"{out}/{kind}_*.json")):
+        doc[kind][os.path.basename(f)[len(kind) + 1 : -5]] = json.load(open(f))
+json.dump(doc, open(f"{out}/gpu_check.json", "w"), indent=1)
+failed = [k for k, v in doc["parity"].items() if v == "failed"]
+print(f"wrote {out}/gpu_check.json: parity {len(doc['parity'])} cases, {len(failed)} failed")
+PYEOF
