@@ -53,20 +53,33 @@ class TSPCausalLMLoss:
         )
         return self.global_mean(local, shift_labels, num_items_in_batch, ignore_index)
 
+    def token_count(
+        self,
+        shift_labels: torch.Tensor,
+        num_items_in_batch: torch.Tensor | int | None = None,
+        ignore_index: int = IGNORE_INDEX,
+    ) -> tuple[torch.Tensor, comm.Pending]:
+        """The global number of target tokens, ``(count, handle)``: the count is summed over the
+        TSP group asynchronously and valid once ``handle.wait()`` returns."""
+        if num_items_in_batch is not None:
+            return torch.as_tensor(num_items_in_batch, device=shift_labels.device), comm.Pending([])
+        count = (shift_labels != ignore_index).sum()
+        return count, comm.Pending([comm.all_reduce(count, self.group, async_op=True)])
+
     def global_mean(
         self,
         local_sum: torch.Tensor,
         shift_labels: torch.Tensor,
         num_items_in_batch: torch.Tensor | int | None = None,
         ignore_index: int = IGNORE_INDEX,
+        *,
+        count: tuple[torch.Tensor, comm.Pending] | None = None,
     ) -> torch.Tensor:
-        """Sum of every rank's ``local_sum`` over the global number of target tokens."""
-        if num_items_in_batch is None:
-            count = (shift_labels != ignore_index).sum().to(local_sum.device)
-            comm.all_reduce(count, self.group)
-        else:
-            count = torch.as_tensor(num_items_in_batch, device=local_sum.device)
-        return comm.sum_over_ranks(local_sum, self.group) / count
+        """Sum of every rank's ``local_sum`` over the global number of target tokens
+        (``count``: what ``token_count`` returned, if it was started earlier)."""
+        total, counting = count or self.token_count(shift_labels, num_items_in_batch, ignore_index)
+        counting.wait()
+        return comm.sum_over_ranks(local_sum, self.group) / total.to(local_sum.device)
 
 
 def vocab_sharded_forward(
@@ -91,6 +104,12 @@ def vocab_sharded_forward(
     """
     if logits_to_keep:
         raise ValueError("logits_to_keep is not supported by a TSP model (every token is local)")
+    count = None
+    if labels is not None:
+        if shift_labels is None:
+            raise ValueError(NEEDS_SHIFT_LABELS)
+        # the token count's all-reduce flies during the whole forward
+        count = self.loss_function.token_count(shift_labels, num_items_in_batch)
     outputs = self.model(
         input_ids=input_ids,
         position_ids=position_ids,
@@ -101,10 +120,8 @@ def vocab_sharded_forward(
     hidden = outputs.last_hidden_state
     loss = logits = None
     if labels is not None:
-        if shift_labels is None:
-            raise ValueError(NEEDS_SHIFT_LABELS)
         local = self.lm_head(hidden, shift_labels)
-        loss = self.loss_function.global_mean(local, shift_labels, num_items_in_batch)
+        loss = self.loss_function.global_mean(local, shift_labels, count=count)
     if labels is None or return_logits:
         logits = self.lm_head(hidden)
     out = CausalLMOutputWithPast(
