@@ -80,8 +80,10 @@ def test_zero_stages_match_reference(tsp):
             # TSP itself is float64-exact, but DeepSpeed reduces gradient norms (and so the clip
             # coefficient) in float32; Adam turns that into ~1e-5 on entries whose |grad| ~ eps
             tols = {"loss": 1e-7, "norm": 1e-6, "params": 1e-4, "params_l2": 1e-6}
-            if "float32" in dtype:  # float32 vs a float32 reference: rounding, summed differently
-                tols = {"loss": 1e-5, "norm": 1e-5, "params_l2": 1e-5}
+            if "float32" in dtype:
+                # float32 vs a float32 reference: the first gradient norm agrees to rounding;
+                # Adam amplifies float32 rounding on the later steps' norms and parameters
+                tols = {"loss": 1e-5, "norm0": 1e-6, "norm": 1e-4, "params_l2": 1e-4}
             if "bfloat16" in dtype:
                 # bf16 weights vs the float32 reference: the first gradient norm is close; later
                 # steps drift apart as Adam amplifies bf16 rounding, so compare losses and the
@@ -184,12 +186,22 @@ def test_tsp_block_takes_every_config_field():
         "size": 4,
         "accum_dtype": "float64",
         "overlap": False,
+        "attn_backend": "blockwise",
         "attn_block": 64,
         "recompute_mlp": False,
         "shard_vocab": False,
         "loss_chunk": 7,
     }
-    expected = TSPConfig(4, torch.float64, False, 64, False, False, 7)
+    expected = TSPConfig(
+        tsp_size=4,
+        accum_dtype=torch.float64,
+        overlap=False,
+        attn_backend="blockwise",
+        attn_block=64,
+        recompute_mlp=False,
+        shard_vocab=False,
+        loss_chunk=7,
+    )
     assert tsp_config_from_ds({"tsp": block}) == expected
     assert {f.name for f in dataclasses.fields(TSPConfig)} == set(block) - {"size"} | {"tsp_size"}
 
