@@ -11,10 +11,11 @@ holds the step's tokens ``x [B, Tq, h]`` (replicated) and uses only its own shar
     x += all_reduce((silu(x̂ · G_pᵀ) ⊙ (x̂ · U_pᵀ)) · Dn_pᵀ)
     logits = all_gather(x̂ · W_vocab_pᵀ)                 # identical full logits on every rank
 
-2L + 2 collectives per step. When D > n_kv_heads, the c = D / n_kv_heads ranks sharing a KV head
-each cache 1/c of its tokens (32-token blocks, round robin); each computes the partial attention
-of all c groups' queries (one all-gather of q) on its tokens, and one all-gather of the partial
-(out, lse) lets each rank merge its own heads' c partials by log-sum-exp, in float32 at least.
+2L + 2 collectives per step (the vocab-sharded embedding lookup is one all-reduce too).
+When D > n_kv_heads, the c = D / n_kv_heads ranks sharing a KV head each cache 1/c of its tokens
+(32-token blocks, round robin); each computes the partial attention of all c groups' queries
+(one all-gather of q) on its tokens, and one all-gather of the partial (out, lse) lets each rank
+merge its own heads' c partials by log-sum-exp, in float32 at least.
 """
 
 from __future__ import annotations
@@ -81,6 +82,17 @@ def decode_mlp(x, gate, up, down, group, acc: torch.dtype) -> torch.Tensor:
     """SwiGLU of the replicated ``x [B, Tq, h]`` with this rank's slices ``gate, up [F/D, h]``,
     ``down [h, F/D]``: ``all_reduce((silu(x·Gᵀ) ⊙ (x·Uᵀ))·Dnᵀ)`` ``[B, Tq, h]``."""
     return row_parallel(F.silu(F.linear(x, gate)) * F.linear(x, up), down, group, acc)
+
+
+def vocab_embedding(ids: torch.Tensor, rows: torch.Tensor, group) -> torch.Tensor:
+    """Embeddings ``[B, Tq, h]`` of the replicated ``ids [B, Tq]`` from this rank's vocabulary
+    rows ``[V/D, h]``: each rank looks up the ids it owns (zeros elsewhere), one all-reduce."""
+    p = comm.size_and_rank(group)[1]
+    local = ids - p * rows.shape[0]
+    mine = (local >= 0) & (local < rows.shape[0])
+    x = rows[local.clamp(0, rows.shape[0] - 1)] * mine[..., None]
+    comm.all_reduce(x, group)
+    return x
 
 
 def gather_vocab_logits(h: torch.Tensor, rows: torch.Tensor, group) -> torch.Tensor:

@@ -21,11 +21,17 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..engine import comm
 from ..engine.attention import _Schedule, project_qkv, tsp_attention_forward
-from ..engine.decode import decode_attention, decode_mlp, gather_vocab_logits, row_parallel
+from ..engine.decode import (
+    decode_attention,
+    decode_mlp,
+    gather_vocab_logits,
+    row_parallel,
+    vocab_embedding,
+)
 from ..engine.layout import ZigzagLayout, pad_sequence, padded_length
 from .attention import TSPAttention
 from .cache import TSPCache, TSPCacheLayer
-from .vocab import TSPVocabLMHead
+from .vocab import TSPVocabEmbedding, TSPVocabLMHead
 
 # keyword arguments generate() passes that the inference forward accepts and ignores
 _IGNORED = {"use_cache", "return_dict", "output_attentions", "output_hidden_states"}
@@ -136,7 +142,11 @@ def _decode(model, ids, mask, pos, cache: TSPCache) -> torch.Tensor:
         raise ValueError(
             f"attention_mask covers {valid.shape[1]} tokens, the cache and the new tokens {L + Tq}"
         )
-    x = model.model.embed_tokens(ids)
+    emb = model.model.embed_tokens
+    if isinstance(emb, TSPVocabEmbedding):
+        x = vocab_embedding(ids, emb.weight, emb.group)
+    else:
+        x = emb(ids)
 
     def attention(i, attn, h, cos, sin):
         return _decode_attention(attn, h, cos, sin, cache.layers[i], q_index, valid)
