@@ -18,6 +18,7 @@ import importlib
 _EXPORTS = {
     "AttentionSpec": ".engine.attention",
     "TSPAttention": ".hf.attention",
+    "TSPCache": ".hf.cache",
     "gather_sequence": ".hf.batch",
     "shard_batch": ".hf.batch",
     "TSPConfig": ".config",

@@ -8,4 +8,6 @@
 - ``mlp``: ring SwiGLU schedule
 - ``vocab``: embedding row exchange, ring LM head + fused cross-entropy
 - ``pointwise``: RMSNorm and RoPE
+- ``masked_attention``: exact attention under a key mask with its lse, LSE merge of partials
+- ``decode``: the TP decode schedules on the TSP shards (attention, MLP, embedding, logits)
 """

@@ -19,6 +19,7 @@ its gradient is the sum over those groups, all-reduced so the copies stay equal.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,7 @@ from .attention_kernels import (
     select_backend,
 )
 from .layout import ZigzagLayout
+from .masked_attention import masked_chunked_attention
 from .pointwise import rms_norm, rope
 
 # Names of the sharded tensors of one head group, in broadcast order: the q/o part first, the
@@ -94,6 +96,20 @@ class AttentionSpec:
         return slice(first * self.head_dim, (first + self.kv_per_rank) * self.head_dim)
 
 
+def project_qkv(x, w, cos, sin, q_norm, k_norm, spec: AttentionSpec):
+    """Q ``[B, T, n_h/D, d]`` and K, V ``[B, T, kv/D, d]`` of the tokens ``x [B, T, h]`` for the
+    head group whose shards are ``w`` (RoPE by ``cos, sin [B, T, d]``, then Qwen3 q/k norms)."""
+    B, T, _ = x.shape
+    d = spec.head_dim
+    q = F.linear(x, w["wq"], w.get("bq")).view(B, T, -1, d)
+    k = F.linear(x, w["wk"], w.get("bk")).view(B, T, -1, d)
+    v = F.linear(x, w["wv"], w.get("bv")).view(B, T, -1, d)
+    if q_norm is not None:
+        q = rms_norm(q, q_norm, spec.qk_norm_eps)
+        k = rms_norm(k, k_norm, spec.qk_norm_eps)
+    return rope(q, cos, sin), rope(k, cos, sin), v
+
+
 class _Schedule:
     """One call's fixed context: group, layout, spec, options."""
 
@@ -128,15 +144,7 @@ class _Schedule:
 
     def project(self, x, w, cos, sin, q_norm, k_norm):
         """Local Q ``[B, T, n_h/D, d]`` and K, V ``[B, T, kv/D, d]`` of one head group."""
-        B, T, _ = x.shape
-        d = self.spec.head_dim
-        q = F.linear(x, w["wq"], w.get("bq")).view(B, T, -1, d)
-        k = F.linear(x, w["wk"], w.get("bk")).view(B, T, -1, d)
-        v = F.linear(x, w["wv"], w.get("bv")).view(B, T, -1, d)
-        if q_norm is not None:
-            q = rms_norm(q, q_norm, self.spec.qk_norm_eps)
-            k = rms_norm(k, k_norm, self.spec.qk_norm_eps)
-        return rope(q, cos, sin), rope(k, cos, sin), v
+        return project_qkv(x, w, cos, sin, q_norm, k_norm, self.spec)
 
     def gather_kv(self, k: torch.Tensor, v: torch.Tensor):
         """Start the all-gather of one group's K/V: ``[B, T, hk, d]`` each ->
@@ -174,9 +182,25 @@ def heads_major(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-def tsp_attention_forward(sched: _Schedule, x, cos, sin, own, q_norm, k_norm, keep: bool = True):
+def tsp_attention_forward(
+    sched: _Schedule,
+    x,
+    cos,
+    sin,
+    own,
+    q_norm,
+    k_norm,
+    keep: bool = True,
+    kv_sink: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
+    key_valid: torch.Tensor | None = None,
+):
     """Forward schedule. Returns ``Y_p [B, T, h]`` plus, if ``keep``, ``A [D, B, n_h/D, T, d]``
-    and ``lse [D, B, n_h/D, T]`` (what backward needs), else None for both."""
+    and ``lse [D, B, n_h/D, T]`` (what backward needs), else None for both.
+
+    Inference only (training passes neither): ``kv_sink(r, K_r, V_r)`` receives each group's
+    all-gathered K/V ``[B, S, kv/D, d]`` in token order (a prefill keeps its own group's as its
+    KV cache, no extra traffic); ``key_valid [B, S]`` (bool) hides padded keys (left padding),
+    computed by ``masked_chunked_attention`` instead of the fused kernels."""
     B, T, _ = x.shape
     D, spec = sched.D, sched.spec
     y = x.new_zeros(B, T, spec.hidden_size, dtype=sched.acc)
@@ -190,9 +214,16 @@ def tsp_attention_forward(sched: _Schedule, x, cos, sin, own, q_norm, k_norm, ke
         gathering.wait()
         k_all, v_all = sched.natural_kv(kv_all)
         del kv_all
-        a, lse = chunked_attention_forward(
-            sched.kernel, q, sched.q_spans, k_all, v_all, spec.scaling
-        )
+        if kv_sink is not None:
+            kv_sink(r, k_all, v_all)
+        if key_valid is None:
+            a, lse = chunked_attention_forward(
+                sched.kernel, q, sched.q_spans, k_all, v_all, spec.scaling
+            )
+        else:
+            a, lse = masked_chunked_attention(
+                q, sched.q_spans, k_all, v_all, key_valid, spec.scaling
+            )
         if keep:
             if lse_all is None:
                 lse_all = lse.new_empty(D, *lse.shape)

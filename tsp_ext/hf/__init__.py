@@ -5,4 +5,5 @@
 - ``apply``: ``apply_tsp`` (module replacement) and ``check_supported``
 - ``causal_lm``: the global loss, the vocab-sharded ``forward`` and the input check
 - ``batch``: ``shard_batch`` / ``gather_sequence``
+- ``cache``, ``inference``, ``generate``: the sharded KV cache, prefill / decode, ``generate``
 """

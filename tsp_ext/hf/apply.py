@@ -7,9 +7,10 @@ Steps, in order:
      (vocabulary rows p; ``TSPConfig(shard_vocab=False)`` keeps them replicated) — the full
      weights are dropped; the norms keep their (tiny) replicated weights;
   3. switch the model to TSP-aware behaviour: no attention masks (causal by global position), no
-     KV cache, a loss that is the global token mean over the TSP group (with a sharded
-     vocabulary: the fused ring LM head + cross-entropy, no full logits), and an input check
-     that rejects batches not made by ``shard_batch``.
+     KV cache in training calls, a loss that is the global token mean over the TSP group (with a
+     sharded vocabulary: the fused ring LM head + cross-entropy, no full logits), an input check
+     that rejects batches not made by ``shard_batch``, and ``generate`` with a sharded KV cache
+     (calls that carry a ``TSPCache`` take the inference path, ``hf.inference``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from ..config import TSPConfig
 from ..engine.attention import AttentionSpec
 from ..mesh import init_tsp_mesh, tsp_group
 from .attention import TSPAttention
-from .causal_lm import TSPCausalLMLoss, check_inputs, vocab_sharded_forward
+from .causal_lm import TSPCausalLMLoss, check_inputs
+from .generate import tsp_forward, tsp_generate
 from .mlp import TSPGatedMLP
 from .replicated import TSPEmbedding, TSPLMHead, TSPRMSNorm
 from .vocab import TSPVocabEmbedding, TSPVocabLMHead, check_vocab_divisible
@@ -104,7 +106,6 @@ def apply_tsp(
         decoder.embed_tokens = TSPVocabEmbedding.from_hf(decoder.embed_tokens, group)
         tied_to = decoder.embed_tokens if tied else None
         model.lm_head = TSPVocabLMHead.from_hf(model.lm_head, group, config, tied_to)
-        model.forward = types.MethodType(vocab_sharded_forward, model)
     else:
         decoder.embed_tokens = TSPEmbedding.from_hf(decoder.embed_tokens, group)
         model.lm_head = TSPLMHead.from_hf(model.lm_head, group)
@@ -114,9 +115,11 @@ def apply_tsp(
         "use_cache": model.config.use_cache,
     }
     model.config._attn_implementation = ATTN_IMPLEMENTATION
-    model.config.use_cache = False  # no KV cache under TSP (prefill and training only)
+    model.config.use_cache = False  # training calls keep no cache; generate passes a TSPCache
     model.loss_function = TSPCausalLMLoss(group)
     model.tsp = TSPState(mesh, group, config, changed)
+    model.forward = types.MethodType(tsp_forward, model)
+    model.generate = types.MethodType(tsp_generate, model)
     model.register_forward_pre_hook(check_inputs, with_kwargs=True)
     return model
 

@@ -131,7 +131,10 @@ def vocab_sharded_forward(
 
 
 def check_inputs(model: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook: reject inputs that would silently give wrong results under TSP."""
+    """Forward pre-hook: reject inputs that would silently give wrong results under TSP (calls
+    with a KV cache are checked by the inference path instead)."""
+    if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+        return
     if args:
         raise ValueError("call a TSP model with keyword arguments: model(**shard_batch(...))")
     if kwargs.get("attention_mask") is not None:

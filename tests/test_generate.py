@@ -1,0 +1,178 @@
+"""generate() on TSP models: token-for-token the single-process Hugging Face model's output, the
+same tokens on every rank, 1/D of the KV cache and weights per rank, and clear errors."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from conftest import error_message
+from models import build
+from transformers import DynamicCache
+
+from tsp_ext import TSPCache, TSPConfig, apply_tsp, init_tsp_mesh
+from tsp_ext.engine.decode import KV_BLOCK
+from tsp_ext.testing.launch import run_processes
+
+pytestmark = pytest.mark.multiproc
+
+NEW = 64  # new tokens per greedy case
+# (family, dtype, batch, prompt length, left padding of the first prompt, TSPConfig overrides):
+# MHA (llama_tied), GQA (llama, mistral, qwen3), one KV head (qwen2: D > n_kv at D = 2, 4; llama
+# at D = 4), prompt lengths that are not multiples of 2·D, a replicated vocabulary
+CASES = [
+    ("llama", torch.float64, 2, 21, 5, {}),
+    ("llama_tied", torch.float32, 1, 13, 0, {}),
+    ("mistral", torch.float32, 2, 19, 3, {}),
+    ("qwen2", torch.float64, 1, 30, 0, {}),
+    ("qwen3", torch.float32, 2, 21, 4, {}),
+    ("llama", torch.float32, 1, 11, 0, {"shard_vocab": False}),
+]
+
+
+def prompt(B: int, S: int, pad: int, seed: int = 3):
+    """Token ids ``[B, S]`` and a tokenizer-style mask: the first prompt left-padded by ``pad``."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 96, (B, S), generator=g)
+    mask = torch.ones(B, S, dtype=torch.long)
+    mask[0, :pad] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def hf_model(family: str, dtype: torch.dtype, **overrides):
+    model = build(family, dtype, **overrides)
+    model.generation_config.update(eos_token_id=None, pad_token_id=0)  # always NEW tokens
+    return model.eval()
+
+
+def weight_bytes(model, sharded_only: bool) -> int:
+    """Parameter bytes (each tensor once); ``sharded_only`` leaves the replicated norms out."""
+    return sum(p.nbytes for n, p in model.named_parameters() if not (sharded_only and "norm" in n))
+
+
+def greedy_case(rank, mesh, family, dtype, B, S, pad, overrides):
+    model = hf_model(family, dtype)
+    ids, mask = prompt(B, S, pad)
+    out = {}
+    if rank == 0:  # the single-process reference (the same on every rank: compute it once)
+        ref = copy.deepcopy(model)
+        r = ref.generate(ids, attention_mask=mask, max_new_tokens=NEW, return_dict_in_generate=True)
+        out["ref"] = r.sequences
+        out["ref_kv"] = sum(layer.keys.nbytes + layer.values.nbytes for layer in r.cache.layers)
+    out["ref_weights"] = weight_bytes(model, sharded_only=True)
+    apply_tsp(model, mesh, config=TSPConfig(**overrides))
+    g = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, return_dict_in_generate=True)
+    out["tokens"] = g.sequences
+    out["kv"] = g.cache.kv_bytes()
+    out["cached_tokens"] = g.cache.layers[0].token_index.numel()
+    out["weights"] = weight_bytes(model, sharded_only=True)
+    return out
+
+
+def sampling_case(rank, mesh):
+    """Sampling after a different seed on every rank: the same tokens on every rank (the
+    generator state is synced), and the reference's tokens for rank 0's seed."""
+    model = hf_model("mistral", torch.float32)
+    ids, mask = prompt(2, 15, 2)
+    kw = dict(attention_mask=mask, max_new_tokens=32, do_sample=True, top_k=20, temperature=0.8)
+    torch.manual_seed(7)
+    ref = copy.deepcopy(model).generate(ids, **kw) if rank == 0 else None
+    apply_tsp(model, mesh)
+    torch.manual_seed(7 + rank)
+    return {"tokens": model.generate(ids, **kw), "ref": ref}
+
+
+def beam_case(rank, mesh):
+    model = hf_model("llama", torch.float64)
+    ids, mask = prompt(2, 17, 4)
+    ref = copy.deepcopy(model).generate(ids, attention_mask=mask, max_new_tokens=16, num_beams=3)
+    apply_tsp(model, mesh)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=16, num_beams=3)
+    return {"tokens": out, "ref": ref}
+
+
+def error_cases(rank, mesh):
+    model = apply_tsp(hf_model("llama", torch.float32), mesh)
+    other = apply_tsp(hf_model("qwen2", torch.float32), mesh)
+    ids, _ = prompt(1, 9, 0)
+    long_ids = torch.ones(1, model.config.max_position_embeddings + 1, dtype=torch.long)
+    return {
+        "too long": error_message(lambda: model.generate(long_ids, max_new_tokens=1)),
+        "assisted": error_message(lambda: model.generate(ids, assistant_model=other)),
+        "contrastive": error_message(lambda: model.generate(ids, penalty_alpha=0.6, top_k=4)),
+        "ranks differ": error_message(lambda: model.generate(ids + rank, max_new_tokens=2)),
+        "dynamic cache": error_message(
+            lambda: model(input_ids=ids, cache=DynamicCache(config=model.config))
+        ),
+        "other layout": error_message(lambda: model.generate(ids, cache=TSPCache(other))),
+    }
+
+
+def worker(rank, world):
+    mesh = init_tsp_mesh(world)
+    out = {c[:5]: greedy_case(rank, mesh, *c) for c in CASES}
+    if world > 1:
+        out["sampling"] = sampling_case(rank, mesh)
+        out["beams"] = beam_case(rank, mesh)
+        out["errors"] = error_cases(rank, mesh)
+    return out
+
+
+@functools.cache
+def results(world):
+    return run_processes(worker, world, timeout=300)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_greedy_matches_hf_token_for_token(world):
+    runs = results(world)
+    for case in CASES:
+        ref = runs[0][case[:5]]["ref"]
+        assert ref.shape[1] == case[3] + NEW
+        for rank, run in enumerate(runs):
+            assert torch.equal(run[case[:5]]["tokens"], ref), f"D={world} rank={rank} {case}"
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_kv_cache_and_weights_are_one_dth(world):
+    runs = results(world)
+    for family, dtype, B, S, pad, overrides in CASES:
+        key = (family, dtype, B, S, pad)
+        ref_kv = runs[0][key]["ref_kv"]
+        kv = [run[key]["kv"] for run in runs]
+        assert sum(kv) == ref_kv, (key, kv)  # every cached token on exactly one rank
+        model = build(family, dtype)
+        c = max(world // model.config.num_key_value_heads, 1)
+        tokens = S + NEW - 1  # the last generated token is never fed back
+        for run in runs:  # a KV head's replicas split its tokens by blocks of KV_BLOCK
+            assert abs(run[key]["cached_tokens"] - tokens / c) <= KV_BLOCK, (key, run[key])
+        if c == 1:
+            assert kv == [ref_kv // world] * world, (key, kv)
+        if c == 1 and not overrides:  # (shard_vocab=False replicates the embedding and head)
+            weights = [run[key]["weights"] for run in runs]
+            assert weights == [runs[0][key]["ref_weights"] // world] * world, (key, weights)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sampling_and_beams_agree_across_ranks(world):
+    runs = results(world)
+    for mode in ("sampling", "beams"):
+        ref = runs[0][mode]["ref"]
+        for rank, run in enumerate(runs):
+            assert torch.equal(run[mode]["tokens"], ref), f"{mode} D={world} rank={rank}"
+
+
+def test_errors():
+    errors = results(2)[0]["errors"]
+    expected = {
+        "too long": "max_position_embeddings",
+        "assisted": "assisted decoding",
+        "contrastive": "contrastive search",
+        "ranks differ": "different input_ids",
+        "dynamic cache": "needs a TSPCache",
+        "other layout": "was built for",
+    }
+    for what, words in expected.items():
+        assert words in errors[what], (what, errors[what])

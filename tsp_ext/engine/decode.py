@@ -1,0 +1,103 @@
+"""Decode schedules: the tensor-parallel (TP) schedule on the unchanged TSP shards.
+
+A decode step has T = batch tokens, far below the T* ≈ P_layer / (4h − 2·n_kv·d) tokens (≈15K
+for a Llama-3-8B layer) where moving weights (TSP) beats moving activations (TP). So every rank
+holds the step's tokens ``x [B, Tq, h]`` (replicated) and uses only its own shards:
+
+    q, k, v = rope(x · W_pᵀ, global positions)          # head group p, no weight traffic
+    K_p, V_p = cache_p.append(k, v)                      # group p's KV heads (kept by prefill)
+    a_p = attention(q, K_p, V_p)                         # exact, GQA, padded keys hidden
+    x += all_reduce(a_p · Wo_pᵀ)
+    x += all_reduce((silu(x̂ · G_pᵀ) ⊙ (x̂ · U_pᵀ)) · Dn_pᵀ)
+    logits = all_gather(x̂ · W_vocab_pᵀ)                 # identical full logits on every rank
+
+2L + 2 collectives per step (the vocab-sharded embedding lookup is one all-reduce too).
+When D > n_kv_heads, the c = D / n_kv_heads ranks sharing a KV head each cache 1/c of its tokens
+(32-token blocks, round robin); each computes the partial attention of all c groups' queries
+(one all-gather of q) on its tokens, and one all-gather of the partial (out, lse) lets each rank
+merge its own heads' c partials by log-sum-exp, in float32 at least.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import comm
+from .attention import AttentionSpec
+from .masked_attention import merge_partials, partial_attention
+
+# tokens per block of a KV head's cache split across its replicas (D > n_kv_heads)
+KV_BLOCK = 32
+
+
+def kept_tokens(index: torch.Tensor, replicas: int, replica: int) -> torch.Tensor:
+    """Which tokens (global indices ``index [L]``) replica ``replica`` of ``replicas`` caches:
+    ``[L]`` bool, blocks of ``KV_BLOCK`` tokens dealt round robin."""
+    return (index // KV_BLOCK) % replicas == replica
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor,
+    spec: AttentionSpec,
+    group,
+) -> torch.Tensor:
+    """Attention of this rank's query heads to its KV cache.
+
+    Args:
+        q: ``[B, Tq, n_h/D, d]``, this rank's heads of the step's tokens (RoPE applied).
+        k, v: ``[B, L_p, kv/D, d]``, this rank's cached tokens (all of them when D <= n_kv_heads,
+            else its share of its KV head's tokens).
+        allowed: ``[B, Tq, L_p]`` bool, which cached tokens each query sees (causal, not padding).
+    Returns:
+        ``[B, Tq, n_h/D, d]`` in q's dtype: exact attention over the whole cache.
+    """
+    c = spec.kv_replicas
+    if c == 1:
+        return partial_attention(q, k, v, allowed, spec.scaling)[0].to(q.dtype)
+    D, p = comm.size_and_rank(group)
+    first, j, hp = p // c * c, p % c, spec.heads_per_rank
+    # the queries of the c groups sharing this KV head: [B, Tq, c·n_h/D, d]
+    q_all, _ = comm.all_gather_seq(q, group)
+    q_grp = q_all[first : first + c].permute(1, 2, 0, 3, 4).flatten(2, 3)
+    out, lse = partial_attention(q_grp, k, v, allowed, spec.scaling)
+    # (out, lse) of every rank in one message: [D, B, Tq, c·n_h/D, d + 1]
+    parts, _ = comm.all_gather_seq(torch.cat([out, lse.transpose(1, 2)[..., None]], -1), group)
+    mine = parts[first : first + c, :, :, j * hp : (j + 1) * hp]  # [c, B, Tq, n_h/D, d + 1]
+    return merge_partials(mine[..., :-1], mine[..., -1]).to(q.dtype)
+
+
+def row_parallel(a: torch.Tensor, w: torch.Tensor, group, acc: torch.dtype) -> torch.Tensor:
+    """``all_reduce(a · wᵀ)``: ``a [..., k/D]`` and this rank's columns ``w [h, k/D]`` ->
+    ``[..., h]`` in a's dtype, summed over the group in ``acc``."""
+    y = F.linear(a, w).to(acc)
+    comm.all_reduce(y, group)
+    return y.to(a.dtype)
+
+
+def decode_mlp(x, gate, up, down, group, acc: torch.dtype) -> torch.Tensor:
+    """SwiGLU of the replicated ``x [B, Tq, h]`` with this rank's slices ``gate, up [F/D, h]``,
+    ``down [h, F/D]``: ``all_reduce((silu(x·Gᵀ) ⊙ (x·Uᵀ))·Dnᵀ)`` ``[B, Tq, h]``."""
+    return row_parallel(F.silu(F.linear(x, gate)) * F.linear(x, up), down, group, acc)
+
+
+def vocab_embedding(ids: torch.Tensor, rows: torch.Tensor, group) -> torch.Tensor:
+    """Embeddings ``[B, Tq, h]`` of the replicated ``ids [B, Tq]`` from this rank's vocabulary
+    rows ``[V/D, h]``: each rank looks up the ids it owns (zeros elsewhere), one all-reduce."""
+    p = comm.size_and_rank(group)[1]
+    local = ids - p * rows.shape[0]
+    mine = (local >= 0) & (local < rows.shape[0])
+    x = rows[local.clamp(0, rows.shape[0] - 1)] * mine[..., None]
+    comm.all_reduce(x, group)
+    return x
+
+
+def gather_vocab_logits(h: torch.Tensor, rows: torch.Tensor, group) -> torch.Tensor:
+    """Full-vocabulary logits ``[B, Tq, V]`` of the replicated ``h [B, Tq, h]`` from this rank's
+    LM-head rows ``[V/D, h]``: local ``[B, Tq, V/D]`` blocks all-gathered (identical on every
+    rank)."""
+    z_all, _ = comm.all_gather_seq(F.linear(h, rows), group)  # [D, B, Tq, V/D]
+    return z_all.permute(1, 2, 0, 3).flatten(2)

@@ -1,0 +1,123 @@
+"""``TSPCache``: the Hugging Face ``Cache`` of a TSP model, one ``TSPCacheLayer`` per layer.
+
+Rank p caches the KV heads of its head group p — the K/V its prefill all-gathered anyway in TSP
+step p — so each rank holds 1/D of the model's KV cache and decode needs no re-sharding. When
+D > n_kv_heads the c = D / n_kv_heads ranks sharing a KV head each keep 1/c of its tokens
+(``engine.decode.kept_tokens``). Lengths reported to ``generate`` are *global* (every token of
+the sequence, on every rank), so positions and masks come out as for a single-process model.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..engine import comm
+from ..engine.decode import kept_tokens
+
+
+class TSPCacheLayer(CacheLayerMixin):
+    """One layer's share of the KV cache on one TSP rank.
+
+    ``keys``, ``values``: ``[B, kv/D, L_p, d]`` (Hugging Face layout), the L_p cached tokens of
+    this rank; ``token_index [L_p]``: their global indices (ascending). ``replicas`` ranks share
+    each KV head; this one is replica ``replica`` and keeps the tokens ``kept_tokens`` gives it.
+    """
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, replicas: int = 1, replica: int = 0) -> None:
+        super().__init__()
+        self.replicas, self.replica = replicas, replica
+        self.token_index: torch.Tensor | None = None
+        self.seq_len = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        B, H, _, d = key_states.shape
+        self.device = key_states.device
+        self.keys = key_states.new_empty(B, H, 0, d)
+        self.values = value_states.new_empty(B, H, 0, d)
+        self.token_index = torch.empty(0, dtype=torch.long, device=self.device)
+        self.is_initialized = True
+
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        token_index: torch.Tensor | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new tokens' ``key_states, value_states [B, kv/D, T, d]`` (those this rank
+        keeps) at global indices ``token_index [T]`` (default: right after the cached ones);
+        returns this rank's whole ``(keys, values)``."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        T = key_states.shape[2]
+        if token_index is None:
+            token_index = torch.arange(self.seq_len, self.seq_len + T, device=self.device)
+        if T:
+            self.seq_len = max(self.seq_len, int(token_index[-1]) + 1)
+        if self.replicas > 1:
+            keep = kept_tokens(token_index, self.replicas, self.replica)
+            key_states, value_states = key_states[:, :, keep], value_states[:, :, keep]
+            token_index = token_index[keep]
+        self.keys = torch.cat([self.keys, key_states], dim=2)
+        self.values = torch.cat([self.values, value_states], dim=2)
+        self.token_index = torch.cat([self.token_index, token_index.to(self.device)])
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        """The global number of tokens seen (cached on this rank or on another replica)."""
+        return self.seq_len
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seq_len + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.keys = self.values = self.token_index = None
+        self.seq_len = 0
+        self.is_initialized = False
+
+    def nbytes(self) -> int:
+        """Bytes of this rank's cached keys and values."""
+        if not self.is_initialized:
+            return 0
+        return self.keys.nbytes + self.values.nbytes
+
+
+class TSPCache(Cache):
+    """The KV cache of a TSP model on one rank (``apply_tsp``'d; built by its ``generate``).
+
+    Args:
+        model: the TSP model this cache serves; the cache records its layout (TSP size, rank,
+            layers, KV heads) and refuses to serve a model with another.
+    """
+
+    def __init__(self, model) -> None:
+        layers = model.model.layers
+        spec = layers[0].self_attn.spec
+        D, p = comm.size_and_rank(model.tsp.group)
+        self.layout = (D, p, len(layers), spec.n_kv_heads, spec.head_dim)
+        c = spec.kv_replicas
+        super().__init__(layers=[TSPCacheLayer(c, p % c) for _ in layers])
+
+    def check_layout(self, model) -> None:
+        """Raise ``ValueError`` if this cache was built for another TSP layout or model."""
+        layers = model.model.layers
+        spec = layers[0].self_attn.spec
+        D, p = comm.size_and_rank(model.tsp.group)
+        here = (D, p, len(layers), spec.n_kv_heads, spec.head_dim)
+        if here != self.layout:
+            raise ValueError(
+                f"this TSPCache was built for (tsp_size, rank, layers, kv_heads, head_dim) = "
+                f"{self.layout}, the model is {here}: build a new TSPCache(model)"
+            )
+
+    def kv_bytes(self) -> int:
+        """Bytes of the keys and values this rank caches, all layers."""
+        return sum(layer.nbytes() for layer in self.layers)

@@ -1,0 +1,216 @@
+"""The forward of a TSP model called with a ``TSPCache``: prefill and decode.
+
+Prefill (empty cache): the full prompt ``[B, S]``, identical on every rank, is right-padded to a
+multiple of 2·D and zigzag-sharded like ``shard_batch``; every layer runs the TSP schedule
+(attention keeps this rank's K/V as its cache; left-padded keys hidden) and the ring MLP. The last
+prompt token's hidden state is broadcast from the rank holding it; its logits ``[B, 1, V]`` are
+returned on every rank.
+
+Decode (non-empty cache): the step's tokens ``[B, Tq]`` are replicated on every rank and each
+layer runs the TP schedule on the same shards (``engine.decode``); logits ``[B, Tq, V]`` are
+identical on every rank. Positions are the caller's ``position_ids`` (``generate`` derives them
+from the attention mask, as for a single-process model) or the global token indices.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from ..engine import comm
+from ..engine.attention import _Schedule, project_qkv, tsp_attention_forward
+from ..engine.decode import (
+    decode_attention,
+    decode_mlp,
+    gather_vocab_logits,
+    row_parallel,
+    vocab_embedding,
+)
+from ..engine.layout import ZigzagLayout, pad_sequence, padded_length
+from .attention import TSPAttention
+from .cache import TSPCache, TSPCacheLayer
+from .vocab import TSPVocabEmbedding, TSPVocabLMHead
+
+# keyword arguments generate() passes that the inference forward accepts and ignores
+_IGNORED = {"use_cache", "return_dict", "output_attentions", "output_hidden_states"}
+
+
+def check_same_on_all_ranks(ids: torch.Tensor, mask: torch.Tensor | None, group) -> None:
+    """Raise ``ValueError`` unless every rank got the same ``ids`` (and mask): one all-reduce of a
+    few integers (shape, sum, position-weighted sum), max and min at once."""
+    weights = torch.arange(1, ids.numel() + 1, device=ids.device).view(ids.shape)
+    stats = [ids.shape[0], ids.shape[1], ids.sum(), (ids.long() * weights).sum()]
+    if mask is not None:
+        stats += [mask.long().sum(), (mask.long() * weights[:, :1]).sum()]
+    v = torch.stack([torch.as_tensor(s, dtype=torch.long, device=ids.device) for s in stats])
+    both = torch.cat([v, -v])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    if not torch.equal(both[: len(v)], -both[len(v) :]):
+        raise ValueError(
+            "the ranks of the TSP group got different input_ids (or attention_mask): give every "
+            "rank the full, identical prompt (and sample with the same seed; TSP generate syncs it)"
+        )
+
+
+def _prefill_attention(attn: TSPAttention, x, cos, sin, layer: TSPCacheLayer, key_valid, S: int):
+    """TSP attention of the local prompt tokens ``x [B, S'/D, h]``; rank p's step p hands its
+    all-gathered K/V (first ``S`` tokens, the real prompt) to the cache."""
+    sched = _Schedule(attn.spec, attn.group, attn.config, x)
+    p = sched.p
+
+    def keep(r: int, k_all: torch.Tensor, v_all: torch.Tensor) -> None:
+        if r == p:
+            index = torch.arange(S, device=x.device)
+            layer.update(k_all[:, :S].transpose(1, 2), v_all[:, :S].transpose(1, 2), index)
+
+    qn, kn = _qk_norms(attn)
+    y, _, _ = tsp_attention_forward(
+        sched, x, cos, sin, attn._own(), qn, kn, keep=False, kv_sink=keep, key_valid=key_valid
+    )
+    return y if attn.o_proj.bias is None else y + attn.o_proj.bias
+
+
+def _decode_attention(attn: TSPAttention, x, cos, sin, layer: TSPCacheLayer, q_index, valid):
+    """TP attention of the replicated step tokens ``x [B, Tq, h]`` at global indices
+    ``q_index [Tq]``; ``valid [B, L + Tq]`` (bool) or None marks the non-padding tokens."""
+    spec, own = attn.spec, attn._own()
+    q, k, v = project_qkv(x, own, cos, sin, *_qk_norms(attn), spec)
+    keys, values = layer.update(k.transpose(1, 2), v.transpose(1, 2), q_index)
+    index = layer.token_index
+    allowed = (index[None, :] <= q_index[:, None])[None]  # [1, Tq, L_p]
+    if valid is not None:
+        allowed = allowed & valid[:, None, index]
+    a = decode_attention(q, keys.transpose(1, 2), values.transpose(1, 2), allowed, spec, attn.group)
+    acc = attn.config.accum_for(x.dtype)
+    y = row_parallel(a.flatten(2), own["wo"], attn.group, acc)
+    return y if attn.o_proj.bias is None else y + attn.o_proj.bias
+
+
+def _qk_norms(attn: TSPAttention):
+    if attn.q_norm is None:
+        return None, None
+    return attn.q_norm.weight, attn.k_norm.weight
+
+
+def _layers(model, x, pos, run_attention, run_mlp):
+    """The decoder stack on ``x``: pre-norm attention and MLP with residuals (Llama family)."""
+    decoder = model.model
+    cos, sin = decoder.rotary_emb(x, pos)
+    for i, block in enumerate(decoder.layers):
+        x = x + run_attention(i, block.self_attn, block.input_layernorm(x), cos, sin)
+        x = x + run_mlp(block.mlp, block.post_attention_layernorm(x))
+    return decoder.norm(x)
+
+
+def _prefill(model, ids, mask, pos, cache: TSPCache) -> torch.Tensor:
+    """Hidden state ``[B, 1, h]`` of the last prompt token, on every rank."""
+    group = model.tsp.group
+    D, p = comm.size_and_rank(group)
+    B, S = ids.shape
+    lay = ZigzagLayout(padded_length(S, D), D)
+    pad_id = model.model.embed_tokens.padding_idx or 0
+    x = model.model.embed_tokens(lay.shard(pad_sequence(ids, D, pad_id), p))
+    pos = lay.shard(pad_sequence(pos.expand(B, -1), D, 0), p)
+    key_valid = None
+    if mask is not None and not mask.all():
+        key_valid = pad_sequence(mask.bool(), D, False)
+
+    def attention(i, attn, h, cos, sin):
+        return _prefill_attention(attn, h, cos, sin, cache.layers[i], key_valid, S)
+
+    x = _layers(model, x, pos, attention, lambda mlp, h: mlp(h))
+    # the last prompt token (global index S-1) lives on one rank: broadcast it
+    owner, offset = next(
+        (q, s.offset + S - 1 - s.start)
+        for q in range(D)
+        for s in lay.spans(q)
+        if s.start <= S - 1 < s.stop
+    )
+    last = x[:, offset : offset + 1].contiguous() if p == owner else x.new_empty(B, 1, x.shape[-1])
+    comm.broadcast(last, owner, group)
+    return last
+
+
+def _decode(model, ids, mask, pos, cache: TSPCache) -> torch.Tensor:
+    """Hidden states ``[B, Tq, h]`` of the step's tokens (replicated on every rank)."""
+    L, Tq = cache.get_seq_length(), ids.shape[1]
+    q_index = torch.arange(L, L + Tq, device=ids.device)
+    valid = None if mask is None else mask.bool()
+    if valid is not None and valid.shape[1] != L + Tq:
+        raise ValueError(
+            f"attention_mask covers {valid.shape[1]} tokens, the cache and the new tokens {L + Tq}"
+        )
+    emb = model.model.embed_tokens
+    if isinstance(emb, TSPVocabEmbedding):
+        x = vocab_embedding(ids, emb.weight, emb.group)
+    else:
+        x = emb(ids)
+
+    def attention(i, attn, h, cos, sin):
+        return _decode_attention(attn, h, cos, sin, cache.layers[i], q_index, valid)
+
+    def mlp(m, h):
+        w = (m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight)
+        return decode_mlp(h, *w, m.group, m.config.accum_for(h.dtype))
+
+    return _layers(model, x, pos, attention, mlp)
+
+
+def _logits(model, h: torch.Tensor) -> torch.Tensor:
+    head = model.lm_head
+    if isinstance(head, TSPVocabLMHead):
+        return gather_vocab_logits(h, head.weight, head.group)
+    return F.linear(h, head.weight, head.bias)
+
+
+def inference_forward(
+    model,
+    input_ids: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    cache,
+    **kwargs,
+) -> CausalLMOutputWithPast:
+    """Prefill (empty ``cache``) or decode step of a TSP model; see the module docstring.
+
+    Args:
+        input_ids: ``[B, T]``, the same on every rank (checked).
+        attention_mask: ``[B, L + T]`` (1 = token, 0 = left padding) or None.
+        position_ids: ``[B or 1, T]`` or None (then the global token indices).
+        cache: the ``TSPCache`` built for this model.
+    Returns:
+        ``CausalLMOutputWithPast`` with ``logits`` ``[B, 1, V]`` after a prefill (last prompt
+        token only) or ``[B, T, V]`` after a decode step, and ``cache``.
+    """
+    unknown = {k for k, v in kwargs.items() if v is not None and k not in _IGNORED}
+    if input_ids is None or unknown or kwargs.get("output_attentions"):
+        raise ValueError(
+            "a TSP model with a KV cache takes input_ids, attention_mask, position_ids and the "
+            f"cache only (got input_ids={'given' if input_ids is not None else None}, "
+            f"extra {sorted(unknown)})"
+        )
+    if not isinstance(cache, TSPCache):
+        raise ValueError(
+            f"a TSP model needs a TSPCache (its KV heads are sharded), got {type(cache).__name__}: "
+            "let model.generate build it, or pass tsp_ext.TSPCache(model)"
+        )
+    cache.check_layout(model)
+    group = model.tsp.group
+    check_same_on_all_ranks(input_ids, attention_mask, group)
+    past, (B, T) = cache.get_seq_length(), input_ids.shape
+    limit = model.config.max_position_embeddings
+    if past + T > limit:
+        raise ValueError(
+            f"{past + T} tokens (prompt and generated) exceed max_position_embeddings={limit}"
+        )
+    if position_ids is None:
+        position_ids = torch.arange(past, past + T, device=input_ids.device)[None]
+    with torch.no_grad():
+        if past == 0:
+            h = _prefill(model, input_ids, attention_mask, position_ids, cache)
+        else:
+            h = _decode(model, input_ids, attention_mask, position_ids.expand(B, -1), cache)
+        logits = _logits(model, h)
+    return CausalLMOutputWithPast(logits=logits, cache=cache)
