@@ -7,6 +7,7 @@ import json
 import sys
 from dataclasses import replace
 
+from .calibration import calibrate, measured_runs
 from .inputs import DTYPE_BYTES, GIB, LAYOUTS, OPTIMIZERS, RECOMPUTE, Cluster, Plan, Workload
 from .ranking import plan
 from .shapes import PRESETS, load_model
@@ -42,6 +43,13 @@ def _parser() -> argparse.ArgumentParser:
     a("--peak-tflops", type=float, default=989.0, help="device peak in --dtype")
     a("--mfu", type=float, default=0.4, help="fraction of peak the matmuls reach")
     a("--latency-us", type=float, default=10.0, help="fixed cost of one collective call")
+    a(
+        "--calibrate",
+        metavar="JSON",
+        help="fit --mfu, the link bandwidth and --latency-us to measured step times "
+        "(the rows of `python -m benchmarks.run --json`) and plan with them",
+    )
+    a("--cores", type=int, help="with --calibrate: cores the measured ranks time-shared (CPU)")
     a("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS), help="kinds to consider")
     a("--json", action="store_true", help="print the plan as JSON")
     a("--plot", metavar="PNG", help="also write total memory vs sequence length to PNG")
@@ -71,6 +79,16 @@ def _inputs(args: argparse.Namespace):
         mfu=args.mfu,
         latency_us=args.latency_us,
     )
+    if args.calibrate:
+        with open(args.calibrate) as f:
+            fit = calibrate(measured_runs(json.load(f)), cluster, cores=args.cores)
+        cluster = fit.cluster
+        print(
+            f"tsp-plan: calibrated on {len(fit.errors)} runs: mfu {cluster.mfu:.3f}, links "
+            f"{cluster.intra_node_gbs:.2f} GB/s, latency {cluster.latency_us:.0f} us; worst "
+            f"step-time error {fit.worst_error:.0%}",
+            file=sys.stderr,
+        )
     return model, work, cluster
 
 
