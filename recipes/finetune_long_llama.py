@@ -21,13 +21,19 @@ import time
 import torch
 import torch.distributed as dist
 from _data import SHAKESPEARE, load_texts, pack, train_tokenizer
-from _engines import Engine
+from _engines import Engine, tsp_config
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 
-from tsp_ext import init_tsp_mesh, shard_batch
+from tsp_ext import init_tsp_mesh, load_pretrained, shard_batch
 from tsp_ext.checkpoint.training import TRAINER_STATE
 from tsp_ext.memory import SavedTensorBytes
 
@@ -111,15 +117,29 @@ def build_tokenizer(args, texts, acc: Accelerator):
     return AutoTokenizer.from_pretrained(path)
 
 
-def build_model(args, vocab: int, device: torch.device):
+def build_model(args, vocab: int, mesh, device: torch.device):
+    """``(model, full parameter count)``: a preset is built whole on every rank (the engine makes
+    it a TSP model); a path / hub id is loaded shard-on-read, already a TSP model, each rank
+    reading only its slices (``tsp_ext.load_pretrained``), so no rank ever holds the full model."""
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     if args.model in PRESETS:
         cfg = LlamaConfig(
             **PRESETS[args.model], vocab_size=vocab, max_position_embeddings=max(args.seq_len, 4096)
         )
         torch.manual_seed(args.seed)  # the same weights on every rank
-        return LlamaForCausalLM(cfg).to(device=device, dtype=dtype)
-    return AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device)
+        model = LlamaForCausalLM(cfg).to(device=device, dtype=dtype)
+        return model, sum(p.numel() for p in model.parameters())
+    hf_config = AutoConfig.from_pretrained(args.model)
+    if vocab > hf_config.vocab_size:
+        raise SystemExit(
+            f"the tokenizer has {vocab} tokens but {args.model} only {hf_config.vocab_size} "
+            "embeddings: pass the model's own tokenizer with --tokenizer"
+        )
+    with torch.device("meta"):  # the full size, counted without allocating it
+        shape_only = AutoModelForCausalLM.from_config(hf_config)
+    full_params = sum(p.numel() for p in shape_only.parameters())
+    model = load_pretrained(args.model, mesh, tsp_config(args), device=device, dtype=dtype)
+    return model, full_params
 
 
 def block_ids(step: int, micro: int, args, dp: int, dp_rank: int, n: int) -> list[int]:
@@ -174,8 +194,7 @@ def main(argv=None) -> None:
 
     mesh = init_tsp_mesh(args.tsp_size)
     dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
-    model = build_model(args, len(tokenizer), acc.device)
-    full_params = sum(p.numel() for p in model.parameters())
+    model, full_params = build_model(args, len(tokenizer), mesh, acc.device)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     engine = Engine(args.dp_engine, model, mesh, args)

@@ -59,15 +59,38 @@ def metrics(out_dir: str) -> list[dict]:
 
 
 @functools.cache
+def pretrained(tmp: str) -> str:
+    """A local Hugging Face checkpoint (the tiny-llama preset's shape, vocabulary 512), which the
+    recipe loads shard-on-read (``tsp_ext.load_pretrained``) for every engine."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = os.path.join(tmp, "pretrained")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+@functools.cache
 def run(engine: str, tmp: str) -> dict:
-    """Train 4 steps (checkpoint at 2), then resume a second run from step 2."""
+    """Train 4 steps (checkpoint at 2) from a local checkpoint loaded shard-on-read, then resume
+    a second run from step 2."""
     out, resumed = os.path.join(tmp, engine), os.path.join(tmp, f"{engine}-resumed")
-    first = launch(*TINY, "--dp-engine", engine, "--save-every", "2", "--output-dir", out)
+    model = ("--model", pretrained(tmp))
+    first = launch(*TINY, *model, "--dp-engine", engine, "--save-every", "2", "--output-dir", out)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     os.makedirs(resumed)
     os.symlink(os.path.join(out, "tokenizer"), os.path.join(resumed, "tokenizer"))
     second = launch(
         *TINY,
+        *model,
         "--dp-engine",
         engine,
         "--output-dir",
