@@ -13,7 +13,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 import tsp_ext.fsdp
-from tsp_ext import TSPConfig, apply_tsp, clip_grad_norm_, full_state_dict, save_pretrained
+from tsp_ext import TSPConfig, apply_tsp, clip_grad_norm_, save_pretrained
 from tsp_ext.checkpoint.training import load_training_state, save_training_state
 
 
@@ -126,12 +126,5 @@ class Engine:
         return {"engine": engine, "meta": {"seq_len": self.args.seq_len}}
 
     def export(self, path: str, tokenizer) -> None:
-        """A plain Hugging Face checkpoint of the current weights."""
-        state = None
-        if self.kind == "deepspeed":
-            import tsp_ext.deepspeed as tds
-
-            state = tds.full_state_dict(self.engine, rank0_only=True)
-        elif self.kind == "fsdp2":
-            state = full_state_dict(self.model, rank0_only=True)
-        save_pretrained(self.model, path, tokenizer, state_dict=state)
+        """A plain Hugging Face checkpoint of the current weights, streamed tensor by tensor."""
+        save_pretrained(self.model, path, tokenizer)
