@@ -13,8 +13,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 import tsp_ext.fsdp
-from tsp_ext import TSPConfig, apply_tsp, clip_grad_norm_, save_pretrained
-from tsp_ext.checkpoint.training import load_training_state, save_training_state
+from tsp_ext import TSPConfig, apply_tsp, checkpoint, clip_grad_norm_, save_pretrained
 
 
 def lr_lambda(warmup: int, total: int):
@@ -110,20 +109,27 @@ class Engine:
     # -- checkpoints -------------------------------------------------------------------------
 
     def save(self, path: str, step: int) -> None:
-        """Full training state at ``step`` under ``path`` (see ``tsp_ext.checkpoint.training``)."""
-        save_training_state(
-            path, self.model, self.optimizer, self.scheduler, step, **self._checkpoint_kwargs()
+        """Training state at ``step`` under ``path`` (``tsp_ext.checkpoint.save``, DCP): the same
+        format for every engine, resumable at any TSP size / dp size / engine."""
+        extra = {"step": step, "seq_len": self.args.seq_len, "seed": self.args.seed}
+        checkpoint.save(
+            path,
+            self.model,
+            self.optimizer,
+            scheduler=self.scheduler,
+            extra_state=extra,
+            engine=self._ds_engine(),
         )
 
     def load(self, path: str) -> int:
         """Restore what ``save`` wrote; returns the step to continue from."""
-        return load_training_state(
-            path, self.model, self.optimizer, self.scheduler, **self._checkpoint_kwargs()
+        extra = checkpoint.load(
+            path, self.model, self.optimizer, scheduler=self.scheduler, engine=self._ds_engine()
         )
+        return extra["step"]
 
-    def _checkpoint_kwargs(self) -> dict:
-        engine = self.engine if self.kind == "deepspeed" else None
-        return {"engine": engine, "meta": {"seq_len": self.args.seq_len}}
+    def _ds_engine(self):
+        return self.engine if self.kind == "deepspeed" else None
 
     def export(self, path: str, tokenizer) -> None:
         """A plain Hugging Face checkpoint of the current weights, streamed tensor by tensor."""

@@ -14,7 +14,9 @@ import gc
 import json
 import logging
 import os
+import re
 import resource
+import shutil
 import sys
 import time
 
@@ -34,7 +36,7 @@ from transformers import (
 )
 
 from tsp_ext import init_tsp_mesh, load_pretrained, shard_batch
-from tsp_ext.checkpoint.training import TRAINER_STATE
+from tsp_ext.checkpoint import inspect
 from tsp_ext.memory import SavedTensorBytes
 
 log = logging.getLogger("finetune_long_llama")
@@ -86,6 +88,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--save-every", type=int, default=0, help="training-state checkpoints (0: end only)"
     )
+    p.add_argument(
+        "--keep-last", type=int, default=0, help="keep the N newest checkpoints (0: all)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", default="outputs/finetune")
     p.add_argument("--resume-from", default=None, help="a checkpoint-<step> directory")
@@ -103,8 +108,18 @@ def check_args(args, world: int) -> None:
         )
     if args.dp_engine == "deepspeed" and not os.path.isfile(args.ds_config):
         raise SystemExit(f"--ds-config {args.ds_config} does not exist")
-    if args.resume_from and not os.path.isfile(os.path.join(args.resume_from, TRAINER_STATE)):
-        raise SystemExit(f"--resume-from {args.resume_from} is not a checkpoint-<step> directory")
+    if args.keep_last < 0:
+        raise SystemExit(f"--keep-last {args.keep_last}: give 0 (keep all) or a positive count")
+    if args.resume_from:
+        try:  # complete, undamaged (the model itself is checked when it is loaded)
+            saved = inspect(args.resume_from)["extra_state"]
+        except ValueError as e:
+            raise SystemExit(f"--resume-from: {e}") from None
+        if saved.get("seq_len") != args.seq_len:
+            raise SystemExit(
+                f"--resume-from {args.resume_from} was saved with seq_len={saved.get('seq_len')}, "
+                f"this run has {args.seq_len}: resume with the same --seq-len"
+            )
 
 
 def build_tokenizer(args, texts, acc: Accelerator):
@@ -152,6 +167,18 @@ def block_ids(step: int, micro: int, args, dp: int, dp_rank: int, n: int) -> lis
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed + epoch))
         out.append(int(perm[j]))
     return out
+
+
+def save_checkpoint(engine: Engine, args, step: int) -> None:
+    """``<output-dir>/checkpoint-<step>``, then (rank 0) drop all but the ``--keep-last`` newest.
+    A checkpoint only gets its name once complete, so the rotation never removes the last good
+    one for a partial one."""
+    engine.save(os.path.join(args.output_dir, f"checkpoint-{step}"), step)
+    if args.keep_last and dist.get_rank() == 0:
+        done = [d for d in os.listdir(args.output_dir) if re.fullmatch(r"checkpoint-\d+", d)]
+        done.sort(key=lambda d: int(d.split("-")[1]))
+        for old in done[: -args.keep_last]:
+            shutil.rmtree(os.path.join(args.output_dir, old))
 
 
 def peak_memory_bytes() -> int:
@@ -238,7 +265,7 @@ def main(argv=None) -> None:
         if (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps:
             row["eval_loss"] = eval_loss = evaluate(engine, eval_blocks, mesh, acc.device)
         if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.max_steps:
-            engine.save(os.path.join(args.output_dir, f"checkpoint-{step + 1}"), step + 1)
+            save_checkpoint(engine, args, step + 1)
         bar.set_postfix(
             loss=f"{loss:.3f}", tok_s=f"{tps:.0f}", mem=f"{row['peak_mem_bytes'] / 2**20:.0f}MB"
         )
@@ -247,7 +274,7 @@ def main(argv=None) -> None:
             metrics.flush()
 
     final = os.path.join(args.output_dir, "final")
-    engine.save(os.path.join(args.output_dir, f"checkpoint-{args.max_steps}"), args.max_steps)
+    save_checkpoint(engine, args, args.max_steps)
     engine.export(final, tokenizer)
     report_memory(model, full_params, activation_bytes, args, acc.device)
     log.info(f"final eval loss {eval_loss:.4f}; Hugging Face checkpoint: {final}")

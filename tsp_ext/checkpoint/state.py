@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..engine import comm
-from ..hf.sharding import local_index, shard_owner
+from ..hf.sharding import shard_owner
 
 
 def require_tsp(model: nn.Module):
@@ -24,6 +24,16 @@ def require_tsp(model: nn.Module):
     if state is None:
         raise ValueError("not a TSP model: call tsp_ext.apply_tsp(model, mesh) first")
     return state
+
+
+def reshard_fsdp(model: nn.Module) -> None:
+    """Put FSDP2 modules back to their sharded DTensor parameters: after a forward without
+    backward (evaluation) the root keeps plain unsharded ones, which the optimizer does not know."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def full_tensor(
@@ -57,10 +67,14 @@ def full_tensor(
         return sharded[0].assemble(sharded[1], shards)
     t = t.contiguous()
     if dist.get_rank() != dst:
-        dist.gather(t, None, group=state.group, group_dst=tsp_ranks.index(dst))
+        dist.send(t, group=state.group, group_dst=tsp_ranks.index(dst))
         return None
-    shards = t.new_empty(len(tsp_ranks), *t.shape)  # [D, *shard]
-    dist.gather(t, list(shards.unbind(0)), group=state.group, group_dst=tsp_ranks.index(dst))
+    shards = t.new_empty(len(tsp_ranks), *t.shape)  # [D, *shard]; received in place
+    for i, rank in enumerate(tsp_ranks):
+        if rank == dst:
+            shards[i].copy_(t)
+        else:
+            dist.recv(shards[i], group=state.group, group_src=i)
     return sharded[0].assemble(sharded[1], shards)
 
 
@@ -70,6 +84,7 @@ def iter_full_tensors(
     """``(name, full tensor)`` for every entry of ``model.state_dict()``, one at a time
     (collective: every rank must consume the whole iterator); see ``full_tensor`` for ``dst``."""
     require_tsp(model)
+    reshard_fsdp(model)
     for name, t in model.state_dict(keep_vars=True).items():
         yield name, full_tensor(model, name, t, dst=dst)
 
@@ -93,38 +108,3 @@ def full_grads(model: nn.Module, *, rank0_only: bool = False) -> dict[str, torch
         if p.grad is not None:
             out[n] = full_tensor(model, n, p.grad)
     return {} if rank0_only and dist.get_rank(model.tsp.group) != 0 else out
-
-
-def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict]:
-    """Per-parameter optimizer state as full tensors under the original names (collective).
-
-    ``{name: {"exp_avg": full tensor, "step": tensor, ...}}``: tensors shaped like their parameter
-    are gathered and reassembled like it, so the result is independent of the TSP size.
-    """
-    names = {id(p): n for n, p in model.named_parameters()}
-    out: dict[str, dict] = {}
-    for param, st in optimizer.state.items():
-        name = names[id(param)]
-        out[name] = {}
-        for key, value in st.items():
-            if torch.is_tensor(value) and value.shape == param.shape and value.dim() > 0:
-                value = full_tensor(model, name, value)
-            out[name][key] = value
-    return out
-
-
-def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, read) -> None:
-    """Fill ``optimizer``'s per-parameter state from full tensors, each rank taking its slice.
-
-    ``read(name, key, index)`` returns the slice ``index`` of the full state tensor ``key`` of
-    parameter ``name`` (e.g. from ``safe_open(...).get_slice``), or None if it has none.
-    """
-    for name, param in model.named_parameters():
-        index = local_index(model, name)
-        state = {}
-        for key in ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer"):
-            value = read(name, key, index if key != "step" else ())
-            if value is not None:
-                state[key] = value.to(param.device)
-        if state:
-            optimizer.state[param] = state
