@@ -121,11 +121,7 @@ def load(
     state_dict = {
         _fqn(name, key): layout.wrap(name, t, p) if t.dim() else t for name, key, t, p in pieces
     }
-    dcp.load(state_dict, checkpoint_id=path)
-    with torch.no_grad():
-        for name, key, t, _ in pieces:  # scalars (step) are loaded into fresh tensors
-            if not t.dim():
-                t.copy_(state_dict[_fqn(name, key)])
+    dcp.load(state_dict, checkpoint_id=path)  # in place, into the tensors of ``pieces``
     if engine is not None:
         restore(engine, pieces)
     opt = engine.optimizer if engine is not None else optimizer
