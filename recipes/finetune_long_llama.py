@@ -237,7 +237,7 @@ def main(argv=None) -> None:
     )
     bar = tqdm(range(start, args.max_steps), disable=not acc.is_main_process, desc="train")
     tokens_per_step = args.gradient_accumulation_steps * dp * args.micro_batch_size * args.seq_len
-    eval_loss = None
+    eval_loss, activation_bytes = None, 0
     for step in bar:
         t0 = time.perf_counter()
         losses = []
@@ -273,10 +273,13 @@ def main(argv=None) -> None:
             metrics.write(json.dumps(row) + "\n")
             metrics.flush()
 
+    if eval_loss is None:  # resumed at --max-steps: convert the checkpoint, no step taken
+        eval_loss = evaluate(engine, eval_blocks, mesh, acc.device)
     final = os.path.join(args.output_dir, "final")
     save_checkpoint(engine, args, args.max_steps)
     engine.export(final, tokenizer)
-    report_memory(model, full_params, activation_bytes, args, acc.device)
+    if activation_bytes:
+        report_memory(model, full_params, activation_bytes, args, acc.device)
     log.info(f"final eval loss {eval_loss:.4f}; Hugging Face checkpoint: {final}")
     if metrics:
         metrics.close()
