@@ -14,7 +14,7 @@ import torch.distributed as dist
 from conftest import error_message
 from models import batch, build
 
-from tsp_ext import apply_tsp, full_state_dict, init_tsp_mesh, shard_batch
+from tsp_ext import apply_tsp, full_state_dict, init_tsp_mesh, save_pretrained, shard_batch
 from tsp_ext.testing.launch import run_processes
 
 pytestmark = pytest.mark.multiproc
@@ -105,6 +105,14 @@ def resume_worker(rank, world, kind, tmp):
     straight = Trainer(kind, 4)
     losses = [straight.step(s) for s in range(STEPS)]
     final = straight.params()
+    export_equal = True
+    if kind in ("fsdp2", "zero3"):  # streamed export from dp-sharded parameters
+        from transformers import AutoModelForCausalLM
+
+        exported = os.path.join(tmp, kind, "hf")
+        save_pretrained(straight.model, exported, max_shard_size="20KB")
+        hf = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).state_dict()
+        export_equal = all(torch.equal(hf[k], v) for k, v in final.items())
 
     first = Trainer(kind, 4)
     for s in range(half):
@@ -113,7 +121,7 @@ def resume_worker(rank, world, kind, tmp):
         first.forward(**shard_batch(batch(first.model.config.vocab_size, 1, 24), first.mesh))
     ckpt = os.path.join(tmp, kind, f"checkpoint-{half}")
     first.save(ckpt, half)
-    out = {"straight": losses}
+    out = {"straight": losses, "export_equal": export_equal}
     for name, tsp in (("exact", 4), ("reshard", 2)):
         again = Trainer(kind, tsp, seed=1)  # other weights, overwritten by the load
         start = again.load(ckpt)
@@ -139,6 +147,7 @@ def test_exact_and_resharded_resume(kind, tmp):
             assert abs(a - b) < 1e-5 * b, res
         assert res["reshard_params"] < 1e-5, res
         assert "trainer_state.json" in res["files"] and ".metadata" in res["files"]
+        assert res["export_equal"], res
 
 
 def _damage(ckpt: str, where: str, how: str) -> str:
