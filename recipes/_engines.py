@@ -13,8 +13,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 import tsp_ext.fsdp
-from tsp_ext import apply_tsp, clip_grad_norm_, full_state_dict, save_pretrained
-from tsp_ext.checkpoint.training import load_training_state, save_training_state
+from tsp_ext import TSPConfig, apply_tsp, checkpoint, clip_grad_norm_, save_pretrained
 
 
 def lr_lambda(warmup: int, total: int):
@@ -29,11 +28,37 @@ def lr_lambda(warmup: int, total: int):
     return f
 
 
+def ds_config(args) -> dict:
+    """The ``--ds-config`` JSON with batch size, accumulation, clipping, bf16 and the TSP size
+    filled in from the arguments."""
+    with open(args.ds_config) as f:
+        cfg = json.load(f)
+    cfg.update(
+        train_micro_batch_size_per_gpu=args.micro_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        gradient_clipping=args.max_grad_norm,
+    )
+    cfg["tsp"] = {**cfg.get("tsp", {}), "size": args.tsp_size}
+    cfg["bf16"] = {"enabled": bool(args.bf16)}
+    return cfg
+
+
+def tsp_config(args) -> TSPConfig:
+    """The TSP options of the run: DeepSpeed's ``"tsp"`` block, or the defaults."""
+    if args.dp_engine == "deepspeed":
+        from tsp_ext.deepspeed import tsp_config_from_ds
+
+        return tsp_config_from_ds(ds_config(args))
+    return TSPConfig(tsp_size=args.tsp_size)
+
+
 class Engine:
     """``forward_model`` runs batches; ``backward``/``step`` train; ``save``/``load`` round-trip
     the full training state; ``export`` writes a Hugging Face checkpoint."""
 
     def __init__(self, kind: str, model, mesh, args) -> None:
+        """``model``: a Hugging Face model (made a TSP model here) or an already-TSP one
+        (``tsp_ext.load_pretrained``); DeepSpeed and FSDP2 accept both."""
         self.kind, self.model, self.mesh, self.args = kind, model, mesh, args
         self.dp_group = mesh["dp"].get_group()
         factory = lambda ps: torch.optim.AdamW(ps, lr=args.lr, weight_decay=0.0)  # noqa: E731
@@ -41,18 +66,9 @@ class Engine:
         if kind == "deepspeed":
             import tsp_ext.deepspeed as tds
 
-            with open(args.ds_config) as f:
-                cfg = json.load(f)
-            cfg.update(
-                train_micro_batch_size_per_gpu=args.micro_batch_size,
-                gradient_accumulation_steps=args.gradient_accumulation_steps,
-                gradient_clipping=args.max_grad_norm,
-            )
-            cfg["tsp"] = {**cfg.get("tsp", {}), "size": args.tsp_size}
-            cfg["bf16"] = {"enabled": bool(args.bf16)}
             self.engine, self.optimizer, _, self.scheduler = tds.initialize(
                 model=model,
-                config=cfg,
+                config=ds_config(args),
                 optimizer=factory,
                 lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule),
             )
@@ -62,7 +78,8 @@ class Engine:
             tsp_ext.fsdp.shard_model(model, mesh)
             self.forward_model = model
         elif kind == "ddp":
-            apply_tsp(model, mesh)
+            if getattr(model, "tsp", None) is None:
+                apply_tsp(model, mesh)
             self.forward_model = DistributedDataParallel(model, process_group=self.dp_group)
         else:
             raise ValueError(f"unknown --dp-engine {kind!r}")
@@ -92,28 +109,28 @@ class Engine:
     # -- checkpoints -------------------------------------------------------------------------
 
     def save(self, path: str, step: int) -> None:
-        """Full training state at ``step`` under ``path`` (see ``tsp_ext.checkpoint.training``)."""
-        save_training_state(
-            path, self.model, self.optimizer, self.scheduler, step, **self._checkpoint_kwargs()
+        """Training state at ``step`` under ``path`` (``tsp_ext.checkpoint.save``, DCP): the same
+        format for every engine, resumable at any TSP size / dp size / engine."""
+        extra = {"step": step, "seq_len": self.args.seq_len, "seed": self.args.seed}
+        checkpoint.save(
+            path,
+            self.model,
+            self.optimizer,
+            scheduler=self.scheduler,
+            extra_state=extra,
+            engine=self._ds_engine(),
         )
 
     def load(self, path: str) -> int:
         """Restore what ``save`` wrote; returns the step to continue from."""
-        return load_training_state(
-            path, self.model, self.optimizer, self.scheduler, **self._checkpoint_kwargs()
+        extra = checkpoint.load(
+            path, self.model, self.optimizer, scheduler=self.scheduler, engine=self._ds_engine()
         )
+        return extra["step"]
 
-    def _checkpoint_kwargs(self) -> dict:
-        engine = self.engine if self.kind == "deepspeed" else None
-        return {"engine": engine, "meta": {"seq_len": self.args.seq_len}}
+    def _ds_engine(self):
+        return self.engine if self.kind == "deepspeed" else None
 
     def export(self, path: str, tokenizer) -> None:
-        """A plain Hugging Face checkpoint of the current weights."""
-        state = None
-        if self.kind == "deepspeed":
-            import tsp_ext.deepspeed as tds
-
-            state = tds.full_state_dict(self.engine, rank0_only=True)
-        elif self.kind == "fsdp2":
-            state = full_state_dict(self.model, rank0_only=True)
-        save_pretrained(self.model, path, tokenizer, state_dict=state)
+        """A plain Hugging Face checkpoint of the current weights, streamed tensor by tensor."""
+        save_pretrained(self.model, path, tokenizer)

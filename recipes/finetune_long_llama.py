@@ -14,21 +14,29 @@ import gc
 import json
 import logging
 import os
+import re
 import resource
+import shutil
 import sys
 import time
 
 import torch
 import torch.distributed as dist
 from _data import SHAKESPEARE, load_texts, pack, train_tokenizer
-from _engines import Engine
+from _engines import Engine, tsp_config
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 
-from tsp_ext import init_tsp_mesh, shard_batch
-from tsp_ext.checkpoint.training import TRAINER_STATE
+from tsp_ext import init_tsp_mesh, load_pretrained, shard_batch
+from tsp_ext.checkpoint import inspect
 from tsp_ext.memory import SavedTensorBytes
 
 log = logging.getLogger("finetune_long_llama")
@@ -80,6 +88,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--save-every", type=int, default=0, help="training-state checkpoints (0: end only)"
     )
+    p.add_argument(
+        "--keep-last", type=int, default=0, help="keep the N newest checkpoints (0: all)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", default="outputs/finetune")
     p.add_argument("--resume-from", default=None, help="a checkpoint-<step> directory")
@@ -97,8 +108,18 @@ def check_args(args, world: int) -> None:
         )
     if args.dp_engine == "deepspeed" and not os.path.isfile(args.ds_config):
         raise SystemExit(f"--ds-config {args.ds_config} does not exist")
-    if args.resume_from and not os.path.isfile(os.path.join(args.resume_from, TRAINER_STATE)):
-        raise SystemExit(f"--resume-from {args.resume_from} is not a checkpoint-<step> directory")
+    if args.keep_last < 0:
+        raise SystemExit(f"--keep-last {args.keep_last}: give 0 (keep all) or a positive count")
+    if args.resume_from:
+        try:  # complete, undamaged (the model itself is checked when it is loaded)
+            saved = inspect(args.resume_from)["extra_state"]
+        except ValueError as e:
+            raise SystemExit(f"--resume-from: {e}") from None
+        if saved.get("seq_len") != args.seq_len:
+            raise SystemExit(
+                f"--resume-from {args.resume_from} was saved with seq_len={saved.get('seq_len')}, "
+                f"this run has {args.seq_len}: resume with the same --seq-len"
+            )
 
 
 def build_tokenizer(args, texts, acc: Accelerator):
@@ -111,15 +132,29 @@ def build_tokenizer(args, texts, acc: Accelerator):
     return AutoTokenizer.from_pretrained(path)
 
 
-def build_model(args, vocab: int, device: torch.device):
+def build_model(args, vocab: int, mesh, device: torch.device):
+    """``(model, full parameter count)``: a preset is built whole on every rank (the engine makes
+    it a TSP model); a path / hub id is loaded shard-on-read, already a TSP model, each rank
+    reading only its slices (``tsp_ext.load_pretrained``), so no rank ever holds the full model."""
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     if args.model in PRESETS:
         cfg = LlamaConfig(
             **PRESETS[args.model], vocab_size=vocab, max_position_embeddings=max(args.seq_len, 4096)
         )
         torch.manual_seed(args.seed)  # the same weights on every rank
-        return LlamaForCausalLM(cfg).to(device=device, dtype=dtype)
-    return AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device)
+        model = LlamaForCausalLM(cfg).to(device=device, dtype=dtype)
+        return model, sum(p.numel() for p in model.parameters())
+    hf_config = AutoConfig.from_pretrained(args.model)
+    if vocab > hf_config.vocab_size:
+        raise SystemExit(
+            f"the tokenizer has {vocab} tokens but {args.model} only {hf_config.vocab_size} "
+            "embeddings: pass the model's own tokenizer with --tokenizer"
+        )
+    with torch.device("meta"):  # the full size, counted without allocating it
+        shape_only = AutoModelForCausalLM.from_config(hf_config)
+    full_params = sum(p.numel() for p in shape_only.parameters())
+    model = load_pretrained(args.model, mesh, tsp_config(args), device=device, dtype=dtype)
+    return model, full_params
 
 
 def block_ids(step: int, micro: int, args, dp: int, dp_rank: int, n: int) -> list[int]:
@@ -132,6 +167,18 @@ def block_ids(step: int, micro: int, args, dp: int, dp_rank: int, n: int) -> lis
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed + epoch))
         out.append(int(perm[j]))
     return out
+
+
+def save_checkpoint(engine: Engine, args, step: int) -> None:
+    """``<output-dir>/checkpoint-<step>``, then (rank 0) drop all but the ``--keep-last`` newest.
+    A checkpoint only gets its name once complete, so the rotation never removes the last good
+    one for a partial one."""
+    engine.save(os.path.join(args.output_dir, f"checkpoint-{step}"), step)
+    if args.keep_last and dist.get_rank() == 0:
+        done = [d for d in os.listdir(args.output_dir) if re.fullmatch(r"checkpoint-\d+", d)]
+        done.sort(key=lambda d: int(d.split("-")[1]))
+        for old in done[: -args.keep_last]:
+            shutil.rmtree(os.path.join(args.output_dir, old))
 
 
 def peak_memory_bytes() -> int:
@@ -174,8 +221,7 @@ def main(argv=None) -> None:
 
     mesh = init_tsp_mesh(args.tsp_size)
     dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
-    model = build_model(args, len(tokenizer), acc.device)
-    full_params = sum(p.numel() for p in model.parameters())
+    model, full_params = build_model(args, len(tokenizer), mesh, acc.device)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     engine = Engine(args.dp_engine, model, mesh, args)
@@ -191,7 +237,7 @@ def main(argv=None) -> None:
     )
     bar = tqdm(range(start, args.max_steps), disable=not acc.is_main_process, desc="train")
     tokens_per_step = args.gradient_accumulation_steps * dp * args.micro_batch_size * args.seq_len
-    eval_loss = None
+    eval_loss, activation_bytes = None, 0
     for step in bar:
         t0 = time.perf_counter()
         losses = []
@@ -219,7 +265,7 @@ def main(argv=None) -> None:
         if (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps:
             row["eval_loss"] = eval_loss = evaluate(engine, eval_blocks, mesh, acc.device)
         if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.max_steps:
-            engine.save(os.path.join(args.output_dir, f"checkpoint-{step + 1}"), step + 1)
+            save_checkpoint(engine, args, step + 1)
         bar.set_postfix(
             loss=f"{loss:.3f}", tok_s=f"{tps:.0f}", mem=f"{row['peak_mem_bytes'] / 2**20:.0f}MB"
         )
@@ -227,10 +273,13 @@ def main(argv=None) -> None:
             metrics.write(json.dumps(row) + "\n")
             metrics.flush()
 
+    if eval_loss is None:  # resumed at --max-steps: convert the checkpoint, no step taken
+        eval_loss = evaluate(engine, eval_blocks, mesh, acc.device)
     final = os.path.join(args.output_dir, "final")
-    engine.save(os.path.join(args.output_dir, f"checkpoint-{args.max_steps}"), args.max_steps)
+    save_checkpoint(engine, args, args.max_steps)
     engine.export(final, tokenizer)
-    report_memory(model, full_params, activation_bytes, args, acc.device)
+    if activation_bytes:
+        report_memory(model, full_params, activation_bytes, args, acc.device)
     log.info(f"final eval loss {eval_loss:.4f}; Hugging Face checkpoint: {final}")
     if metrics:
         metrics.close()

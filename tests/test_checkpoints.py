@@ -50,6 +50,14 @@ def roundtrip_worker(rank, world, tmp, family):
         plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         logits_err = (plain(input_ids=data["input_ids"]).logits - tsp_logits).abs().max().item()
 
+    # streamed into several files of at most 20 KB (+ index): the same tensors
+    split = os.path.join(tmp, f"{family}-split")
+    save_pretrained(model, split, max_shard_size="20KB")
+    files = sorted(f for f in os.listdir(split) if f.endswith(".safetensors"))
+    whole = AutoModelForCausalLM.from_pretrained(split, dtype=torch.float32).state_dict()
+    split_equal = all(torch.equal(v, whole[k]) for k, v in plain.state_dict().items())
+    split_sizes_ok = all(os.path.getsize(os.path.join(split, f)) < 20_000 + 13_000 for f in files)
+
     # shard-on-read equals apply_tsp(from_pretrained(...)), tensor for tensor
     loaded = load_pretrained(path, mesh, dtype=torch.float32)
     reference = apply_tsp(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), mesh)
@@ -78,6 +86,10 @@ def roundtrip_worker(rank, world, tmp, family):
         "intact": intact,
         "leftovers": leftovers,
         "reloaded": sum(p.numel() for p in reloaded.parameters()) > 0,
+        "split_files": len(files),
+        "split_index": os.path.isfile(os.path.join(split, "model.safetensors.index.json")),
+        "split_equal": split_equal,
+        "split_sizes_ok": split_sizes_ok,
     }
 
 
@@ -94,6 +106,8 @@ def test_export_round_trip_and_shard_on_read(world, tmp):
             assert res["same_params"] and res["loaded_logits_equal"], (family, res)
             assert res["failed"] and res["intact"] and not res["leftovers"], (family, res)
             assert res["reloaded"]
+            assert res["split_files"] > 2 and res["split_index"], (family, res)
+            assert res["split_equal"] and res["split_sizes_ok"], (family, res)
 
 
 # -- peak host memory of loading ------------------------------------------------------------

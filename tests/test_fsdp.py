@@ -44,35 +44,6 @@ def fsdp_run(mesh, dtype, **shard_kwargs):
     }
 
 
-def dcp_roundtrip(mesh, tmp):
-    """Save model + optimizer state with DCP, load into a fresh sharded model: same tensors."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    import tsp_ext.fsdp as tfs
-
-    def trained_copy(steps):
-        model = tfs.shard_model(build("llama"), mesh)
-        opt = adamw(model.parameters())
-        for step in range(steps):
-            batch = replica_batches(mesh["dp"].size(), step, 96)[mesh["dp"].get_local_rank()]
-            model(**shard_batch(batch, mesh)).loss.backward()
-            opt.step()
-            opt.zero_grad()
-        return model, opt
-
-    model, opt = trained_copy(2)
-    tfs.dcp_save(dict(zip(("model", "optim"), get_state_dict(model, opt))), tmp, model)
-    fresh, fresh_opt = trained_copy(0)
-    sd = dict(zip(("model", "optim"), get_state_dict(fresh, fresh_opt)))
-    tfs.dcp_load(sd, tmp, fresh)
-    set_state_dict(fresh, fresh_opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-    a, b = full_state_dict(model), full_state_dict(fresh)
-    exp = [s["exp_avg"] for s in opt.state.values()]
-    fresh_exp = [s["exp_avg"] for s in fresh_opt.state.values()]
-    same_opt = all(torch.equal(x.to_local(), y.to_local()) for x, y in zip(exp, fresh_exp))
-    return all(torch.equal(a[k], b[k]) for k in a) and same_opt and len(exp) > 0
-
-
 def fsdp_worker(rank, world, tsp, tmp):
     mesh = init_tsp_mesh(tsp)
     out = {
@@ -82,8 +53,6 @@ def fsdp_worker(rank, world, tsp, tmp):
             mesh, torch.float32, mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.float32)
         ),
     }
-    if tsp == 2:
-        out["dcp"] = dcp_roundtrip(mesh, f"{tmp}/dcp")
     return out
 
 
@@ -103,7 +72,3 @@ def test_fsdp2_matches_reference(tsp, tmp):
         # bf16 compute with float32 reduction vs the float64 reference: close, not exact
         bf16 = res["bf16"]
         assert bf16["loss"] < 1e-2 and bf16["norm0"] < 2e-2 and bf16["params_l2"] < 3e-2, bf16
-
-
-def test_dcp_state_dict_round_trip(tmp):
-    assert all(r["dcp"] for r in results(2, tmp))

@@ -59,15 +59,41 @@ def metrics(out_dir: str) -> list[dict]:
 
 
 @functools.cache
+def pretrained(tmp: str) -> str:
+    """A local Hugging Face checkpoint (the tiny-llama preset's shape, vocabulary 512), which the
+    recipe loads shard-on-read (``tsp_ext.load_pretrained``) for every engine."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = os.path.join(tmp, "pretrained")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+@functools.cache
 def run(engine: str, tmp: str) -> dict:
-    """Train 4 steps (checkpoint at 2), then resume a second run from step 2."""
+    """Train 4 steps (checkpoint at 2) from a local checkpoint loaded shard-on-read, then resume
+    a second run from step 2."""
     out, resumed = os.path.join(tmp, engine), os.path.join(tmp, f"{engine}-resumed")
-    first = launch(*TINY, "--dp-engine", engine, "--save-every", "2", "--output-dir", out)
+    model = ("--model", pretrained(tmp))
+    first = launch(
+        *TINY, *model, "--dp-engine", engine, "--save-every", "1", "--keep-last", "3",
+        "--output-dir", out,
+    )  # fmt: skip
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     os.makedirs(resumed)
     os.symlink(os.path.join(out, "tokenizer"), os.path.join(resumed, "tokenizer"))
     second = launch(
         *TINY,
+        *model,
         "--dp-engine",
         engine,
         "--output-dir",
@@ -86,6 +112,8 @@ def test_recipe_trains_exports_and_resumes(engine, tmp):
     res = run(engine, tmp)
     rows = metrics(res["out"])
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    kept = sorted(d for d in os.listdir(res["out"]) if d.startswith("checkpoint-"))
+    assert kept == ["checkpoint-2", "checkpoint-3", "checkpoint-4"]  # --keep-last 3
     assert rows[-1]["loss"] < rows[0]["loss"]  # learning
     # resuming from step 2 continues the same curve
     again = metrics(res["resumed"])
@@ -152,18 +180,18 @@ def test_ddp_checkpoint_reshards_from_tsp4_to_tsp2(tmp):
         assert a["step"] == b["step"] and abs(a["loss"] - b["loss"]) < 1e-5 * a["loss"], (a, b)
 
 
-def test_mismatched_resume_is_refused(tmp):
-    res = run("fsdp2", tmp)  # saved at tsp=2
-    bad = launch(
-        *TINY[:-2],
-        "--tsp-size",
-        "1",
-        "--dp-engine",
-        "fsdp2",
-        "--output-dir",
-        os.path.join(tmp, "mismatch"),
-        "--resume-from",
-        os.path.join(res["out"], "checkpoint-2"),
-    )
-    assert bad.returncode != 0
-    assert "was saved with tsp_size=2, this run has 1" in bad.stdout + bad.stderr
+def test_bad_resume_is_refused_before_training(tmp):
+    res = run("fsdp2", tmp)  # saved with --seq-len 512
+    base = TINY[:-2]
+    ckpt = os.path.join(res["out"], "checkpoint-2")
+    cases = {
+        "seq_len": (["--seq-len", "256"], "was saved with seq_len=512, this run has 256"),
+        "model": (["--model", "small-llama"], "holds another model"),
+        "incomplete": (["--resume-from", res["out"]], "is incomplete: it has no"),
+    }
+    for name, (extra, expected) in cases.items():
+        args = [*base, "--tsp-size", "1", "--dp-engine", "fsdp2", "--resume-from", ckpt]
+        bad = launch(*args, *extra, "--output-dir", os.path.join(tmp, f"bad-{name}"))
+        assert bad.returncode != 0, name
+        assert expected in bad.stdout + bad.stderr, (name, bad.stderr[-2000:])
+        assert "train:" not in bad.stderr, name  # no step was taken

@@ -35,9 +35,7 @@ _EXPORTS = {
     "check_supported": ".hf.apply",
     "clip_grad_norm_": ".dp.grad_norm",
     "full_grads": ".checkpoint.state",
-    "full_optimizer_state": ".checkpoint.state",
     "full_state_dict": ".checkpoint.state",
-    "load_optimizer_state": ".checkpoint.state",
     "TSPVocabEmbedding": ".hf.vocab",
     "TSPVocabLMHead": ".hf.vocab",
 }

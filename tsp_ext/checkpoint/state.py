@@ -1,6 +1,13 @@
-"""Full tensors of a TSP model under the original Hugging Face names (export, compare, debug)."""
+"""Full tensors of a TSP model under the original Hugging Face names (export, compare, debug).
+
+``full_tensor`` assembles ONE tensor (collective); ``iter_full_tensors`` streams a model through
+it, so a caller holds at most one full tensor at a time. ``full_state_dict`` / ``full_grads``
+gather everything at once and are meant for tests and debugging, not for saving large models.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -8,80 +15,96 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..engine import comm
-from ..hf.sharding import local_index, shard_owner
+from ..hf.sharding import shard_owner
 
 
-def _require_tsp(model: nn.Module):
+def require_tsp(model: nn.Module):
+    """``model.tsp``, or a ``ValueError`` saying to apply TSP first."""
     state = getattr(model, "tsp", None)
     if state is None:
         raise ValueError("not a TSP model: call tsp_ext.apply_tsp(model, mesh) first")
     return state
 
 
-def _full(model: nn.Module, tensors: dict[str, torch.Tensor | None], rank0_only: bool):
-    """Gather every sharded tensor over the TSP group and assemble it (collective)."""
-    state = _require_tsp(model)
-    out: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
-        if t is None:
-            continue
-        if isinstance(t, DTensor):  # FSDP2: gather the dp shards first
-            t = t.full_tensor()
-        sharded = shard_owner(model, name)
-        if sharded is not None:
-            shards, _ = comm.all_gather_seq(t.detach(), state.group)
-            t = sharded[0].assemble(sharded[1], shards)
-        out[name] = t.detach().clone()
-    if rank0_only and dist.get_rank(state.group) != 0:
-        return {}
-    return out
+def reshard_fsdp(model: nn.Module) -> None:
+    """Put FSDP2 modules back to their sharded DTensor parameters: after a forward without
+    backward (evaluation) the root keeps plain unsharded ones, which the optimizer does not know."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def full_tensor(
+    model: nn.Module, name: str, t: torch.Tensor, *, dst: int | None = None
+) -> torch.Tensor | None:
+    """The full Hugging Face tensor behind parameter/buffer ``name`` of a TSP model (collective).
+
+    ``t`` is this rank's value of it: a TSP shard ``[.., n/D, ..]`` or a replicated tensor, possibly
+    a DTensor sharded over dp (FSDP2; gathered over dp first) or a ZeRO-3 partition (gathered with
+    ``GatheredParameters``, this parameter only). With ``dst`` (a global rank) only the TSP group
+    holding ``dst`` gathers the shards and only ``dst`` gets the result (others get None); the
+    transient memory is one full tensor on ``dst`` and one shard elsewhere.
+    """
+    state = require_tsp(model)
+    if hasattr(t, "ds_id"):  # ZeRO-3: partitioned over dp, gather this one parameter
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([t]):
+            return full_tensor(model, name, t.detach().clone(), dst=dst)
+    if isinstance(t, DTensor):  # FSDP2: gather the dp shards first
+        t = t.full_tensor()
+    t = t.detach()
+    tsp_ranks = dist.get_process_group_ranks(state.group)
+    if dst is not None and dst not in tsp_ranks:
+        return None
+    sharded = shard_owner(model, name)
+    if sharded is None:
+        return t.clone() if dst is None or dist.get_rank() == dst else None
+    if dst is None:
+        shards, _ = comm.all_gather_seq(t, state.group)
+        return sharded[0].assemble(sharded[1], shards)
+    t = t.contiguous()
+    if dist.get_rank() != dst:
+        dist.send(t, group=state.group, group_dst=tsp_ranks.index(dst))
+        return None
+    shards = t.new_empty(len(tsp_ranks), *t.shape)  # [D, *shard]; received in place
+    for i, rank in enumerate(tsp_ranks):
+        if rank == dst:
+            shards[i].copy_(t)
+        else:
+            dist.recv(shards[i], group=state.group, group_src=i)
+    return sharded[0].assemble(sharded[1], shards)
+
+
+def iter_full_tensors(
+    model: nn.Module, *, dst: int | None = None
+) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """``(name, full tensor)`` for every entry of ``model.state_dict()``, one at a time
+    (collective: every rank must consume the whole iterator); see ``full_tensor`` for ``dst``."""
+    require_tsp(model)
+    reshard_fsdp(model)
+    for name, t in model.state_dict(keep_vars=True).items():
+        yield name, full_tensor(model, name, t, dst=dst)
 
 
 def full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
     """The model's full state dict under the original Hugging Face names (collective).
 
-    Sharded weights are all-gathered over the TSP group and reassembled; replicated ones are
-    returned as they are. With ``rank0_only`` the other TSP ranks get ``{}``.
+    Sharded weights are gathered over the TSP group and reassembled; replicated ones are returned
+    as they are. With ``rank0_only`` the other TSP ranks get ``{}``. Holds the whole model: for
+    saving use ``tsp_ext.save_pretrained`` (streams) or ``tsp_ext.checkpoint.save``.
     """
-    return _full(model, dict(model.state_dict(keep_vars=True)), rank0_only)
+    out = {n: t for n, t in iter_full_tensors(model) if t is not None}
+    return {} if rank0_only and dist.get_rank(model.tsp.group) != 0 else out
 
 
 def full_grads(model: nn.Module, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
     """Full gradients under the original names (collective); parameters without one are left out."""
-    grads = {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
-    return _full(model, grads, rank0_only)
-
-
-def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict]:
-    """Per-parameter optimizer state as full tensors under the original names (collective).
-
-    ``{name: {"exp_avg": full tensor, "step": tensor, ...}}``: tensors shaped like their parameter
-    are gathered and reassembled like it, so the result is independent of the TSP size.
-    """
-    names = {id(p): n for n, p in model.named_parameters()}
-    out: dict[str, dict] = {}
-    for param, st in optimizer.state.items():
-        name = names[id(param)]
-        out[name] = {}
-        for key, value in st.items():
-            if torch.is_tensor(value) and value.shape == param.shape and value.dim() > 0:
-                value = _full(model, {name: value}, rank0_only=False)[name]
-            out[name][key] = value
-    return out
-
-
-def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, read) -> None:
-    """Fill ``optimizer``'s per-parameter state from full tensors, each rank taking its slice.
-
-    ``read(name, key, index)`` returns the slice ``index`` of the full state tensor ``key`` of
-    parameter ``name`` (e.g. from ``safe_open(...).get_slice``), or None if it has none.
-    """
-    for name, param in model.named_parameters():
-        index = local_index(model, name)
-        state = {}
-        for key in ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer"):
-            value = read(name, key, index if key != "step" else ())
-            if value is not None:
-                state[key] = value.to(param.device)
-        if state:
-            optimizer.state[param] = state
+    require_tsp(model)
+    out = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if p.grad is not None:
+            out[n] = full_tensor(model, n, p.grad)
+    return {} if rank0_only and dist.get_rank(model.tsp.group) != 0 else out

@@ -204,11 +204,10 @@ def initialize(
 def full_state_dict(engine, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
     """Full parameters of a DeepSpeed-wrapped TSP model under the original Hugging Face names.
 
-    Gathers ZeRO-3 partitions over dp (``GatheredParameters``), then TSP shards over the TSP
-    group. Collective: call on every rank.
+    Gathers each ZeRO-3 partition over dp (``GatheredParameters``, one parameter at a time), then
+    the TSP shards over the TSP group. Collective: call on every rank. Holds the whole model, for
+    comparisons and debugging; ``tsp_ext.save_pretrained(engine.module, path)`` exports without it.
     """
     from ..checkpoint.state import full_state_dict as tsp_full_state_dict
 
-    model = engine.module
-    with deepspeed.zero.GatheredParameters(list(model.parameters())):
-        return tsp_full_state_dict(model, rank0_only=rank0_only)
+    return tsp_full_state_dict(engine.module, rank0_only=rank0_only)

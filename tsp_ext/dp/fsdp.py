@@ -13,10 +13,6 @@ Passing the 2-D mesh to ``fully_shard`` would make it HSDP over both axes, mixin
 
 from __future__ import annotations
 
-import os
-
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
@@ -47,33 +43,4 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, **fully_shard_kwargs) -> nn.
     return model
 
 
-def _tsp_dir(path: str | os.PathLike, model: nn.Module) -> str:
-    state = model.tsp
-    return os.path.join(os.fspath(path), f"tsp_{state.size}_rank_{dist.get_rank(state.group):02d}")
-
-
-def dcp_save(state_dict: dict, path: str | os.PathLike, model: nn.Module) -> None:
-    """Save a DCP state dict of an FSDP2 + TSP model (from ``torch.distributed.checkpoint``).
-
-    TSP shards share parameter names across TSP ranks, so each TSP rank writes its own DCP
-    checkpoint (``path/tsp_<D>_rank_<p>``), coordinated over its dp group.
-    """
-    dcp.save(
-        state_dict,
-        checkpoint_id=_tsp_dir(path, model),
-        process_group=model.tsp.mesh["dp"].get_group(),
-    )
-
-
-def dcp_load(state_dict: dict, path: str | os.PathLike, model: nn.Module) -> None:
-    """Load, in place, what ``dcp_save`` wrote for this TSP rank (same TSP size required)."""
-    where = _tsp_dir(path, model)
-    if not os.path.isdir(where):
-        raise FileNotFoundError(
-            f"no checkpoint for this TSP rank at {where}: was it saved with "
-            f"tsp_size={model.tsp.size}?"
-        )
-    dcp.load(state_dict, checkpoint_id=where, process_group=model.tsp.mesh["dp"].get_group())
-
-
-__all__ = ["clip_grad_norm_", "dcp_load", "dcp_save", "shard_model"]
+__all__ = ["clip_grad_norm_", "shard_model"]

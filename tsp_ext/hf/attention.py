@@ -12,11 +12,12 @@ import copy
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
 
 from ..config import TSPConfig
 from ..engine import comm
 from ..engine.attention import AttentionSpec, tsp_attention
-from .sharding import Role, ShardedModule
+from .sharding import Role, ShardedModule, TSPPlacement
 
 
 class TSPAttention(ShardedModule):
@@ -126,6 +127,14 @@ class TSPAttention(ShardedModule):
         if kv and dist.get_rank(self.group) % self.spec.kv_replicas:
             return Role.COPY
         return super().role(name)
+
+    def placement(self, name: str) -> TSPPlacement:
+        """K/V rows of head group p // (D/n_kv) when D > n_kv: sharded over the groups of D/n_kv
+        consecutive ranks, replicated within one."""
+        rep = self.spec.kv_replicas
+        if rep > 1 and name.startswith(("k_proj.", "v_proj.")):
+            return TSPPlacement((self.spec.tsp_size // rep, rep), (Shard(0), Replicate()))
+        return super().placement(name)
 
     def _own(self) -> dict[str, torch.Tensor]:
         own = {

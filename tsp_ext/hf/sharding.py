@@ -8,12 +8,14 @@ gradient norms all read the layout through this one interface, never through mod
 from __future__ import annotations
 
 import abc
+import dataclasses
 import enum
 from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import Placement, Replicate, Shard
 
 
 class Role(enum.Enum):
@@ -46,11 +48,31 @@ class ShardedModule(nn.Module, abc.ABC):
         """Full Hugging Face tensor from every rank's shard of ``name``, ``shards [D, ...]``."""
         if name not in self.shard_dims:
             return shards[0]
+        if self.shard_dims[name] == 0:  # row blocks in rank order: [D, n/D, ..] is [n, ..]
+            return shards.flatten(0, 1)
         return torch.cat(list(shards), dim=self.shard_dims[name])
 
     def role(self, name: str) -> Role:
         """Layout of parameter ``name`` over the TSP axis."""
         return Role.SHARDED if name in self.shard_dims else Role.REPLICATED
+
+    def placement(self, name: str) -> TSPPlacement:
+        """Where this rank's slice of ``name`` sits in the full tensor, as DTensor placements."""
+        D = dist.get_world_size(self.group)
+        if name not in self.shard_dims:
+            return TSPPlacement((D,), (Replicate(),))
+        return TSPPlacement((D,), (Shard(self.shard_dims[name]),))
+
+
+@dataclasses.dataclass(frozen=True)
+class TSPPlacement:
+    """The TSP axis viewed as a mesh of shape ``mesh_shape`` (TSP rank p at row-major position
+    p) and the DTensor placement of a parameter on each of its dims: ``((D,), (Shard(0),))`` for
+    row blocks, ``((D,), (Replicate(),))`` for a replicated weight, ``((n_kv, D/n_kv),
+    (Shard(0), Replicate()))`` for KV heads each held by D/n_kv consecutive ranks."""
+
+    mesh_shape: tuple[int, ...]
+    placements: tuple[Placement, ...]
 
 
 def shard_owner(model: nn.Module, name: str) -> tuple[ShardedModule, str] | None:
@@ -80,3 +102,11 @@ def param_roles(model: nn.Module) -> dict[str, Role]:
         owner = shard_owner(model, name)
         roles[name] = Role.REPLICATED if owner is None else owner[0].role(owner[1])
     return roles
+
+
+def placement(model: nn.Module, name: str) -> TSPPlacement:
+    """``TSPPlacement`` of parameter ``name`` of a TSP model (replicated unless sharded)."""
+    owner = shard_owner(model, name)
+    if owner is None:
+        return TSPPlacement((dist.get_world_size(model.tsp.group),), (Replicate(),))
+    return owner[0].placement(owner[1])

@@ -1,0 +1,215 @@
+"""Training-state checkpoints (``tsp_ext.checkpoint.save`` / ``load``, DCP): exact resume,
+resume at another TSP x dp layout, the same format for plain/DDP, FSDP2 and DeepSpeed ZeRO, and
+refusal of incomplete, damaged and other-model checkpoints."""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import error_message
+from models import batch, build
+
+from tsp_ext import apply_tsp, full_state_dict, init_tsp_mesh, save_pretrained, shard_batch
+from tsp_ext.testing.launch import run_processes
+
+pytestmark = pytest.mark.multiproc
+
+STEPS = 4  # straight; the checkpoint is taken after STEPS // 2
+
+
+class Trainer:
+    """A tiny float32 Llama (8 heads, 2 KV heads: replicated KV at tsp=4) trained with AdamW on
+    a fixed global batch of 2 sequences per step, split over the dp replicas."""
+
+    def __init__(self, kind: str, tsp: int, seed: int = 0, **model_overrides) -> None:
+        self.kind = kind
+        self.ds = None
+        model = build("llama", torch.float32, seed=seed, **model_overrides)
+        factory = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)  # noqa: E731
+        schedule = lambda s: 1.0 / (1 + s)  # noqa: E731
+        if kind.startswith("zero"):
+            import tsp_ext.deepspeed as tds
+
+            config = {
+                "train_micro_batch_size_per_gpu": 1,
+                "zero_optimization": {"stage": int(kind[-1])},
+                "tsp": {"size": tsp},
+            }
+            self.ds, self.optimizer, _, self.scheduler = tds.initialize(
+                model=model,
+                config=config,
+                optimizer=factory,
+                lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, schedule),
+            )
+            self.mesh, self.model, self.forward = self.ds.tsp_mesh, model, self.ds
+            return
+        self.mesh = init_tsp_mesh(tsp)
+        if kind == "fsdp2":
+            import tsp_ext.fsdp as tfs
+
+            self.model = self.forward = tfs.shard_model(model, self.mesh)
+        else:
+            self.model = apply_tsp(model, self.mesh)
+            dp_group = self.mesh["dp"].get_group()
+            self.forward = torch.nn.parallel.DistributedDataParallel(model, process_group=dp_group)
+        self.optimizer = factory(self.model.parameters())
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+
+    def step(self, step: int) -> float:
+        dp, replica = self.mesh["dp"].size(), self.mesh["dp"].get_local_rank()
+        data = batch(self.model.config.vocab_size, 2, 24, seed=step)
+        rows = {k: v.chunk(dp)[replica] for k, v in data.items()}
+        loss = self.forward(**shard_batch(rows, self.mesh)).loss
+        if self.ds is not None:
+            self.ds.backward(loss)
+            self.ds.step()
+        else:
+            loss.backward()
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad()
+        total = loss.detach().double().reshape(1)
+        dist.all_reduce(total, group=self.mesh["dp"].get_group())
+        return total.item() / dp
+
+    def save(self, path: str, step: int, **kw):
+        from tsp_ext import checkpoint
+
+        return checkpoint.save(path, self.model, self.optimizer, scheduler=self.scheduler,
+                               extra_state={"step": step}, engine=self.ds, **kw)  # fmt: skip
+
+    def load(self, path: str) -> int:
+        from tsp_ext import checkpoint
+
+        extra = checkpoint.load(
+            path, self.model, self.optimizer, scheduler=self.scheduler, engine=self.ds
+        )
+        return extra["step"]
+
+    def params(self) -> dict[str, torch.Tensor]:
+        if self.ds is not None:
+            import tsp_ext.deepspeed as tds
+
+            return tds.full_state_dict(self.ds)
+        return full_state_dict(self.model)
+
+
+def resume_worker(rank, world, kind, tmp):
+    """Straight at tsp=4; 2 steps + save; resume at tsp=4 (fresh model) and at tsp=2 x dp=2."""
+    half = STEPS // 2
+    straight = Trainer(kind, 4)
+    losses = [straight.step(s) for s in range(STEPS)]
+    final = straight.params()
+    export_equal = True
+    if kind in ("fsdp2", "zero3"):  # streamed export from dp-sharded parameters
+        from transformers import AutoModelForCausalLM
+
+        exported = os.path.join(tmp, kind, "hf")
+        save_pretrained(straight.model, exported, max_shard_size="20KB")
+        hf = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).state_dict()
+        export_equal = all(torch.equal(hf[k], v) for k, v in final.items())
+
+    first = Trainer(kind, 4)
+    for s in range(half):
+        first.step(s)
+    with torch.no_grad():  # an evaluation: FSDP2 leaves the root's parameters unsharded
+        first.forward(**shard_batch(batch(first.model.config.vocab_size, 1, 24), first.mesh))
+    ckpt = os.path.join(tmp, kind, f"checkpoint-{half}")
+    first.save(ckpt, half)
+    out = {"straight": losses, "export_equal": export_equal}
+    for name, tsp in (("exact", 4), ("reshard", 2)):
+        again = Trainer(kind, tsp, seed=1)  # other weights, overwritten by the load
+        start = again.load(ckpt)
+        out[name] = [again.step(s) for s in range(start, STEPS)]
+        params = again.params()
+        out[name + "_params"] = max((params[k] - final[k]).abs().max().item() for k in final)
+    out["files"] = sorted(os.listdir(ckpt))
+    return out
+
+
+@functools.cache
+def resumed(kind: str, tmp: str):
+    return run_processes(resume_worker, 4, kind, tmp, timeout=400)
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp2", "zero2", "zero3"])
+def test_exact_and_resharded_resume(kind, tmp):
+    for res in resumed(kind, tmp):
+        half = STEPS // 2
+        assert res["exact"] == res["straight"][half:], res  # bit-identical, float32
+        assert res["exact_params"] == 0.0, res
+        for a, b in zip(res["reshard"], res["straight"][half:]):
+            assert abs(a - b) < 1e-5 * b, res
+        assert res["reshard_params"] < 1e-5, res
+        assert "trainer_state.json" in res["files"] and ".metadata" in res["files"]
+        assert res["export_equal"], res
+
+
+def _damage(ckpt: str, where: str, how: str) -> str:
+    """A copy of ``ckpt`` at ``where``, damaged as ``how`` says (on rank 0; all ranks wait)."""
+    if dist.get_rank() == 0:
+        shutil.copytree(ckpt, where)
+        if how == "interrupted":  # what a save killed before its completion leaves
+            os.remove(os.path.join(where, "trainer_state.json"))
+        elif how == "truncated":
+            data = next(f for f in sorted(os.listdir(where)) if f.endswith(".distcp"))
+            with open(os.path.join(where, data), "r+b") as f:
+                f.truncate(os.path.getsize(os.path.join(where, data)) // 2)
+        elif how == "corrupt":
+            with open(os.path.join(where, "trainer_state.json"), "w") as f:
+                f.write('{"format": ')
+    dist.barrier()
+    return where
+
+
+def safety_worker(rank, world, tmp):
+    """Async save while training goes on; refusals leave the model untouched."""
+    from tsp_ext import checkpoint
+
+    trainer = Trainer("ddp", 2)
+    trainer.step(0)
+    ckpt = os.path.join(tmp, "async")
+    snapshot = trainer.params()
+    pending = trainer.save(ckpt, 1, async_save=True)
+    trainer.step(1)  # changes the parameters while the checkpoint is written
+    pending.wait()
+    fresh = Trainer("ddp", 2, seed=1)
+    fresh.load(ckpt)
+    loaded = fresh.params()
+    out = {"async_equal": all(torch.equal(snapshot[k], loaded[k]) for k in snapshot)}
+    out["no_leftovers"] = not [f for f in os.listdir(tmp) if f.startswith(".")]
+
+    before = fresh.params()
+    for how in ("interrupted", "truncated", "corrupt"):
+        bad = _damage(ckpt, os.path.join(tmp, how), how)
+        out[how] = error_message(lambda: fresh.load(bad))  # noqa: B023
+    other = Trainer("ddp", 2, hidden_size=64)
+    out["other_model"] = error_message(lambda: other.load(ckpt))
+    out["missing"] = error_message(lambda: fresh.load(os.path.join(tmp, "nowhere")))
+    after = fresh.params()
+    out["untouched"] = all(torch.equal(before[k], after[k]) for k in before)
+    out["inspect"] = checkpoint.inspect(ckpt)["extra_state"]
+    return out
+
+
+@functools.cache
+def safety(tmp: str):
+    return run_processes(safety_worker, 2, os.path.join(tmp, "safety"), timeout=300)
+
+
+def test_async_save_and_refused_checkpoints(tmp):
+    os.makedirs(os.path.join(tmp, "safety"), exist_ok=True)
+    for res in safety(tmp):
+        assert res["async_equal"] and res["no_leftovers"], res
+        assert "is incomplete: it has no trainer_state.json" in res["interrupted"], res
+        assert "is damaged:" in res["truncated"] and "truncated" in res["truncated"], res
+        assert "trainer_state.json is truncated or corrupt" in res["corrupt"], res
+        assert "holds another model" in res["other_model"], res
+        assert "has shape" in res["other_model"], res
+        assert "is not a checkpoint directory" in res["missing"], res
+        assert res["untouched"] and res["inspect"] == {"step": 1}, res
