@@ -7,7 +7,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..engine import comm
 from ..hf.sharding import local_index, shard_owner
 
 
@@ -28,9 +27,8 @@ def _full(model: nn.Module, tensors: dict[str, torch.Tensor | None], rank0_only:
         if isinstance(t, DTensor):  # FSDP2: gather the dp shards first
             t = t.full_tensor()
         sharded = shard_owner(model, name)
-        if sharded is not None:
-            shards, _ = comm.all_gather_seq(t.detach(), state.group)
-            t = sharded[0].assemble(sharded[1], shards)
+        if sharded is not None:  # shards may differ by one head or row: padded all-gather
+            t = sharded[0].gather_full(sharded[1], t.detach())
         out[name] = t.detach().clone()
     if rank0_only and dist.get_rank(state.group) != 0:
         return {}
