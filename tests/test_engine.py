@@ -41,7 +41,7 @@ CONFIGS = {
     # D = 4) and an MLP width of 53, divisible by none of 2, 3, 4
     "uneven": (
         LlamaConfig,
-        dict(num_attention_heads=9, num_key_value_heads=3, head_dim=8, intermediate_size=53),
+        dict(num_attention_heads=9, num_key_value_heads=3, hidden_size=72, intermediate_size=53),
     ),
 }
 # (config, dtype, batch, seq_len): 30 and 21 are not multiples of 2D for D = 2, 4
