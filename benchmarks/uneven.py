@@ -9,7 +9,8 @@ max over ranks; one thread per rank) of a small two-layer Llama with head_dim 64
 - ``8/4 heads, D=2``: even (h = 512, F = 1408, V = 8192: 4 + 4 query heads, 2 KV heads each);
 - ``9/3 heads, D=2``: uneven (h = 576: 5 + 4 query heads, KV head 1 on both ranks; F = 1473 and
   V = 8193 split 737 + 736 and 4097 + 4096);
-- ``9/3 heads, D=3``: the same model on three ranks (3 heads each; F and V still uneven).
+- ``9/3 heads, D=3``: the same model on three ranks, where it is even (3 heads, 491 MLP rows and
+  2731 vocabulary rows each).
 """
 
 from __future__ import annotations
