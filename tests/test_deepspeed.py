@@ -18,11 +18,11 @@ from tsp_ext.testing.launch import run_processes
 pytestmark = pytest.mark.multiproc
 
 
-def zero_run(tsp: int, stage: int, dtype: torch.dtype):
+def zero_run(tsp: int, stage: int, dtype: torch.dtype, model_kw=None):
     import tsp_ext.deepspeed as tds
     from tsp_ext import shard_batch
 
-    model = build("llama", dtype)
+    model = build("llama", dtype, **(model_kw or {}))
     ref_model = copy.deepcopy(model)
     ref_losses, ref_norms, ref_params = reference(
         ref_model if dtype == torch.float64 else ref_model.float(), 4 // tsp
@@ -209,3 +209,20 @@ def test_tsp_block_takes_every_config_field():
 @functools.cache
 def config_messages():
     return run_processes(config_errors_worker, 4)[0]
+
+
+# any TSP size: 6 query / 3 KV heads at D = 4 (groups of 2, 2, 1, 1 query heads; KV head 2 on
+# ranks 2 and 3, rank 3's K/V a copy), F = 53 and V = 97 split unevenly; dp = 1
+UNEVEN = dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=48)
+UNEVEN.update(intermediate_size=53, vocab_size=97)
+
+
+def uneven_worker(rank, world):
+    return zero_run(4, 2, torch.float64, UNEVEN)
+
+
+def test_zero2_uneven_layout_matches_reference():
+    for rank, res in enumerate(run_processes(uneven_worker, 4, timeout=400)):
+        tols = {"loss": 1e-7, "norm": 1e-6, "params": 1e-4, "params_l2": 1e-6}
+        for key, tol in tols.items():
+            assert res[key] < tol, (rank, key, res)

@@ -37,6 +37,12 @@ CONFIGS = {
         dict(num_attention_heads=4, num_key_value_heads=1, attention_bias=True),
     ),
     "qk_norm": (Qwen3Config, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8)),
+    # any D: 9 query / 3 KV heads (groups of 5 + 4 at D = 2, KV head 1 shared; 3 + 2 + 2 + 2 at
+    # D = 4) and an MLP width of 53, divisible by none of 2, 3, 4
+    "uneven": (
+        LlamaConfig,
+        dict(num_attention_heads=9, num_key_value_heads=3, hidden_size=72, intermediate_size=53),
+    ),
 }
 # (config, dtype, batch, seq_len): 30 and 21 are not multiples of 2D for D = 2, 4
 CASES = [
@@ -47,7 +53,10 @@ CASES = [
     ("qk_norm", "float64", 2, 16),
     ("gqa", "float32", 2, 32),
     ("qk_norm", "float32", 1, 21),
+    ("uneven", "float64", 2, 21),
+    ("uneven", "float32", 1, 24),
 ]
+UNEVEN_CASES = tuple(c for c in CASES if c[0] == "uneven")
 
 
 def make_config(name: str):
@@ -155,3 +164,12 @@ def test_parity_with_hf_modules(world, backend):
             bad = {k: v for k, v in errs.items() if not v < tol}
             assert not bad, f"D={world} rank={rank} case={case}: {bad}"
             assert len(errs) >= 10  # outputs, input grads and every weight grad were compared
+
+
+def test_uneven_layout_at_d3():
+    """9 heads at D = 3 with 3 KV heads: 3 each; MLP rows 18 + 18 + 17; both CPU kernels."""
+    for backend in BACKENDS:
+        for rank, per_case in enumerate(run_processes(parity_worker, 3, UNEVEN_CASES, backend)):
+            for case, errs in per_case.items():
+                bad = {k: v for k, v in errs.items() if not v < TOL[case[1]]}
+                assert not bad, f"D=3 rank={rank} case={case} {backend}: {bad}"

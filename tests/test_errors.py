@@ -19,8 +19,8 @@ def errors_worker(rank, world):
     group = dist.group.WORLD
     cfg = dict(hidden_size=24, intermediate_size=48, num_hidden_layers=1, vocab_size=32)
     ok = LlamaConfig(**cfg, num_attention_heads=4, num_key_value_heads=2)
-    three_heads = LlamaConfig(**cfg, num_attention_heads=3, num_key_value_heads=3)
-    odd_ffn = LlamaConfig(**{**cfg, "intermediate_size": 45}, num_attention_heads=4)
+    one_head = LlamaConfig(**cfg, num_attention_heads=1, num_key_value_heads=1)
+    one_row = LlamaConfig(**{**cfg, "intermediate_size": 1}, num_attention_heads=4)
     gelu = LlamaConfig(**cfg, num_attention_heads=4, hidden_act="gelu")
     attn = TSPAttention.from_hf(LlamaAttention(ok, 0), group)
     mlp = TSPGatedMLP.from_hf(LlamaMLP(ok), group)
@@ -28,8 +28,8 @@ def errors_worker(rank, world):
     x = torch.randn(1, 4, 24)
     pe = rope(x, torch.arange(4)[None])
     return {
-        "heads": error_message(lambda: TSPAttention.from_hf(LlamaAttention(three_heads, 0), group)),
-        "ffn": error_message(lambda: TSPGatedMLP.from_hf(LlamaMLP(odd_ffn), group)),
+        "heads": error_message(lambda: TSPAttention.from_hf(LlamaAttention(one_head, 0), group)),
+        "ffn": error_message(lambda: TSPGatedMLP.from_hf(LlamaMLP(one_row), group)),
         "act": error_message(lambda: TSPGatedMLP.from_hf(LlamaMLP(gelu), group)),
         "group": error_message(
             lambda: TSPAttention(AttentionSpec(24, 4, 2, 6, tsp_size=4, scaling=1.0), group)
@@ -52,8 +52,9 @@ def messages():
 @pytest.mark.parametrize(
     "case, expected",
     [
-        ("heads", "n_heads=3 is not divisible by tsp_size=2"),
-        ("ffn", "intermediate_size=45 is not divisible by tsp_size=2"),
+        ("heads", "tsp_size=2 but the model has n_heads=1: every TSP rank needs at least one"),
+        ("heads", "the largest valid TSP size is 1"),
+        ("ffn", "intermediate_size=1 cannot be split over tsp_size=2: use a smaller TSP size"),
         ("act", "SiLU (SwiGLU) only"),
         ("group", "process group has 2 ranks but the spec is for tsp_size=4"),
         ("hidden", "hidden_states must be [B, S/D, 24]"),
@@ -68,8 +69,8 @@ def test_clear_errors(case, expected):
 
 
 def test_spec_and_config_validation():
-    with pytest.raises(ValueError, match="one must divide the other"):
-        AttentionSpec(48, 12, 6, 4, tsp_size=4, scaling=1.0)
+    with pytest.raises(ValueError, match="the largest valid TSP size is 12"):
+        AttentionSpec(48, 12, 6, 4, tsp_size=13, scaling=1.0)
     with pytest.raises(ValueError, match="not a multiple of n_kv_heads"):
         AttentionSpec(48, 6, 4, 8, tsp_size=2, scaling=1.0)
     with pytest.raises(ValueError, match="tsp_size must be >= 1"):

@@ -17,10 +17,10 @@ from tsp_ext.testing.launch import run_processes
 pytestmark = pytest.mark.multiproc
 
 
-def fsdp_run(mesh, dtype, **shard_kwargs):
+def fsdp_run(mesh, dtype, model_kw=None, **shard_kwargs):
     import tsp_ext.fsdp as tfs
 
-    model = build("llama", dtype)
+    model = build("llama", dtype, **(model_kw or {}))
     dp = mesh["dp"].size()
     ref_losses, ref_norms, ref_params = reference(copy.deepcopy(model).double(), dp)
     tfs.shard_model(model, mesh, **shard_kwargs)
@@ -28,7 +28,8 @@ def fsdp_run(mesh, dtype, **shard_kwargs):
     replica = mesh["dp"].get_local_rank()
     losses, norms = [], []
     for step in range(STEPS):
-        out = model(**shard_batch(replica_batches(dp, step, 96)[replica], mesh))
+        vocab = model.config.vocab_size
+        out = model(**shard_batch(replica_batches(dp, step, vocab)[replica], mesh))
         opt.zero_grad()
         out.loss.backward()
         norms.append(abs(tfs.clip_grad_norm_(model, CLIP).item() / ref_norms[step] - 1))
@@ -72,3 +73,20 @@ def test_fsdp2_matches_reference(tsp, tmp):
         # bf16 compute with float32 reduction vs the float64 reference: close, not exact
         bf16 = res["bf16"]
         assert bf16["loss"] < 1e-2 and bf16["norm0"] < 2e-2 and bf16["params_l2"] < 3e-2, bf16
+
+
+# any TSP size: 6 query / 3 KV heads at D = 2 (KV head 1 shared by both ranks, rank 1's K/V slice
+# holds its copy and a head of its own), F = 53 and V = 97 split 27 + 26 and 49 + 48
+UNEVEN = dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=48)
+UNEVEN.update(intermediate_size=53, vocab_size=97)
+
+
+def uneven_worker(rank, world):
+    return fsdp_run(init_tsp_mesh(2), torch.float64, UNEVEN)
+
+
+def test_uneven_layout_matches_reference():
+    for rank, res in enumerate(run_processes(uneven_worker, 4, timeout=400)):
+        tols = {"loss": 1e-10, "norm": 1e-10, "params": 1e-7, "params_l2": 1e-9}
+        for key, tol in tols.items():
+            assert res[key] < tol, (rank, key, res)

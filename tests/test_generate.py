@@ -52,8 +52,8 @@ def weight_bytes(model, sharded_only: bool) -> int:
     return sum(p.nbytes for n, p in model.named_parameters() if not (sharded_only and "norm" in n))
 
 
-def greedy_case(rank, mesh, family, dtype, B, S, pad, overrides):
-    model = hf_model(family, dtype)
+def greedy_case(rank, mesh, family, dtype, B, S, pad, overrides, model_kw=None):
+    model = hf_model(family, dtype, **(model_kw or {}))
     ids, mask = prompt(B, S, pad)
     out = {}
     if rank == 0:  # the single-process reference (the same on every rank: compute it once)
@@ -123,6 +123,35 @@ def worker(rank, world):
 @functools.cache
 def results(world):
     return run_processes(worker, world, timeout=300)
+
+
+# any TSP size: 14 query / 2 KV heads, F = 53, V = 97 at D = 3 — groups of 5, 5, 4 query heads;
+# KV head 0 on ranks 0 and 1, KV head 1 on ranks 1 and 2 (rank 1 holds both)
+UNEVEN = ("qwen2", torch.float64, 2, 19, 4)
+UNEVEN_MODEL = dict(
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    hidden_size=112,
+    intermediate_size=53,
+    vocab_size=97,
+)
+
+
+def uneven_worker(rank, world):
+    return greedy_case(rank, init_tsp_mesh(world), *UNEVEN, {}, model_kw=UNEVEN_MODEL)
+
+
+def test_greedy_matches_hf_with_uneven_heads_mlp_and_vocab():
+    runs = run_processes(uneven_worker, 3, timeout=300)
+    ref = runs[0]["ref"]
+    assert ref.shape[1] == UNEVEN[3] + NEW
+    for rank, run in enumerate(runs):
+        assert torch.equal(run["tokens"], ref), f"rank={rank}"
+    # every rank caches all tokens of the KV heads its queries use: ranks 0 and 2 one head each,
+    # rank 1 both (the shared heads are cached by both their users)
+    assert [run["kv"] for run in runs] == [runs[0]["ref_kv"] // 2, runs[0]["ref_kv"]] + [
+        runs[0]["ref_kv"] // 2
+    ]
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

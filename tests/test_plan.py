@@ -69,20 +69,35 @@ def test_tsp_has_the_least_memory_at_long_context(capsys):
 
 
 def test_layouts_that_cannot_run_are_skipped_with_a_reason(capsys):
-    """6 heads: no 4-way head split; the reason names what does not divide."""
+    """6 heads: no 4-way TP head split (TSP takes groups of 2, 2, 1, 1); the reason names what
+    does not divide. 8 devices: TSP needs a head per rank, and says the largest valid size."""
     shape = planner.ModelShape("six", 384, 2, 6, 6, 64, 1024, 1024)
     result = planner.plan(shape, planner.Workload(seq_len=4096), planner.Cluster(devices=4))
     reasons = {str(lay): why for lay, why in result.skipped}
-    assert reasons["tsp=4"] == "num_heads=6 is not divisible by tsp=4"
-    assert "tsp=2 dp=2" in {str(e.layout) for e in result.estimates}
+    assert reasons["tp=4"] == "num_heads=6 is not divisible by tp=4"
+    assert {"tsp=2 dp=2", "tsp=4"} <= {str(e.layout) for e in result.estimates}
+    result = planner.plan(shape, planner.Workload(seq_len=4096), planner.Cluster(devices=8))
+    reasons = {str(lay): why for lay, why in result.skipped}
+    assert reasons["tsp=8"] == "tsp=8 exceeds num_heads=6: the largest valid TSP size is 6"
+
+
+def test_uneven_tsp_counts_the_largest_shard():
+    """7 heads, F and V not divisible by 4: TSP=4 weights are the largest rank's (2 heads, 257
+    MLP rows, 251 vocabulary rows), more than a quarter of the model and less than a third."""
+    shape = planner.ModelShape("seven", 448, 2, 7, 7, 64, 1025, 1001)
+    result = planner.plan(shape, planner.Workload(seq_len=4096), planner.Cluster(devices=4))
+    est = next(e for e in result.estimates if str(e.layout) == "tsp=4")
+    weights = est.memory.params / 2  # bf16 weights (2 bytes per parameter)
+    layer = 2 * 448 * 64 * (2 + 2) + 3 * 448 * 257 + 2 * 448
+    assert weights == 2 * layer + 2 * 251 * 448 + 448
 
 
 def test_no_valid_layout_is_an_error_naming_the_fix(capsys):
     with pytest.raises(SystemExit) as exc:
-        main(["--model", "paper-7b", "--seq-len", "4096", "--devices", "7"])
+        main(["--model", "paper-7b", "--seq-len", "4096", "--devices", "37"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert "no layout can run paper-7b on 7 devices" in err and "--devices" in err
+    assert "no layout can run paper-7b on 37 devices" in err and "--devices" in err
 
 
 def test_bad_model_is_an_error(capsys, tmp_path):

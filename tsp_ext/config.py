@@ -30,12 +30,12 @@ class TSPConfig:
         recompute_mlp: recompute the MLP's gate/up projections shard by shard in backward (saves
             only X_p). Off keeps them: ``2 x B x S/D x F`` more saved elements per layer, two
             fewer matmuls per ring step in backward.
-        shard_vocab: shard the embedding and LM head by vocabulary rows (rank p keeps V/D rows)
-            and compute the loss with a fused ring LM head + cross-entropy that never builds
-            the ``[S/D, V]`` logits. Needs ``vocab_size`` divisible by D. Off: both stay
-            replicated and the model returns full-vocabulary logits, as Hugging Face does.
+        shard_vocab: shard the embedding and LM head by vocabulary rows (rank p keeps ⌊V/D⌋ or
+            ⌈V/D⌉ rows, any V) and compute the loss with a fused ring LM head + cross-entropy
+            that never builds the ``[S/D, V]`` logits. Off: both stay replicated and the model
+            returns full-vocabulary logits, as Hugging Face does.
         loss_chunk: tokens per block of the fused LM-head loss; bounds its transient logits
-            block to ``loss_chunk x V/D`` (float32).
+            block to ``loss_chunk x ⌈V/D⌉`` (float32).
     """
 
     tsp_size: int | None = None

@@ -14,7 +14,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..engine import comm
 from ..hf.sharding import shard_owner
 
 
@@ -62,20 +61,21 @@ def full_tensor(
     sharded = shard_owner(model, name)
     if sharded is None:
         return t.clone() if dst is None or dist.get_rank() == dst else None
-    if dst is None:
-        shards, _ = comm.all_gather_seq(t, state.group)
-        return sharded[0].assemble(sharded[1], shards)
+    module, key = sharded
+    if dst is None:  # shards may differ by one head or row: a padded all-gather
+        return module.gather_full(key, t)
     t = t.contiguous()
     if dist.get_rank() != dst:
         dist.send(t, group=state.group, group_dst=tsp_ranks.index(dst))
         return None
-    shards = t.new_empty(len(tsp_ranks), *t.shape)  # [D, *shard]; received in place
+    shards = []  # each rank's shard at its own size, received in place
     for i, rank in enumerate(tsp_ranks):
         if rank == dst:
-            shards[i].copy_(t)
+            shards.append(t)
         else:
-            dist.recv(shards[i], group=state.group, group_src=i)
-    return sharded[0].assemble(sharded[1], shards)
+            shards.append(t.new_empty(module.shard_shape(key, i, t.shape)))
+            dist.recv(shards[-1], group=state.group, group_src=i)
+    return module.assemble(key, shards)
 
 
 def iter_full_tensors(

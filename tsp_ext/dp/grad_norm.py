@@ -7,16 +7,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..hf.sharding import Role, param_roles
+from ..hf.sharding import Role, counted_index, param_roles
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Clip a TSP model's gradients by their global L2 norm, in place; returns that norm.
 
     TSP-sharded gradients are summed over the TSP group, replicated ones counted once, copies of
-    replicated KV heads not at all. Gradients that are DTensors sharded over dp (FSDP2) are also
-    summed over dp; plain gradients are taken as already identical across dp (DDP). torch's
-    ``clip_grad_norm_`` would count replicated weights D times and miss the other shards.
+    shared KV heads only on their first user (``counted_index``). Gradients that are DTensors
+    sharded over dp (FSDP2) are also summed over dp; plain gradients are taken as already
+    identical across dp (DDP). torch's ``clip_grad_norm_`` would count replicated weights D times
+    and miss the other shards.
     """
     state = getattr(model, "tsp", None)
     if state is None:
@@ -35,6 +36,10 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
             continue
         dtensor = isinstance(g, DTensor)
         local = g.to_local() if dtensor else g
+        counted = counted_index(model, name)
+        if counted != (slice(None),):  # a slice with a shared KV head's copy: count the rest
+            local = (g.full_tensor() if dtensor else g)[counted]
+            dtensor = False  # the full TSP shard, identical over dp
         sums[0 if role is Role.SHARDED else 1, 0 if dtensor else 1] += local.double().pow(2).sum()
     if state.mesh.ndim > 1:  # every rank takes part, whether or not it holds DTensor grads
         over_dp = sums[:, 0].clone()

@@ -1,7 +1,8 @@
 """TSP attention: head-group weights travel by broadcast, K/V by sequence all-gather.
 
-Rank p holds head group p (``n_heads/D`` query heads, the K/V heads they use, the matching
-columns of o_proj) and the tokens of zigzag shard p. Forward, for r = 0..D-1:
+Rank p holds head group p (``⌊n_heads/D⌋`` or ``⌈n_heads/D⌉`` consecutive query heads, the K/V
+heads they use, the matching columns of o_proj; ``engine.heads``) and the tokens of zigzag
+shard p. Forward, for r = 0..D-1:
 
     W_r = broadcast(Wq_r, Wk_r, Wv_r, Wo_r, src=r)        # prefetched while group r-1 computes
     Q, K, V = rope(X_p · W_r)                              # local tokens, global positions
@@ -13,14 +14,14 @@ Backward re-broadcasts W_r and re-gathers K/V (recomputed from the saved X_p), r
 dK/dV and reduces dW_r to its owner r. Saved per rank: X_p, A_r and lse_r of every group, cos/sin
 and the rank's own shards — O(S/D) activations, O(1/D) weights.
 
-When D > n_kv_heads, each KV head is replicated on the D/n_kv ranks whose query heads use it;
-its gradient is the sum over those groups, all-reduced so the copies stay equal.
+A KV head used by several groups (D > n_kv_heads, or a group boundary inside a KV head's query
+heads) is replicated on those ranks; its gradient is the sum over all of its users, all-reduced
+so the copies stay equal.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -32,72 +33,19 @@ from .attention_kernels import (
     chunked_attention_forward,
     select_backend,
 )
+from .heads import AttentionSpec
 from .layout import ZigzagLayout
 from .masked_attention import masked_chunked_attention
 from .pointwise import rms_norm, rope
 
-# Names of the sharded tensors of one head group, in broadcast order: the q/o part first, the
-# k/v part last (so that shared KV heads can be reduced separately).
-_QO = ("wq", "wo", "bq")
+# Names of the sharded tensors of one head group: the k/v part (reduced separately when KV heads
+# are shared) and the leaves of the q projection (its backward runs while dK/dV travel).
 _KV = ("wk", "wv", "bk", "bv")
-_Q = ("wq", "bq")  # the leaves of the q projection (its backward runs while dK/dV travel)
-
-
-@dataclass(frozen=True)
-class AttentionSpec:
-    """Head layout of one attention layer on a TSP axis of size ``tsp_size``."""
-
-    hidden_size: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    tsp_size: int
-    scaling: float
-    qk_norm_eps: float | None = None  # per-head RMSNorm on q and k (Qwen3), else None
-
-    def __post_init__(self) -> None:
-        D = self.tsp_size
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(
-                f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}"
-            )
-        if self.n_heads % D:
-            raise ValueError(
-                f"n_heads={self.n_heads} is not divisible by tsp_size={D}: choose a TSP size that "
-                "divides the number of attention heads"
-            )
-        if self.n_kv_heads % D and D % self.n_kv_heads:
-            raise ValueError(
-                f"n_kv_heads={self.n_kv_heads} and tsp_size={D}: one must divide the other so that "
-                "every head group uses whole KV heads"
-            )
-
-    @property
-    def heads_per_rank(self) -> int:
-        return self.n_heads // self.tsp_size
-
-    @property
-    def kv_per_rank(self) -> int:
-        return max(self.n_kv_heads // self.tsp_size, 1)
-
-    @property
-    def kv_replicas(self) -> int:
-        """How many head groups share each KV head (1 unless D > n_kv_heads)."""
-        return max(self.tsp_size // self.n_kv_heads, 1)
-
-    def q_rows(self, p: int) -> slice:
-        """Rows of q_proj (= columns of o_proj) owned by group ``p``."""
-        n = self.heads_per_rank * self.head_dim
-        return slice(p * n, (p + 1) * n)
-
-    def kv_rows(self, p: int) -> slice:
-        """Rows of k_proj / v_proj used by group ``p``."""
-        first = p // self.kv_replicas * self.kv_per_rank
-        return slice(first * self.head_dim, (first + self.kv_per_rank) * self.head_dim)
+_Q = ("wq", "bq")
 
 
 def project_qkv(x, w, cos, sin, q_norm, k_norm, spec: AttentionSpec):
-    """Q ``[B, T, n_h/D, d]`` and K, V ``[B, T, kv/D, d]`` of the tokens ``x [B, T, h]`` for the
+    """Q ``[B, T, n_q(r), d]`` and K, V ``[B, T, n_kv(r), d]`` of the tokens ``x [B, T, h]`` for the
     head group whose shards are ``w`` (RoPE by ``cos, sin [B, T, d]``, then Qwen3 q/k norms)."""
     B, T, _ = x.shape
     d = spec.head_dim
@@ -121,15 +69,29 @@ class _Schedule:
         self.acc = config.accum_for(x.dtype)
         self.kernel = select_backend(config.attn_backend, x.device, x.dtype, config.attn_block)
 
+    def shapes(self, r: int, names: list[str]) -> list[torch.Size]:
+        """Shapes of group ``r``'s shards ``names`` (every rank computes them from the spec)."""
+        h = self.spec.hidden_size
+        nq = self.spec.n_q(r) * self.spec.head_dim
+        nk = self.spec.n_kv(r) * self.spec.head_dim
+        rows = {"wq": nq, "bq": nq, "wk": nk, "bk": nk, "wv": nk, "bv": nk}
+        return [
+            torch.Size((h, nq) if n == "wo" else (rows[n], h) if n[0] == "w" else (rows[n],))
+            for n in names
+        ]
+
     def weight_stream(self, own: dict[str, torch.Tensor]):
-        """Yield ``(r, W_r)`` for r = 0..D-1; W_{r+1} is broadcast while the caller works on W_r."""
+        """Yield ``(r, W_r)`` for r = 0..D-1; W_{r+1} is broadcast while the caller works on W_r.
+        Each broadcast carries group r's own sizes (groups differ by at most one head)."""
         names = list(own)
-        shapes = [own[n].shape for n in names]
-        numel = sum(s.numel() for s in shapes)
+        shapes = [self.shapes(r, names) for r in range(self.D)]
         ref = next(iter(own.values()))
 
         def post(r: int):
-            buf = comm.pack([own[n] for n in names]) if r == self.p else ref.new_empty(numel)
+            if r == self.p:
+                buf = comm.pack([own[n] for n in names])
+            else:
+                buf = ref.new_empty(sum(s.numel() for s in shapes[r]))
             return buf, comm.broadcast(buf, r, self.group, async_op=True)
 
         nxt = post(0)
@@ -140,10 +102,10 @@ class _Schedule:
                 nxt = post(r + 1)
                 if not self.config.overlap:
                     nxt[1].wait()
-            yield r, dict(zip(names, comm.unpack(buf, shapes)))
+            yield r, dict(zip(names, comm.unpack(buf, shapes[r])))
 
     def project(self, x, w, cos, sin, q_norm, k_norm):
-        """Local Q ``[B, T, n_h/D, d]`` and K, V ``[B, T, kv/D, d]`` of one head group."""
+        """Local Q ``[B, T, n_q(r), d]`` and K, V ``[B, T, n_kv(r), d]`` of head group r."""
         return project_qkv(x, w, cos, sin, q_norm, k_norm, self.spec)
 
     def gather_kv(self, k: torch.Tensor, v: torch.Tensor):
@@ -182,6 +144,24 @@ def heads_major(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
+def expand_kv(k: torch.Tensor, v: torch.Tensor, kv_map: list[int] | None):
+    """K, V ``[B, S, hk, d]`` -> ``[B, S, hq, d]`` with query head j's KV head at position j
+    (heads-major), when the group's map is not the kernels' GQA map; unchanged otherwise."""
+    if kv_map is None:
+        return k, v
+    index = torch.tensor(kv_map, device=k.device)
+    return heads_major(k.index_select(2, index)), heads_major(v.index_select(2, index))
+
+
+def fold_kv(dk: torch.Tensor, kv_map: list[int] | None, hk: int) -> torch.Tensor:
+    """Dual of ``expand_kv`` for a gradient: ``[B, S, hq, d]`` -> ``[B, S, hk, d]``, summed over
+    the query heads sharing each KV head."""
+    if kv_map is None:
+        return dk
+    index = torch.tensor(kv_map, device=dk.device)
+    return dk.new_zeros(*dk.shape[:2], hk, dk.shape[3]).index_add_(2, index, dk)
+
+
 def tsp_attention_forward(
     sched: _Schedule,
     x,
@@ -194,18 +174,18 @@ def tsp_attention_forward(
     kv_sink: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
     key_valid: torch.Tensor | None = None,
 ):
-    """Forward schedule. Returns ``Y_p [B, T, h]`` plus, if ``keep``, ``A [D, B, n_h/D, T, d]``
-    and ``lse [D, B, n_h/D, T]`` (what backward needs), else None for both.
+    """Forward schedule. Returns ``Y_p [B, T, h]`` plus, if ``keep``, ``A [B, n_h, T, d]`` and
+    ``lse [B, n_h, T]`` of every group's heads (what backward needs), else None for both.
 
     Inference only (training passes neither): ``kv_sink(r, K_r, V_r)`` receives each group's
-    all-gathered K/V ``[B, S, kv/D, d]`` in token order (a prefill keeps its own group's as its
+    all-gathered K/V ``[B, S, n_kv(r), d]`` in token order (a prefill keeps its own group's as its
     KV cache, no extra traffic); ``key_valid [B, S]`` (bool) hides padded keys (left padding),
     computed by ``masked_chunked_attention`` instead of the fused kernels."""
     B, T, _ = x.shape
-    D, spec = sched.D, sched.spec
+    spec = sched.spec
     y = x.new_zeros(B, T, spec.hidden_size, dtype=sched.acc)
-    # A of every group, heads-major: [D, B, n_h/D, T, d]
-    a_all = x.new_empty(D, B, spec.heads_per_rank, T, spec.head_dim) if keep else None
+    # A of every group, heads-major: [B, n_h, T, d]; group r fills its heads q_heads(r)
+    a_all = x.new_empty(B, spec.n_heads, T, spec.head_dim) if keep else None
     lse_all = None
     for r, w in sched.weight_stream(own):
         q, k, v = sched.project(x, w, cos, sin, q_norm, k_norm)
@@ -216,6 +196,7 @@ def tsp_attention_forward(
         del kv_all
         if kv_sink is not None:
             kv_sink(r, k_all, v_all)
+        k_all, v_all = expand_kv(k_all, v_all, spec.kv_map(r))
         if key_valid is None:
             a, lse = chunked_attention_forward(
                 sched.kernel, q, sched.q_spans, k_all, v_all, spec.scaling
@@ -226,31 +207,37 @@ def tsp_attention_forward(
             )
         if keep:
             if lse_all is None:
-                lse_all = lse.new_empty(D, *lse.shape)
-            a_all[r], lse_all[r] = a.transpose(1, 2), lse
+                lse_all = lse.new_empty(B, spec.n_heads, T)
+            heads = spec.q_heads(r)
+            a_all[:, heads], lse_all[:, heads] = a.transpose(1, 2), lse
         y += F.linear(a.flatten(2), w["wo"])
     return y.to(x.dtype), a_all, lse_all
 
 
 def tsp_attention_backward(sched: _Schedule, dy, x, cos, sin, own, q_norm, k_norm, a_all, lse_all):
     """Backward schedule. Returns ``dX_p``, the fully reduced gradients of this rank's own shards
-    (dict like ``own``) and this rank's partial gradients of the replicated q/k norm weights."""
+    (dict like ``own``) and this rank's partial gradients of the replicated q/k norm weights.
+
+    Each group's gradients are reduced to their owner; when KV heads are shared by several groups
+    (``spec.kv_shared``), the K/V gradients instead accumulate into one ``[n_kv * d, ...]``
+    buffer per tensor (zeros where a group has no head), all-reduced once at the end, and every
+    rank keeps the rows of its KV heads: each copy gets the sum over all of its users."""
     B, T, _ = x.shape
     D, p, spec, acc = sched.D, sched.p, sched.spec, sched.acc
-    rep = spec.kv_replicas
     names = list(own)
-    qo = [n for n in names if n in _QO]
-    kvn = [n for n in names if n in _KV]
+    kvn = [n for n in names if n in _KV] if spec.kv_shared else []
+    to_owner = [n for n in names if n not in kvn]
     dy = dy.contiguous()
     dx = torch.zeros(B, T, x.shape[-1], dtype=acc, device=x.device)
     d_norm = None
     d_own: dict[str, torch.Tensor] = {}
-    pending: list[tuple[int, list[str], torch.Tensor, comm.Pending]] = []
-    kv_acc = None
-
-    def collect(keep: bool, keys: list[str], buf: torch.Tensor):
-        if keep:
-            d_own.update(zip(keys, comm.unpack(buf, [own[n].shape for n in keys])))
+    pending: list[tuple[int, torch.Tensor, comm.Pending]] = []
+    kv_full: dict[str, torch.Tensor] = {}
+    if kvn:  # every KV tensor in full: rows n_kv * d
+        n_rows = spec.n_kv_heads * spec.head_dim
+        shapes = [torch.Size((n_rows, *own[n].shape[1:])) for n in kvn]
+        kv_flat = dy.new_zeros(sum(s.numel() for s in shapes), dtype=acc)
+        kv_full = dict(zip(kvn, comm.unpack(kv_flat, shapes)))
 
     for r, w in sched.weight_stream(own):
         with torch.enable_grad():
@@ -260,11 +247,12 @@ def tsp_attention_backward(sched: _Schedule, dy, x, cos, sin, own, q_norm, k_nor
             q, k, v = sched.project(xg, leaves, cos, sin, *(norms or (None, None)))
         kv_all, gathering = sched.gather_kv(k.detach(), v.detach())
         # while K/V travel: dA = dY_p · Wo_r ;  dWo_r (partial) = dY_pᵀ · A_r
-        a = a_all[r].transpose(1, 2)  # [B, T, n_h/D, d]
+        heads = spec.q_heads(r)
+        a = a_all[:, heads].transpose(1, 2)  # [B, T, n_q(r), d]
         da = heads_major((dy @ w["wo"]).view_as(a))
         dwo = dy.flatten(0, 1).t().to(acc) @ a.flatten(2).flatten(0, 1).to(acc)
         gathering.wait()
-        k_all, v_all = sched.natural_kv(kv_all)
+        k_all, v_all = expand_kv(*sched.natural_kv(kv_all), spec.kv_map(r))
         del kv_all
         dq, dk_all, dv_all = chunked_attention_backward(
             sched.kernel,
@@ -274,10 +262,12 @@ def tsp_attention_backward(sched: _Schedule, dy, x, cos, sin, own, q_norm, k_nor
             k_all,
             v_all,
             a,
-            lse_all[r],
+            lse_all[:, heads],
             spec.scaling,
         )
         del k_all, v_all
+        hk = k.shape[2]
+        dk_all, dv_all = (fold_kv(t, spec.kv_map(r), hk) for t in (dk_all, dv_all))
         dkv, handle = comm.reduce_scatter_seq(sched.rank_major(dk_all, dv_all), sched.group, True)
         del dk_all, dv_all
         # while dK/dV travel: the q path (dX and the q weights' gradients)
@@ -285,7 +275,7 @@ def tsp_attention_backward(sched: _Schedule, dy, x, cos, sin, own, q_norm, k_nor
         kv_names = [n for n in leaves if n not in _Q]
         q_grads = torch.autograd.grad(q, [xg, *(leaves[n] for n in q_names), *norms[:1]], dq)
         handle.wait()
-        dk, dv = dkv.to(k.dtype).split(k.shape[2], dim=2)
+        dk, dv = dkv.to(k.dtype).split(hk, dim=2)
         kv_in = [xg, *(leaves[n] for n in kv_names), *norms[1:]]
         kv_grads = torch.autograd.grad((k, v), kv_in, (dk, dv))
         dx += q_grads[0] + kv_grads[0]
@@ -294,22 +284,18 @@ def tsp_attention_backward(sched: _Schedule, dy, x, cos, sin, own, q_norm, k_nor
             gn = torch.stack([q_grads[-1].to(acc), kv_grads[-1].to(acc)])
             d_norm = gn if d_norm is None else d_norm + gn
         # reduce(dW_r, dst=r): the owner gets the sum over all ranks' tokens
-        if rep == 1:
-            buf = comm.pack([g[n] for n in names], acc)
-            pending.append((r, names, buf, comm.reduce(buf, r, sched.group, async_op=True)))
-        else:
-            buf = comm.pack([g[n] for n in qo], acc)
-            pending.append((r, qo, buf, comm.reduce(buf, r, sched.group, async_op=True)))
-            part = comm.pack([g[n] for n in kvn], acc)
-            kv_acc = part if kv_acc is None else kv_acc + part
-            if (r + 1) % rep == 0:  # last group sharing this KV head: every copy gets the sum
-                comm.all_reduce(kv_acc, sched.group)
-                collect(r // rep == p // rep, kvn, kv_acc)
-                kv_acc = None
+        buf = comm.pack([g[n] for n in to_owner], acc)
+        pending.append((r, buf, comm.reduce(buf, r, sched.group, async_op=True)))
+        for n in kvn:  # shared KV heads: summed over every group using them, below
+            kv_full[n][spec.kv_rows(r)] += g[n]
         while len(pending) > 1 or (r == D - 1 and pending):
-            r0, keys, buf0, h = pending.pop(0)
+            r0, buf0, h = pending.pop(0)
             h.wait()
-            collect(r0 == p, keys, buf0)
+            if r0 == p:
+                d_own.update(zip(to_owner, comm.unpack(buf0, [own[n].shape for n in to_owner])))
+    if kvn:
+        comm.all_reduce(kv_flat, sched.group)
+        d_own.update({n: kv_full[n][spec.kv_rows(p)] for n in kvn})
     d_own = {n: d_own[n].to(own[n].dtype) for n in names}
     if d_norm is not None:
         d_norm = [t.to(n.dtype) for t, n in zip(d_norm, (q_norm, k_norm))]

@@ -248,10 +248,17 @@ def replicated(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return _ReplicatedUse.apply(x, group)
 
 
-def pack(tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Flatten ``tensors`` into one contiguous 1-D buffer (one message instead of many)."""
+def pack(
+    tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None, numel: int | None = None
+) -> torch.Tensor:
+    """Flatten ``tensors`` into one contiguous 1-D buffer (one message instead of many), zero-
+    padded to ``numel`` elements if given (ring buffers sized to the largest of unequal shards)."""
     dtype = dtype or tensors[0].dtype
-    return torch.cat([t.reshape(-1).to(dtype) for t in tensors])
+    parts = [t.reshape(-1).to(dtype) for t in tensors]
+    pad = (numel or 0) - sum(t.numel() for t in parts)
+    if pad > 0:
+        parts.append(parts[0].new_zeros(pad))
+    return torch.cat(parts)
 
 
 def unpack(flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:

@@ -12,10 +12,12 @@ holds the step's tokens ``x [B, Tq, h]`` (replicated) and uses only its own shar
     logits = all_gather(x̂ · W_vocab_pᵀ)                 # identical full logits on every rank
 
 2L + 2 collectives per step (the vocab-sharded embedding lookup is one all-reduce too).
-When D > n_kv_heads, the c = D / n_kv_heads ranks sharing a KV head each cache 1/c of its tokens
+When every group uses one whole KV head shared by c = D / n_kv_heads groups (``kv_replicas``),
+the c ranks sharing a KV head each cache 1/c of its tokens
 (32-token blocks, round robin); each computes the partial attention of all c groups' queries
 (one all-gather of q) on its tokens, and one all-gather of the partial (out, lse) lets each rank
-merge its own heads' c partials by log-sum-exp, in float32 at least.
+merge its own heads' c partials by log-sum-exp, in float32 at least. In uneven layouts a KV head
+used by two groups is cached in full by both.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from . import comm
-from .attention import AttentionSpec
+from .attention import AttentionSpec, expand_kv
 from .masked_attention import merge_partials, partial_attention
 
 # tokens per block of a KV head's cache split across its replicas (D > n_kv_heads)
@@ -48,18 +50,19 @@ def decode_attention(
     """Attention of this rank's query heads to its KV cache.
 
     Args:
-        q: ``[B, Tq, n_h/D, d]``, this rank's heads of the step's tokens (RoPE applied).
-        k, v: ``[B, L_p, kv/D, d]``, this rank's cached tokens (all of them when D <= n_kv_heads,
-            else its share of its KV head's tokens).
+        q: ``[B, Tq, n_q(p), d]``, this rank's heads of the step's tokens (RoPE applied).
+        k, v: ``[B, L_p, n_kv(p), d]``, this rank's cached tokens (all of them unless
+            ``spec.kv_replicas > 1``, then its share of its KV head's tokens).
         allowed: ``[B, Tq, L_p]`` bool, which cached tokens each query sees (causal, not padding).
     Returns:
-        ``[B, Tq, n_h/D, d]`` in q's dtype: exact attention over the whole cache.
+        ``[B, Tq, n_q(p), d]`` in q's dtype: exact attention over the whole cache.
     """
     c = spec.kv_replicas
-    if c == 1:
-        return partial_attention(q, k, v, allowed, spec.scaling)[0].to(q.dtype)
     D, p = comm.size_and_rank(group)
-    first, j, hp = p // c * c, p % c, spec.heads_per_rank
+    if c == 1:
+        k, v = expand_kv(k, v, spec.kv_map(p))
+        return partial_attention(q, k, v, allowed, spec.scaling)[0].to(q.dtype)
+    first, j, hp = p // c * c, p % c, spec.max_q
     # the queries of the c groups sharing this KV head: [B, Tq, c·n_h/D, d]
     q_all, _ = comm.all_gather_seq(q, group)
     q_grp = q_all[first : first + c].permute(1, 2, 0, 3, 4).flatten(2, 3)
@@ -71,7 +74,7 @@ def decode_attention(
 
 
 def row_parallel(a: torch.Tensor, w: torch.Tensor, group, acc: torch.dtype) -> torch.Tensor:
-    """``all_reduce(a · wᵀ)``: ``a [..., k/D]`` and this rank's columns ``w [h, k/D]`` ->
+    """``all_reduce(a · wᵀ)``: ``a [..., k_p]`` and this rank's columns ``w [h, k_p]`` ->
     ``[..., h]`` in a's dtype, summed over the group in ``acc``."""
     y = F.linear(a, w).to(acc)
     comm.all_reduce(y, group)
@@ -79,25 +82,28 @@ def row_parallel(a: torch.Tensor, w: torch.Tensor, group, acc: torch.dtype) -> t
 
 
 def decode_mlp(x, gate, up, down, group, acc: torch.dtype) -> torch.Tensor:
-    """SwiGLU of the replicated ``x [B, Tq, h]`` with this rank's slices ``gate, up [F/D, h]``,
-    ``down [h, F/D]``: ``all_reduce((silu(x·Gᵀ) ⊙ (x·Uᵀ))·Dnᵀ)`` ``[B, Tq, h]``."""
+    """SwiGLU of the replicated ``x [B, Tq, h]`` with this rank's slices ``gate, up [f_p, h]``,
+    ``down [h, f_p]``: ``all_reduce((silu(x·Gᵀ) ⊙ (x·Uᵀ))·Dnᵀ)`` ``[B, Tq, h]``."""
     return row_parallel(F.silu(F.linear(x, gate)) * F.linear(x, up), down, group, acc)
 
 
-def vocab_embedding(ids: torch.Tensor, rows: torch.Tensor, group) -> torch.Tensor:
+def vocab_embedding(ids: torch.Tensor, rows: torch.Tensor, first: int, group) -> torch.Tensor:
     """Embeddings ``[B, Tq, h]`` of the replicated ``ids [B, Tq]`` from this rank's vocabulary
-    rows ``[V/D, h]``: each rank looks up the ids it owns (zeros elsewhere), one all-reduce."""
-    p = comm.size_and_rank(group)[1]
-    local = ids - p * rows.shape[0]
+    rows ``[V_p, h]`` (the first is row ``first``): each rank looks up the ids it owns (zeros
+    elsewhere), one all-reduce."""
+    local = ids - first
     mine = (local >= 0) & (local < rows.shape[0])
     x = rows[local.clamp(0, rows.shape[0] - 1)] * mine[..., None]
     comm.all_reduce(x, group)
     return x
 
 
-def gather_vocab_logits(h: torch.Tensor, rows: torch.Tensor, group) -> torch.Tensor:
+def gather_vocab_logits(h: torch.Tensor, rows: torch.Tensor, offsets: list[int], group):
     """Full-vocabulary logits ``[B, Tq, V]`` of the replicated ``h [B, Tq, h]`` from this rank's
-    LM-head rows ``[V/D, h]``: local ``[B, Tq, V/D]`` blocks all-gathered (identical on every
-    rank)."""
-    z_all, _ = comm.all_gather_seq(F.linear(h, rows), group)  # [D, B, Tq, V/D]
-    return z_all.permute(1, 2, 0, 3).flatten(2)
+    LM-head rows ``[V_p, h]`` (``offsets [D + 1]``: every rank's first row, then V): local
+    ``[B, Tq, V_p]`` blocks, padded to the largest, all-gathered (identical on every rank)."""
+    sizes = [b - a for a, b in zip(offsets, offsets[1:])]
+    z = F.linear(h, rows)
+    z = F.pad(z, (0, max(sizes) - z.shape[-1]))
+    z_all, _ = comm.all_gather_seq(z, group)  # [D, B, Tq, V_max]
+    return torch.cat([z_all[q, ..., :n] for q, n in enumerate(sizes)], dim=-1)

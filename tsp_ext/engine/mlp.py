@@ -1,7 +1,9 @@
 """TSP gated MLP (SwiGLU): weight shards travel a ring while each rank keeps its tokens.
 
-Rank p holds slice p of the intermediate dimension (rows of gate/up, columns of down) and the
-tokens of zigzag shard p. Forward:
+Rank p holds slice p of the intermediate dimension (rows of gate/up, columns of down; ``⌊F/D⌋``
+or ``⌈F/D⌉`` of them, the first ``F mod D`` ranks one more) and the tokens of zigzag shard p. The
+ring carries buffers sized to the largest shard; each step unpacks its owner's real shapes.
+Forward:
 
     cur = (G_p, U_p, Dn_p); Y_p = 0
     for t in 0..D-1:                       # cur is the shard of owner p - t
@@ -46,33 +48,35 @@ def _swiglu_backward(x, dy, g, u, dn, acc: torch.dtype, hidden=None):
 
 
 class _RingSchedule:
-    """Weight ring of one call: shard shapes, group, options."""
+    """Weight ring of one call: every owner's shard shapes, group, options."""
 
-    def __init__(self, group, config: TSPConfig, x: torch.Tensor, weights) -> None:
+    def __init__(self, group, config: TSPConfig, x: torch.Tensor, weights, sizes) -> None:
         self.group, self.config = group, config
         self.ring = comm.Ring(group)
         self.D, self.p = self.ring.size, self.ring.rank
-        self.shapes = [w.shape for w in weights]
+        h = x.shape[-1]
+        sizes = sizes or [weights[0].shape[0]] * self.D
+        # (G, U, Dn) shapes of owner q's slice of f_q rows: [f_q, h], [f_q, h], [h, f_q]
+        self.shapes = [[torch.Size((f, h))] * 2 + [torch.Size((h, f))] for f in sizes]
+        self.numel = 3 * h * max(sizes)
         self.acc = config.accum_for(x.dtype)
 
     def shards(self, weights):
         """Yield ``(t, (G, U, Dn))`` of owner p - t; the next one arrives while the caller works."""
-        packed = comm.pack(weights)  # a copy: it may serve as a receive buffer
+        packed = comm.pack(weights, numel=self.numel)  # a copy: it may serve as a receive buffer
         for t, cur in circulate(self.ring, packed, self.config.overlap, reuse=True):
-            yield t, comm.unpack(cur, self.shapes)
+            yield t, comm.unpack(cur, self.shapes[(self.p - t) % self.D])
 
 
 def tsp_mlp_forward(sched: _RingSchedule, x: torch.Tensor, weights, keep_hidden: bool = False):
     """Forward ring: ``X_p [B, T, h]`` -> ``Y_p [B, T, h]``, plus, if ``keep_hidden``, every
-    step's gate/up pre-activations ``[D, 2, B, T, F/D]`` (else None)."""
+    step's gate/up pre-activations, a list of D ``[2, B, T, f_q]`` (else None)."""
     y = torch.zeros(x.shape, dtype=sched.acc, device=x.device)
-    hidden = None
-    for t, (g, u, dn) in sched.shards(weights):
+    hidden = [] if keep_hidden else None
+    for _, (g, u, dn) in sched.shards(weights):
         hg, hu = F.linear(x, g), F.linear(x, u)
         if keep_hidden:
-            if hidden is None:
-                hidden = hg.new_empty(sched.D, 2, *hg.shape)
-            hidden[t, 0], hidden[t, 1] = hg, hu
+            hidden.append(torch.stack([hg, hu]))
         y += F.linear(F.silu(hg) * hu, dn)
     return y.to(x.dtype), hidden
 
@@ -87,29 +91,31 @@ def tsp_mlp_backward(sched: _RingSchedule, dy: torch.Tensor, x: torch.Tensor, we
         h_t = hidden[t] if hidden is not None else None
         dx_t, *dw = _swiglu_backward(x, dy, g, u, dn, sched.acc, h_t)
         dx += dx_t
-        owner_grads.add(t, comm.pack(dw, sched.acc))
-    grads = comm.unpack(owner_grads.result(), sched.shapes)
+        owner_grads.add(t, comm.pack(dw, sched.acc, sched.numel))
+    grads = comm.unpack(owner_grads.result(), sched.shapes[sched.p])
     return dx.to(x.dtype), [gr.to(w.dtype) for gr, w in zip(grads, weights)]
 
 
 class _TSPMLPFunction(torch.autograd.Function):
-    """Autograd boundary of the ring schedule: saves X_p and the rank's own shards (plus the
-    gate/up pre-activations, ``[D, 2, B, S/D, F/D]``, when ``config.recompute_mlp`` is off)."""
+    """Autograd boundary of the ring schedule: saves X_p and the rank's own shards (plus every
+    step's gate/up pre-activations, D x ``[2, B, S/D, f_q]``, when ``config.recompute_mlp`` is
+    off)."""
 
     @staticmethod
-    def forward(ctx, group, config, x, g, u, dn):
-        sched = _RingSchedule(group, config, x, (g, u, dn))
+    def forward(ctx, group, config, sizes, x, g, u, dn):
+        sched = _RingSchedule(group, config, x, (g, u, dn), sizes)
         keep = not config.recompute_mlp and any(ctx.needs_input_grad)
         y, hidden = tsp_mlp_forward(sched, x, (g, u, dn), keep_hidden=keep)
-        ctx.sched = sched
-        ctx.save_for_backward(x, hidden, g, u, dn)
+        ctx.sched, ctx.n_hidden = sched, len(hidden or ())
+        ctx.save_for_backward(x, g, u, dn, *(hidden or ()))
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, hidden, *weights = ctx.saved_tensors
+        x, *weights = ctx.saved_tensors[:4]
+        hidden = ctx.saved_tensors[4:] if ctx.n_hidden else None
         dx, (d_g, d_u, d_dn) = tsp_mlp_backward(ctx.sched, dy, x, weights, hidden)
-        return None, None, dx, d_g, d_u, d_dn
+        return None, None, None, dx, d_g, d_u, d_dn
 
 
 def tsp_mlp(
@@ -119,7 +125,9 @@ def tsp_mlp(
     down: torch.Tensor,
     group,
     config: TSPConfig,
+    sizes: list[int] | None = None,
 ) -> torch.Tensor:
     """Ring SwiGLU of this rank's tokens: ``x [B, S/D, h]`` -> ``[B, S/D, h]`` with this rank's
-    slices ``gate, up [F/D, h]`` and ``down [h, F/D]``."""
-    return _TSPMLPFunction.apply(group, config, x, gate, up, down)
+    slices ``gate, up [f_p, h]`` and ``down [h, f_p]``; ``sizes [D]``: every rank's ``f_q``
+    (``partition.split_sizes(F, D)``; None: all equal to this rank's)."""
+    return _TSPMLPFunction.apply(group, config, sizes, x, gate, up, down)

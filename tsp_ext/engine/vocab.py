@@ -1,7 +1,8 @@
 """Vocabulary-sharded embedding and LM head on the TSP axis.
 
-Rank p keeps rows ``p·V/D .. (p+1)·V/D`` of the embedding and of the LM head (one tensor when
-they are tied). No rank ever holds a full table or the full-vocabulary logits of its tokens.
+Rank p keeps the contiguous rows ``offsets[p] .. offsets[p+1]`` (``V_p`` = ``⌊V/D⌋`` or ``⌈V/D⌉``
+of them, the first ``V mod D`` ranks one more) of the embedding and of the LM head (one tensor
+when they are tied). No rank ever holds a full table or the full-vocabulary logits of its tokens.
 
 Embedding — an exchange of rows, not of tables. Each rank sends every owner the distinct ids of
 its tokens that fall in the owner's rows (all-to-all of ids); the owners answer with those rows
@@ -15,13 +16,15 @@ target's logit, in float32 at least::
 
     for t in 0..D-1:                          # shard W_q of owner q = p - t; the next in flight
         for each block c of loss_chunk tokens:
-            z = H_c · W_qᵀ                    # [chunk, V/D]: the only logits that ever exist
+            z = H_c · W_qᵀ                    # [chunk, V_q]: the only logits that ever exist
             fold z into (max, sumexp); take z[target] where the target is one of q's rows
     loss_p = Σ_valid (max + log sumexp - z_target)
 
 Backward makes a second pass of the ring, recomputing z block by block: dZ = softmax(z) - onehot,
 dH_c += dZ · W_q, and W_q's gradient share travels a gradient ring to its owner. Saved per rank:
-H_p, the labels and one log-sum-exp per token.
+H_p, the labels and one log-sum-exp per token. Shards of unequal size travel in buffers of the
+largest one; only the owner's real rows ever make logits, so padding never reaches the loss and
+gets no gradient.
 """
 
 from __future__ import annotations
@@ -39,25 +42,26 @@ from .weight_ring import GradientRing, circulate
 
 
 class _EmbeddingExchange(torch.autograd.Function):
-    """``ids [B, T]``, rows ``p`` of the table ``[V/D, h]`` -> embeddings ``[B, T, h]``."""
+    """``ids [B, T]``, rows ``offsets[p]:offsets[p+1]`` of the table, ``[V_p, h]`` -> embeddings
+    ``[B, T, h]``."""
 
     @staticmethod
-    def forward(ctx, ids, weight, padding_idx, group):
+    def forward(ctx, ids, weight, offsets, padding_idx, group):
         D, p = comm.size_and_rank(group)
-        rows = weight.shape[0]
         uniq, inverse = torch.unique(ids.reshape(-1), return_inverse=True)  # sorted by owner
-        if uniq[0] < 0 or uniq[-1] >= rows * D:
+        if uniq[0] < 0 or uniq[-1] >= offsets[-1]:
             raise ValueError(
-                f"input_ids must be in [0, {rows * D}), got ids from {uniq[0].item()} to "
+                f"input_ids must be in [0, {offsets[-1]}), got ids from {uniq[0].item()} to "
                 f"{uniq[-1].item()}"
             )
-        send = torch.bincount(uniq // rows, minlength=D)
+        bounds = torch.tensor(offsets[1:-1], dtype=uniq.dtype, device=uniq.device)
+        send = torch.bincount(torch.bucketize(uniq, bounds, right=True), minlength=D)
         recv = comm.all_to_all(send, [1] * D, [1] * D, group)
         send_counts, recv_counts = send.tolist(), recv.tolist()
-        wanted = comm.all_to_all(uniq, send_counts, recv_counts, group) - p * rows
+        wanted = comm.all_to_all(uniq, send_counts, recv_counts, group) - offsets[p]
         found = comm.all_to_all(weight.detach()[wanted], recv_counts, send_counts, group)
         ctx.save_for_backward(inverse, wanted)
-        ctx.meta = (group, send_counts, recv_counts, padding_idx, p * rows)
+        ctx.meta = (group, send_counts, recv_counts, padding_idx, offsets[p])
         ctx.weight_meta = (weight.shape, weight.dtype)
         return found[inverse].view(*ids.shape, weight.shape[1])
 
@@ -73,64 +77,73 @@ class _EmbeddingExchange(torch.autograd.Function):
         d_weight = d_uniq.new_zeros(shape).index_add_(0, wanted, d_wanted)
         if padding_idx is not None and 0 <= padding_idx - first < shape[0]:
             d_weight[padding_idx - first] = 0  # as nn.Embedding: the padding row gets no gradient
-        return None, d_weight.to(dtype), None, None
+        return None, d_weight.to(dtype), None, None, None
 
 
 # --- LM head: the shards circulate, logits exist one [chunk, V/D] block at a time -------------
 
 
 class _HeadRing:
-    """One call's schedule: LM-head shards on the ring, local tokens in blocks."""
+    """One call's schedule: LM-head shards on the ring (in buffers of the largest shard, ``V_max``
+    rows), local tokens in blocks."""
 
-    def __init__(self, group, config: TSPConfig, h: torch.Tensor, weight: torch.Tensor) -> None:
+    def __init__(self, group, config: TSPConfig, h: torch.Tensor, offsets: list[int]) -> None:
         self.ring = comm.Ring(group)
-        self.config, self.rows = config, weight.shape[0]
+        self.config, self.offsets = config, offsets
+        self.max_rows = max(b - a for a, b in zip(offsets, offsets[1:]))
         self.acc = config.accum_for(h.dtype)
 
     def shards(self, weight: torch.Tensor) -> Iterator[tuple[int, int, torch.Tensor]]:
-        """Yield ``(t, first vocabulary row, shard [V/D, h])`` of owner p - t."""
+        """Yield ``(t, first vocabulary row, shard [V_q, h])`` of owner q = p - t."""
         D, p = self.ring.size, self.ring.rank
-        for t, w in circulate(self.ring, weight.detach(), self.config.overlap):
-            yield t, (p - t) % D * self.rows, w
+        w = weight.detach()
+        if w.shape[0] < self.max_rows:  # a padded copy: every ring buffer has V_max rows
+            w = torch.cat([w, w.new_zeros(self.max_rows - w.shape[0], w.shape[1])])
+        for t, buf in circulate(self.ring, w, self.config.overlap):
+            q = (p - t) % D
+            yield t, self.offsets[q], buf[: self.offsets[q + 1] - self.offsets[q]]
 
     def blocks(self, n: int) -> Iterator[slice]:
         chunk = self.config.loss_chunk
         return (slice(i, min(i + chunk, n)) for i in range(0, n, chunk))
 
-    def targets(self, labels: torch.Tensor, first: int, valid: torch.Tensor):
-        """Column of each label in the shard starting at ``first`` (clamped) and whether it is."""
+    @staticmethod
+    def targets(labels: torch.Tensor, first: int, rows: int, valid: torch.Tensor):
+        """Column of each label in the ``rows``-row shard starting at ``first`` (clamped) and
+        whether it is there."""
         col = labels - first
-        hit = valid & (col >= 0) & (col < self.rows)
-        return col.clamp(0, self.rows - 1).unsqueeze(1), hit
+        hit = valid & (col >= 0) & (col < rows)
+        return col.clamp(0, rows - 1).unsqueeze(1), hit
 
     def backward(self, h: torch.Tensor, weight: torch.Tensor, block_grad: Callable):
-        """Second ring pass: ``(dH [N, h], dW [V/D, h])`` given ``block_grad(first, c, W_q)``,
-        the gradient of the logits block ``[c, first : first + V/D]``, in ``h``'s dtype."""
+        """Second ring pass: ``(dH [N, h], dW [V_p, h])`` given ``block_grad(first, c, W_q)``,
+        the gradient of the logits block ``[c, first : first + V_q]``, in ``h``'s dtype."""
         dh = torch.zeros(h.shape, dtype=self.acc, device=h.device)
         owner_grads = GradientRing(self.ring)
         for t, first, w in self.shards(weight):
-            dw = torch.zeros(w.shape, dtype=self.acc, device=w.device)
+            dw = torch.zeros(self.max_rows, w.shape[1], dtype=self.acc, device=w.device)
             for c in self.blocks(h.shape[0]):
                 dz = block_grad(first, c, w)
                 dh[c] += (dz @ w).to(self.acc)
-                dw.addmm_(dz.t().to(self.acc), h[c].to(self.acc))
+                dw[: w.shape[0]].addmm_(dz.t().to(self.acc), h[c].to(self.acc))
             owner_grads.add(t, dw)
-        return dh.to(h.dtype), owner_grads.result().to(weight.dtype)
+        dw = owner_grads.result()[: weight.shape[0]]  # padded rows: never any gradient
+        return dh.to(h.dtype), dw.to(weight.dtype)
 
 
 class _RingCrossEntropy(torch.autograd.Function):
     """``H [N, h]``, ``labels [N]`` -> sum of the cross-entropy of the valid local tokens."""
 
     @staticmethod
-    def forward(ctx, h, labels, weight, group, config, ignore_index):
-        sched = _HeadRing(group, config, h, weight)
+    def forward(ctx, h, labels, weight, offsets, group, config, ignore_index):
+        sched = _HeadRing(group, config, h, offsets)
         valid = labels != ignore_index
         n = h.shape[0]
         run_max = torch.full((n,), float("-inf"), dtype=sched.acc, device=h.device)
         run_sum = torch.zeros(n, dtype=sched.acc, device=h.device)
         target = torch.zeros(n, dtype=sched.acc, device=h.device)
         for _, first, w in sched.shards(weight):
-            col, hit = sched.targets(labels, first, valid)
+            col, hit = sched.targets(labels, first, w.shape[0], valid)
             for c in sched.blocks(n):
                 z = F.linear(h[c], w).to(sched.acc)
                 target[c] += torch.where(hit[c], z.gather(1, col[c]).squeeze(1), 0)
@@ -151,25 +164,25 @@ class _RingCrossEntropy(torch.autograd.Function):
         coef = torch.where(valid, grad.to(sched.acc), 0)  # d loss / d (lse - z_target), per token
 
         def block_grad(first, c, w):
-            col, hit = sched.targets(labels[c], first, valid[c])
+            col, hit = sched.targets(labels[c], first, w.shape[0], valid[c])
             dz = F.linear(h[c], w).to(sched.acc)
             dz.sub_(lse[c, None]).exp_().mul_(coef[c, None])  # softmax · coef, in place
             dz.scatter_add_(1, col, -(coef[c] * hit)[:, None])  # - onehot(target) · coef
             return dz.to(h.dtype)
 
         dh, dw = sched.backward(h, weight, block_grad)
-        return dh, None, dw, None, None, None
+        return dh, None, dw, None, None, None, None
 
 
 class _RingLogits(torch.autograd.Function):
     """``H [N, h]`` -> the full-vocabulary logits ``[N, V]`` of the local tokens (explicit)."""
 
     @staticmethod
-    def forward(ctx, h, weight, group, config):
-        sched = _HeadRing(group, config, h, weight)
-        out = h.new_empty(h.shape[0], sched.rows * sched.ring.size)
+    def forward(ctx, h, weight, offsets, group, config):
+        sched = _HeadRing(group, config, h, offsets)
+        out = h.new_empty(h.shape[0], offsets[-1])
         for _, first, w in sched.shards(weight):
-            out[:, first : first + sched.rows] = F.linear(h, w)
+            out[:, first : first + w.shape[0]] = F.linear(h, w)
         ctx.save_for_backward(h, weight)
         ctx.sched = sched
         return out
@@ -177,29 +190,39 @@ class _RingLogits(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         h, weight = ctx.saved_tensors
-        rows = ctx.sched.rows
-        dh, dw = ctx.sched.backward(h, weight, lambda first, c, w: grad[c, first : first + rows])
-        return dh, dw, None, None
+
+        def block_grad(first, c, w):
+            return grad[c, first : first + w.shape[0]]
+
+        dh, dw = ctx.sched.backward(h, weight, block_grad)
+        return dh, dw, None, None, None
 
 
-def embedding_exchange(ids: torch.Tensor, weight: torch.Tensor, padding_idx, group) -> torch.Tensor:
-    """Embeddings ``[B, T, h]`` of ``ids [B, T]`` from vocabulary-row shards ``weight [V/D, h]``."""
-    return _EmbeddingExchange.apply(ids, weight, padding_idx, group)
+def embedding_exchange(
+    ids: torch.Tensor, weight: torch.Tensor, offsets: list[int], padding_idx, group
+) -> torch.Tensor:
+    """Embeddings ``[B, T, h]`` of ``ids [B, T]`` from vocabulary-row shards ``weight [V_p, h]``;
+    ``offsets [D + 1]``: first row of every rank's shard, then V (``partition.split_offsets``)."""
+    return _EmbeddingExchange.apply(ids, weight, offsets, padding_idx, group)
 
 
 def ring_cross_entropy(
     h: torch.Tensor,
     labels: torch.Tensor,
     weight: torch.Tensor,
+    offsets: list[int],
     group,
     config: TSPConfig,
     ignore_index: int,
 ) -> torch.Tensor:
     """Sum over the labelled local tokens of ``-log softmax(h·Wᵀ)[label]``: ``h [N, h]``,
-    ``labels [N]`` (already shifted), LM-head rows ``weight [V/D, h]``; no full logits."""
-    return _RingCrossEntropy.apply(h, labels, weight, group, config, ignore_index)
+    ``labels [N]`` (already shifted), LM-head rows ``weight [V_p, h]`` (``offsets`` as for
+    ``embedding_exchange``); no full logits."""
+    return _RingCrossEntropy.apply(h, labels, weight, offsets, group, config, ignore_index)
 
 
-def ring_logits(h: torch.Tensor, weight: torch.Tensor, group, config: TSPConfig) -> torch.Tensor:
+def ring_logits(
+    h: torch.Tensor, weight: torch.Tensor, offsets: list[int], group, config: TSPConfig
+) -> torch.Tensor:
     """Full-vocabulary logits ``[N, V]`` of the local tokens ``h [N, h]``, shard by shard."""
-    return _RingLogits.apply(h, weight, group, config)
+    return _RingLogits.apply(h, weight, offsets, group, config)

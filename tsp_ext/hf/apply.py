@@ -4,7 +4,8 @@ Steps, in order:
   1. check the model is supported (structure and config), before anything is touched;
   2. resolve the mesh and build each TSP module from the one it replaces: per decoder layer the
      attention (head group p) and the gated MLP (slice p), and the embedding and LM head
-     (vocabulary rows p; ``TSPConfig(shard_vocab=False)`` keeps them replicated) — the full
+     (vocabulary row block p; groups, slices and blocks differ by at most one head / row;
+     ``TSPConfig(shard_vocab=False)`` keeps them replicated) — the full
      weights are dropped; the norms keep their (tiny) replicated weights;
   3. switch the model to TSP-aware behaviour: no attention masks (causal by global position), no
      KV cache in training calls, a loss that is the global token mean over the TSP group (with a
@@ -24,13 +25,14 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..config import TSPConfig
 from ..engine.attention import AttentionSpec
+from ..engine.partition import check_split
 from ..mesh import init_tsp_mesh, tsp_group
 from .attention import TSPAttention
 from .causal_lm import TSPCausalLMLoss, check_inputs
 from .generate import tsp_forward, tsp_generate
 from .mlp import TSPGatedMLP
 from .replicated import TSPEmbedding, TSPLMHead, TSPRMSNorm
-from .vocab import TSPVocabEmbedding, TSPVocabLMHead, check_vocab_divisible
+from .vocab import TSPVocabEmbedding, TSPVocabLMHead
 
 # Families checked against this implementation; others with the same structure are accepted.
 SUPPORTED_MODELS = (
@@ -76,8 +78,8 @@ def apply_tsp(
         config: engine options (``TSPConfig``).
 
     Raises:
-        ValueError: unsupported model or config, head counts or MLP width not divisible by the
-            TSP size, or a mesh whose TSP size disagrees with ``tsp_size`` / ``config``.
+        ValueError: unsupported model or config, a TSP size larger than the number of query
+            heads, or a mesh whose TSP size disagrees with ``tsp_size`` / ``config``.
     """
     config = config or TSPConfig()
     if getattr(model, "tsp", None) is not None:
@@ -92,7 +94,7 @@ def apply_tsp(
     D = dist.get_world_size(group)
     if size is not None and size != D:
         raise ValueError(f"tsp_size={size} but the mesh's 'tsp' dimension has {D} ranks")
-    _check_divisible(model.config, D, config.shard_vocab)
+    _check_layout(model.config, D)
 
     decoder = model.model
     for layer in decoder.layers:
@@ -173,16 +175,11 @@ def check_supported(model: nn.Module) -> None:
         raise ValueError(f"{name}: rope type {rope_type!r} is not supported under TSP")
 
 
-def _check_divisible(cfg, D: int, shard_vocab: bool) -> None:
-    """Head and MLP divisibility, checked before any weight is sliced."""
+def _check_layout(cfg, D: int) -> None:
+    """Every rank gets at least one query head (and MLP row), checked before any weight is
+    sliced; head counts, MLP widths and vocabularies need not be multiples of D."""
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     AttentionSpec(
         cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim, D, 1.0
     )
-    if cfg.intermediate_size % D:
-        raise ValueError(
-            f"intermediate_size={cfg.intermediate_size} is not divisible by tsp_size={D}: choose "
-            "a TSP size that divides the MLP width"
-        )
-    if shard_vocab:
-        check_vocab_divisible(cfg.vocab_size, D)
+    check_split(cfg.intermediate_size, D, "intermediate_size", "use a smaller TSP size")

@@ -12,12 +12,11 @@ import copy
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
 
 from ..config import TSPConfig
 from ..engine import comm
 from ..engine.attention import AttentionSpec, tsp_attention
-from .sharding import Role, ShardedModule, TSPPlacement
+from .sharding import Role, ShardedModule
 
 
 class TSPAttention(ShardedModule):
@@ -67,10 +66,11 @@ class TSPAttention(ShardedModule):
         self.spec, self.group, self.config = spec, group, config or TSPConfig()
         h, d = spec.hidden_size, spec.head_dim
         kw = {"dtype": dtype, "device": device}
-        self.q_proj = nn.Linear(h, spec.heads_per_rank * d, bias=qkv_bias, **kw)
-        self.k_proj = nn.Linear(h, spec.kv_per_rank * d, bias=qkv_bias, **kw)
-        self.v_proj = nn.Linear(h, spec.kv_per_rank * d, bias=qkv_bias, **kw)
-        self.o_proj = nn.Linear(spec.heads_per_rank * d, h, bias=o_bias, **kw)
+        nq, nk = spec.n_q(p) * d, spec.n_kv(p) * d  # this rank's head group (engine.heads)
+        self.q_proj = nn.Linear(h, nq, bias=qkv_bias, **kw)
+        self.k_proj = nn.Linear(h, nk, bias=qkv_bias, **kw)
+        self.v_proj = nn.Linear(h, nk, bias=qkv_bias, **kw)
+        self.o_proj = nn.Linear(nq, h, bias=o_bias, **kw)
         self.q_norm, self.k_norm = q_norm, k_norm
 
     @classmethod
@@ -107,34 +107,29 @@ class TSPAttention(ShardedModule):
                 param.copy_(mod.local_slice(name, full[name]))
         return mod
 
-    def local_index(self, name: str) -> tuple[slice, ...]:
-        """Index of this rank's slice in the full (Hugging Face) tensor behind ``name``."""
+    def index_of(self, name: str, rank: int) -> tuple[slice, ...]:
+        """Index of group ``rank``'s slice in the full (Hugging Face) tensor behind ``name``."""
         if name not in self.shard_dims:
             return (slice(None),)
-        p = comm.size_and_rank(self.group)[1]
-        rows = self.spec.q_rows(p) if name.startswith(("q_", "o_")) else self.spec.kv_rows(p)
+        q_or_o = name.startswith(("q_", "o_"))
+        rows = self.spec.q_rows(rank) if q_or_o else self.spec.kv_rows(rank)
         return (slice(None), rows) if self.shard_dims[name] == 1 else (rows,)
 
-    def assemble(self, name: str, shards: torch.Tensor) -> torch.Tensor:
-        """Full Hugging Face tensor from every rank's shard of ``name``, ``shards [D, ...]``."""
-        if name.startswith(("k_", "v_")):
-            shards = shards[:: self.spec.kv_replicas]  # one copy of each replicated KV head
-        return super().assemble(name, shards)
+    def counted_index(self, name: str) -> tuple[slice, ...]:
+        """K/V rows of the heads whose first user is this rank (a shared head counts once)."""
+        p = dist.get_rank(self.group)
+        if not name.startswith(("k_proj.", "v_proj.")) or not self.spec.first_kv_copied(p):
+            return super().counted_index(name)
+        heads, d = self.spec.counted_kv(p), self.spec.head_dim
+        return (slice(heads.start * d, heads.stop * d),)
 
     def role(self, name: str) -> Role:
-        """K/V slices on a rank that is not their head's first owner are ``Role.COPY``."""
+        """K/V slices whose every head's first user is another rank are ``Role.COPY``."""
         kv = name.startswith(("k_proj.", "v_proj."))
-        if kv and dist.get_rank(self.group) % self.spec.kv_replicas:
+        counted = self.spec.counted_kv(dist.get_rank(self.group))
+        if kv and counted.start == counted.stop:
             return Role.COPY
         return super().role(name)
-
-    def placement(self, name: str) -> TSPPlacement:
-        """K/V rows of head group p // (D/n_kv) when D > n_kv: sharded over the groups of D/n_kv
-        consecutive ranks, replicated within one."""
-        rep = self.spec.kv_replicas
-        if rep > 1 and name.startswith(("k_proj.", "v_proj.")):
-            return TSPPlacement((self.spec.tsp_size // rep, rep), (Shard(0), Replicate()))
-        return super().placement(name)
 
     def _own(self) -> dict[str, torch.Tensor]:
         own = {

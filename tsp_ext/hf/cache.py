@@ -19,7 +19,7 @@ from ..engine.decode import kept_tokens
 class TSPCacheLayer(CacheLayerMixin):
     """One layer's share of the KV cache on one TSP rank.
 
-    ``keys``, ``values``: ``[B, kv/D, L_p, d]`` (Hugging Face layout), the L_p cached tokens of
+    ``keys``, ``values``: ``[B, n_kv(p), L_p, d]`` (Hugging Face layout), the L_p cached tokens of
     this rank; ``token_index [L_p]``: their global indices (ascending). ``replicas`` ranks share
     each KV head; this one is replica ``replica`` and keeps the tokens ``kept_tokens`` gives it.
     """
@@ -49,7 +49,7 @@ class TSPCacheLayer(CacheLayerMixin):
         token_index: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append the new tokens' ``key_states, value_states [B, kv/D, T, d]`` (those this rank
+        """Append the new tokens' ``key_states, value_states [B, n_kv(p), T, d]`` (those this rank
         keeps) at global indices ``token_index [T]`` (default: right after the cached ones);
         returns this rank's whole ``(keys, values)``."""
         if not self.is_initialized:

@@ -144,7 +144,8 @@ def _decode(model, ids, mask, pos, cache: TSPCache) -> torch.Tensor:
         )
     emb = model.model.embed_tokens
     if isinstance(emb, TSPVocabEmbedding):
-        x = vocab_embedding(ids, emb.weight, emb.group)
+        first = emb.local_index("weight")[0].start
+        x = vocab_embedding(ids, emb.weight, first, emb.group)
     else:
         x = emb(ids)
 
@@ -161,7 +162,7 @@ def _decode(model, ids, mask, pos, cache: TSPCache) -> torch.Tensor:
 def _logits(model, h: torch.Tensor) -> torch.Tensor:
     head = model.lm_head
     if isinstance(head, TSPVocabLMHead):
-        return gather_vocab_logits(h, head.weight, head.group)
+        return gather_vocab_logits(h, head.weight, head.offsets, head.group)
     return F.linear(h, head.weight, head.bias)
 
 

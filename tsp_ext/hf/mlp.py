@@ -12,12 +12,14 @@ from torch import nn
 from ..config import TSPConfig
 from ..engine import comm
 from ..engine.mlp import tsp_mlp
+from ..engine.partition import check_split, split_range, split_sizes
 from .sharding import ShardedModule
 
 
 class TSPGatedMLP(ShardedModule):
     """SwiGLU MLP on a TSP axis: ``down(silu(gate(x)) * up(x))`` with slice p of the
-    intermediate dimension. Input and output ``[B, S/D, h]`` (this rank's tokens)."""
+    intermediate dimension (``⌊F/D⌋`` or ``⌈F/D⌉`` rows, the first ``F mod D`` ranks one
+    more). Input and output ``[B, S/D, h]`` (this rank's tokens)."""
 
     shard_dims = {"gate_proj.weight": 0, "up_proj.weight": 0, "down_proj.weight": 1}
 
@@ -32,15 +34,12 @@ class TSPGatedMLP(ShardedModule):
         device=None,
     ) -> None:
         super().__init__()
-        D, _ = comm.size_and_rank(group)
-        if intermediate_size % D:
-            raise ValueError(
-                f"intermediate_size={intermediate_size} is not divisible by tsp_size={D}: choose a "
-                "TSP size that divides the MLP width"
-            )
+        D, p = comm.size_and_rank(group)
+        check_split(intermediate_size, D, "intermediate_size", "use a smaller TSP size")
         self.group, self.config = group, config or TSPConfig()
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
-        f = intermediate_size // D
+        self.sizes = split_sizes(intermediate_size, D)  # rows of every rank's slice
+        f = self.sizes[p]
         kw = {"dtype": dtype, "device": device, "bias": False}
         self.gate_proj = nn.Linear(hidden_size, f, **kw)
         self.up_proj = nn.Linear(hidden_size, f, **kw)
@@ -62,15 +61,13 @@ class TSPGatedMLP(ShardedModule):
                 param.copy_(mod.local_slice(name, mlp.get_parameter(name)))
         return mod
 
-    def local_index(self, name: str) -> tuple[slice, ...]:
-        """Index of this rank's slice in the full (Hugging Face) tensor behind ``name``."""
-        D, p = comm.size_and_rank(self.group)
-        f = self.intermediate_size // D
-        rows = slice(p * f, (p + 1) * f)
+    def index_of(self, name: str, rank: int) -> tuple[slice, ...]:
+        """Index of rank ``rank``'s slice in the full (Hugging Face) tensor behind ``name``."""
+        rows = split_range(self.intermediate_size, len(self.sizes), rank)
         return (slice(None), rows) if self.shard_dims[name] == 1 else (rows,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 3 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"x must be [B, S/D, {self.hidden_size}], got {tuple(x.shape)}")
         w = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
-        return tsp_mlp(x, *w, self.group, self.config)
+        return tsp_mlp(x, *w, self.group, self.config, self.sizes)

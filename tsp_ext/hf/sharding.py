@@ -17,6 +17,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Placement, Replicate, Shard
 
+from ..engine import comm
+
 
 class Role(enum.Enum):
     """How one parameter is laid out over the TSP axis (what a gradient norm must count)."""
@@ -37,31 +39,92 @@ class ShardedModule(nn.Module, abc.ABC):
     group: dist.ProcessGroup
 
     @abc.abstractmethod
+    def index_of(self, name: str, rank: int) -> tuple[slice, ...]:
+        """Index of TSP rank ``rank``'s slice in the full Hugging Face tensor behind ``name``
+        (shards may differ by one head or row between ranks; every rank can compute all)."""
+
     def local_index(self, name: str) -> tuple[slice, ...]:
         """Index of this rank's slice in the full Hugging Face tensor behind ``name``."""
+        return self.index_of(name, dist.get_rank(self.group))
 
     def local_slice(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the full Hugging Face tensor behind parameter ``name``."""
         return full[self.local_index(name)]
 
-    def assemble(self, name: str, shards: torch.Tensor) -> torch.Tensor:
-        """Full Hugging Face tensor from every rank's shard of ``name``, ``shards [D, ...]``."""
+    def assemble(self, name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+        """Full Hugging Face tensor from every rank's shard of ``name`` (``shards[q]`` of rank q,
+        each its own size); copies held by several ranks (shared KV heads) are written once."""
         if name not in self.shard_dims:
             return shards[0]
-        if self.shard_dims[name] == 0:  # row blocks in rank order: [D, n/D, ..] is [n, ..]
-            return shards.flatten(0, 1)
-        return torch.cat(list(shards), dim=self.shard_dims[name])
+        dim = self.shard_dims[name]
+        index = [self.index_of(name, q) for q in range(len(shards))]
+        shape = list(shards[0].shape)
+        shape[dim] = max(i[dim].stop for i in index)
+        full = shards[0].new_empty(shape)
+        for i, shard in zip(index, shards):
+            full[i] = shard
+        return full
+
+    def gather_full(self, name: str, shard: torch.Tensor) -> torch.Tensor:
+        """The full tensor of ``name`` from this rank's ``shard`` (collective over the group).
+
+        Shards are padded along their shard dim to the largest one, all-gathered
+        (``[D, ...max shard]``), trimmed back to each rank's size and assembled."""
+        D = dist.get_world_size(self.group)
+        if name not in self.shard_dims:
+            return shard
+        dim = self.shard_dims[name]
+        sizes = [self.index_of(name, q)[dim] for q in range(D)]
+        sizes = [s.stop - s.start for s in sizes]
+        pad = [0, 0] * (shard.dim() - 1 - dim) + [0, max(sizes) - shard.shape[dim]]
+        padded = nn.functional.pad(shard, pad) if any(pad) else shard
+        gathered, _ = comm.all_gather_seq(padded, self.group)
+        return self.assemble(name, [g.narrow(dim, 0, n) for g, n in zip(gathered, sizes)])
+
+    def shard_shape(self, name: str, rank: int, like: torch.Size) -> torch.Size:
+        """Shape of TSP rank ``rank``'s shard of ``name``, given this rank's shape ``like``."""
+        if name not in self.shard_dims:
+            return like
+        dim = self.shard_dims[name]
+        rows = self.index_of(name, rank)[dim]
+        return torch.Size((*like[:dim], rows.stop - rows.start, *like[dim + 1 :]))
+
+    def placement(self, name: str) -> TSPPlacement:
+        """Where every rank's slice of ``name`` sits in the full tensor, as DTensor placements
+        (what DCP checkpoints record): derived from ``index_of`` of every rank. Equal blocks in
+        rank order are ``Shard(dim)``; equal blocks each held by c consecutive ranks (KV heads
+        shared by c head groups) are ``(Shard(dim), Replicate())`` on a ``(D/c, c)`` view.
+        Uneven layouts have no DTensor placement: ``ValueError`` saying so."""
+        D = dist.get_world_size(self.group)
+        if name not in self.shard_dims:
+            return TSPPlacement((D,), (Replicate(),))
+        dim = self.shard_dims[name]
+        rows = [self.index_of(name, q)[dim] for q in range(D)]
+        starts = sorted({r.start for r in rows})
+        size = rows[0].stop - rows[0].start
+        copies = D // len(starts)
+        even = all(r.stop - r.start == size for r in rows) and D % len(starts) == 0
+        in_order = all(r.start == q // copies * size for q, r in enumerate(rows))
+        if not (even and in_order):
+            sizes = [r.stop - r.start for r in rows]
+            raise ValueError(
+                f"{name} is split unevenly over tsp={D} (rows {sizes}): DCP training-state "
+                "checkpoints need equal shards; checkpoint at a TSP size that divides the heads, "
+                "MLP width and vocabulary (exporting with tsp_ext.save_pretrained works at any "
+                "size, and a checkpoint saved at an even size resumes at any even size)"
+            )
+        if copies == 1:
+            return TSPPlacement((D,), (Shard(dim),))
+        return TSPPlacement((D // copies, copies), (Shard(dim), Replicate()))
+
+    def counted_index(self, name: str) -> tuple[slice, ...]:
+        """The part of this rank's ``name`` that a gradient norm counts here (all of it unless
+        some of its values are copies whose first owner is another rank)."""
+        return (slice(None),)
 
     def role(self, name: str) -> Role:
         """Layout of parameter ``name`` over the TSP axis."""
         return Role.SHARDED if name in self.shard_dims else Role.REPLICATED
-
-    def placement(self, name: str) -> TSPPlacement:
-        """Where this rank's slice of ``name`` sits in the full tensor, as DTensor placements."""
-        D = dist.get_world_size(self.group)
-        if name not in self.shard_dims:
-            return TSPPlacement((D,), (Replicate(),))
-        return TSPPlacement((D,), (Shard(self.shard_dims[name]),))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +165,12 @@ def param_roles(model: nn.Module) -> dict[str, Role]:
         owner = shard_owner(model, name)
         roles[name] = Role.REPLICATED if owner is None else owner[0].role(owner[1])
     return roles
+
+
+def counted_index(model: nn.Module, name: str) -> tuple[slice, ...]:
+    """The part of this rank's parameter ``name`` a gradient norm counts (see ``ShardedModule``)."""
+    owner = shard_owner(model, name)
+    return (slice(None),) if owner is None else owner[0].counted_index(owner[1])
 
 
 def placement(model: nn.Module, name: str) -> TSPPlacement:

@@ -1,4 +1,4 @@
-"""Vocabulary-sharded embedding and LM head modules (rows p of the table on TSP rank p).
+"""Vocabulary-sharded embedding and LM head modules (row block p of the table on TSP rank p).
 
 The schedules (row exchange for the embedding, ring LM head + fused cross-entropy) are
 ``tsp_ext.engine.vocab``; these modules hold the rows under the Hugging Face names.
@@ -12,36 +12,27 @@ from torch import nn
 from ..config import TSPConfig
 from ..engine import comm
 from ..engine.layout import IGNORE_INDEX
+from ..engine.partition import check_split, split_offsets
 from ..engine.vocab import embedding_exchange, ring_cross_entropy, ring_logits
 from .sharding import ShardedModule
 
 
-def check_vocab_divisible(vocab_size: int, D: int) -> None:
-    """Raise ``ValueError`` saying what to change if ``vocab_size`` cannot be split D ways."""
-    if vocab_size % D:
-        raise ValueError(
-            f"vocab_size={vocab_size} is not divisible by tsp_size={D}: pad the vocabulary "
-            f"(model.resize_token_embeddings(n, pad_to_multiple_of={D})) or keep the embedding "
-            "and LM head replicated with TSPConfig(shard_vocab=False)"
-        )
-
-
 class _VocabRows(ShardedModule):
-    """A ``[V/D, h]`` parameter ``weight`` holding vocabulary rows p of a ``[V, h]`` table."""
+    """A ``[V_p, h]`` parameter ``weight`` holding vocabulary rows ``offsets[p]:offsets[p+1]`` of
+    a ``[V, h]`` table (``⌊V/D⌋`` or ``⌈V/D⌉`` rows, the first ``V mod D`` ranks one more)."""
 
     shard_dims = {"weight": 0}
 
     def __init__(self, vocab_size: int, hidden_size: int, group) -> None:
         super().__init__()
         D, _ = comm.size_and_rank(group)
-        check_vocab_divisible(vocab_size, D)
+        check_split(vocab_size, D, "vocab_size", "use a smaller TSP size")
         self.vocab_size, self.hidden_size, self.group = vocab_size, hidden_size, group
+        self.offsets = split_offsets(vocab_size, D)
 
-    def local_index(self, name: str) -> tuple[slice, ...]:
-        """Index of this rank's rows in the full (Hugging Face) ``[V, h]`` tensor."""
-        D, p = comm.size_and_rank(self.group)
-        rows = self.vocab_size // D
-        return (slice(p * rows, (p + 1) * rows),)
+    def index_of(self, name: str, rank: int) -> tuple[slice, ...]:
+        """Index of rank ``rank``'s rows in the full (Hugging Face) ``[V, h]`` tensor."""
+        return (slice(self.offsets[rank], self.offsets[rank + 1]),)
 
 
 def _shard_parameter(full: torch.Tensor, index) -> nn.Parameter:
@@ -63,7 +54,7 @@ class TSPVocabEmbedding(_VocabRows):
         return mod
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return embedding_exchange(ids, self.weight, self.padding_idx, self.group)
+        return embedding_exchange(ids, self.weight, self.offsets, self.padding_idx, self.group)
 
 
 class TSPVocabLMHead(_VocabRows):
@@ -103,12 +94,12 @@ class TSPVocabLMHead(_VocabRows):
         """
         flat = h.reshape(-1, h.shape[-1])
         if labels is None:
-            logits = ring_logits(flat, self.weight, self.group, self.config)
+            logits = ring_logits(flat, self.weight, self.offsets, self.group, self.config)
             return logits.view(*h.shape[:-1], self.vocab_size)
         flat_labels = labels.reshape(-1).to(h.device)
         out_of_range = (flat_labels < 0) | (flat_labels >= self.vocab_size)
         if (out_of_range & (flat_labels != ignore_index)).any():
             raise ValueError(f"labels must be in [0, {self.vocab_size}) or {ignore_index}")
         return ring_cross_entropy(
-            flat, flat_labels, self.weight, self.group, self.config, ignore_index
+            flat, flat_labels, self.weight, self.offsets, self.group, self.config, ignore_index
         )

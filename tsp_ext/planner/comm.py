@@ -4,19 +4,28 @@ from __future__ import annotations
 
 from .inputs import Cluster, Layout, Transfer, Workload
 from .memory import _tsp_seq
-from .shapes import ModelShape, _heads, _layer_params, _shard_params, _vocab_params
+from .shapes import (
+    ModelShape,
+    _heads,
+    _layer_params,
+    _shard_params,
+    _tsp_heads,
+    _tsp_shard_params,
+    _vocab_params,
+)
 
 
 def tsp_comm(m: ModelShape, w: Workload, c: Cluster, lay: Layout) -> tuple[list, list]:
     """Per-layer and per-step transfers of TSP: weights broadcast (attention) and ringed (MLP)
     in forward and again in backward, weight gradients reduced to owners, K/V all-gathered and
     dK/dV reduce-scattered; embedding rows exchanged and LM-head shards ringed (shard_vocab)
-    or the replicated vocabulary gradients all-reduced."""
+    or the replicated vocabulary gradients all-reduced. Uneven splits: ring buffers carry the
+    largest shard (⌈F/D⌉, ⌈V/D⌉ rows), broadcasts the largest head group."""
     D, B, h, d, b, acc = lay.tp, w.micro_batch, m.hidden_size, m.head_dim, w.beta, w.acc
     bw, ov = c.bandwidth(1, D), w.overlap
-    nh, nkv = _heads(m, D)
-    attn = _layer_params(m, nh, nkv, 0) - 2 * h  # one head group's q/k/v/o shard
-    mlp = 3 * h * m.intermediate_size / D
+    nh, nkv, shared_kv = _tsp_heads(m, D)
+    attn = _layer_params(m, nh, nkv, 0) - 2 * h  # the largest head group's q/k/v/o shard
+    mlp = 3 * h * -(-m.intermediate_size // D)
     kv = 2 * B * _tsp_seq(w, D) * nkv * d * (D - 1)  # elements received, all D groups
     layer = [
         Transfer("broadcast attention weights (fwd+bwd)", 2 * (D - 1) * attn * b, 2 * D, ov, bw),
@@ -28,12 +37,12 @@ def tsp_comm(m: ModelShape, w: Workload, c: Cluster, lay: Layout) -> tuple[list,
         Transfer("reduce-scatter dK/dV", kv * acc, D, False, bw),
         Transfer("all-reduce norm grads", 2 * 2 * (D - 1) / D * h * b, 2, False, bw),
     ]
-    if D > m.num_kv_heads:  # shared KV heads: their copies' gradients are all-reduced
+    if shared_kv:  # shared KV heads: every K/V gradient is all-reduced (one [n_kv·d, h] buffer)
         shared = 2 * (D - 1) / D * 2 * h * d * acc * m.num_kv_heads
         layer.append(Transfer("all-reduce shared K/V grads", shared, m.num_kv_heads, False, bw))
     T, V = _tsp_seq(w, D) / D, m.vocab_size
     if w.shard_vocab:
-        ring = (D - 1) * V / D * h
+        ring = (D - 1) * -(-V // D) * h
         step = [
             Transfer(
                 "ring LM-head shards (fwd+bwd)", 2 * ring * b + ring * acc, 3 * (D - 1), ov, bw
@@ -43,7 +52,7 @@ def tsp_comm(m: ModelShape, w: Workload, c: Cluster, lay: Layout) -> tuple[list,
     else:
         tables = 1 if m.tie_embeddings else 2
         step = [Transfer("all-reduce vocab grads", 2 * (D - 1) / D * V * h * b * tables, 2, ov, bw)]
-    return layer + _dp_comm(m, w, c, lay, _shard_params(m, D)), step
+    return layer + _dp_comm(m, w, c, lay, _tsp_shard_params(m, D)), step
 
 
 def baseline_comm(m: ModelShape, w: Workload, c: Cluster, lay: Layout) -> tuple[list, list]:

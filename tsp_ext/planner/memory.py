@@ -5,7 +5,15 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .inputs import Layout, Memory, Workload
-from .shapes import ModelShape, _heads, _layer_params, _shard_params, _vocab_params
+from .shapes import (
+    ModelShape,
+    _heads,
+    _layer_params,
+    _shard_params,
+    _tsp_heads,
+    _tsp_shard_params,
+    _vocab_params,
+)
 
 
 def _model_state(
@@ -72,11 +80,14 @@ def hf_layer_saved(m: ModelShape, w: Workload, tp: int, sp: int) -> float:
 
 def tsp_memory(m: ModelShape, w: Workload, lay: Layout) -> Memory:
     """TSP on D = lay.tp ranks: layer weights / D, tokens / D, vocabulary rows / D and a fused
-    chunked loss when ``shard_vocab``; ZeRO over dp."""
-    D, B, h, F = lay.tp, w.micro_batch, m.hidden_size, m.intermediate_size
+    chunked loss when ``shard_vocab``; ZeRO over dp. Shards that D does not divide evenly are
+    counted at the largest rank's size (one more head, MLP row or vocabulary row, and every KV
+    head its query heads use)."""
+    D, B, h = lay.tp, w.micro_batch, m.hidden_size
+    F = -(-m.intermediate_size // D) * D  # the largest MLP slice, times D
     T = _tsp_seq(w, D) / D
-    vocab = m.vocab_size / (D if w.shard_vocab else 1)
-    params = m.num_layers * _shard_params(m, D) + _vocab_params(m, vocab, vocab)
+    vocab = -(-m.vocab_size // D) if w.shard_vocab else m.vocab_size
+    params = m.num_layers * _tsp_shard_params(m, D) + _vocab_params(m, vocab, vocab)
     if w.shard_vocab:  # fused loss: float32 log-sum-exp per token, the owned ids' list
         head = _head_saved(m, w, T, 0) + B * T * w.acc + 8 * min(vocab, B * w.seq_len)
     else:
@@ -84,7 +95,7 @@ def tsp_memory(m: ModelShape, w: Workload, lay: Layout) -> Memory:
     acts = m.num_layers * tsp_layer_saved(m, w, D) + head
     # transient: double-buffered weight shards and their float32 gradient accumulators, one
     # head group's gathered K/V with its float32 gradient, one MLP shard's intermediates
-    nh, nkv = _heads(m, D)
+    nh, nkv, _ = _tsp_heads(m, D)
     shard = max(_layer_params(m, nh, nkv, 0), 3 * h * F / D)
     kv = 2 * B * T * D * nkv * m.head_dim * (w.beta + w.acc)
     layer = 2 * shard * (w.beta + w.acc) + kv + 6 * B * T * F / D * w.beta

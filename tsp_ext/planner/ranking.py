@@ -26,17 +26,15 @@ def candidates(devices: int) -> list[Layout]:
 
 def check(m: ModelShape, w: Workload, lay: Layout) -> str | None:
     """Why ``lay`` cannot run this model and workload (what to change), or None when it can."""
-    if lay.kind == "tsp":
-        D, nkv = lay.tp, m.num_kv_heads
+    if lay.kind == "tsp":  # any D up to the number of query heads (shards may be uneven)
+        D = lay.tp
         reasons = [
-            (m.num_heads % D, f"num_heads={m.num_heads} is not divisible by tsp={D}"),
-            (nkv % D and D % nkv, f"num_kv_heads={nkv} and tsp={D}: one must divide the other"),
-            (m.intermediate_size % D, f"intermediate_size={m.intermediate_size} % tsp={D} != 0"),
             (
-                w.shard_vocab and m.vocab_size % D,
-                f"vocab_size={m.vocab_size} is not divisible by tsp={D}: pad the vocabulary or "
-                "turn off vocabulary sharding",
+                D > m.num_heads,
+                f"tsp={D} exceeds num_heads={m.num_heads}: the largest valid TSP size is "
+                f"{m.num_heads}",
             ),
+            (D > m.intermediate_size, f"intermediate_size={m.intermediate_size} < tsp={D}"),
         ]
         return next((msg for bad, msg in reasons if bad), None)
     if lay.tp > 1:

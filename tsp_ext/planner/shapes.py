@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..engine.heads import AttentionSpec
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -123,3 +125,16 @@ def _heads(m: ModelShape, n: int) -> tuple[float, float]:
 def _shard_params(m: ModelShape, n: int) -> float:
     """One decoder layer's parameters on each of n ranks that split heads and MLP width."""
     return _layer_params(m, *_heads(m, n), m.intermediate_size / n)
+
+
+def _tsp_heads(m: ModelShape, D: int) -> tuple[int, int, bool]:
+    """TSP's largest head group on D ranks: (query heads, KV heads, whether KV heads are shared
+    between groups); groups hold ⌊n_h/D⌋ or ⌈n_h/D⌉ query heads and every KV head they use."""
+    spec = AttentionSpec(m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, D, 1.0)
+    return spec.max_q, max(spec.n_kv(p) for p in range(D)), spec.kv_shared
+
+
+def _tsp_shard_params(m: ModelShape, D: int) -> float:
+    """One decoder layer's parameters on the TSP rank with the largest shards (⌈F/D⌉ MLP rows)."""
+    nh, nkv, _ = _tsp_heads(m, D)
+    return _layer_params(m, nh, nkv, -(-m.intermediate_size // D))

@@ -1,0 +1,117 @@
+"""Head layout of an attention layer on the TSP axis: which query and KV heads each group holds.
+
+Group p holds a contiguous block of ``⌊n_heads/D⌋`` or ``⌈n_heads/D⌉`` query heads (the first
+``n_heads mod D`` groups one more) and every KV head those use. Examples (query heads / KV heads):
+
+    9 / 3 at D = 2:  group 0 = q 0-4 -> kv 0, 1;  group 1 = q 5-8 -> kv 1, 2  (kv 1 on both)
+    8 / 2 at D = 4:  q 0-1 -> kv 0, q 2-3 -> kv 0, q 4-5 -> kv 1, q 6-7 -> kv 1  (replicas)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .partition import split_range
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Head layout of one attention layer on a TSP axis of size ``tsp_size``.
+
+    Group p holds the contiguous query heads ``q_heads(p)`` (``⌊n_heads/D⌋`` or ``⌈n_heads/D⌉``
+    of them, the first ``n_heads mod D`` groups one more) and every KV head they use: query head
+    i uses KV head ``i // (n_heads/n_kv_heads)``. A KV head used by several groups is replicated
+    on them (at most the first KV head of a group is shared with the previous group).
+    """
+
+    hidden_size: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    tsp_size: int
+    scaling: float
+    qk_norm_eps: float | None = None  # per-head RMSNorm on q and k (Qwen3), else None
+
+    def __post_init__(self) -> None:
+        D = self.tsp_size
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}"
+            )
+        if not 1 <= D <= self.n_heads:
+            raise ValueError(
+                f"tsp_size={D} but the model has n_heads={self.n_heads}: every TSP rank needs at "
+                f"least one query head; the largest valid TSP size is {self.n_heads}"
+            )
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (``n_heads / n_kv_heads``)."""
+        return self.n_heads // self.n_kv_heads
+
+    def q_heads(self, p: int) -> slice:
+        """Query heads of group ``p``."""
+        return split_range(self.n_heads, self.tsp_size, p)
+
+    def kv_heads(self, p: int) -> slice:
+        """KV heads used by group ``p``'s query heads."""
+        q, g = self.q_heads(p), self.group_size
+        return slice(q.start // g, (q.stop - 1) // g + 1)
+
+    def n_q(self, p: int) -> int:
+        """Number of query heads of group ``p``."""
+        q = self.q_heads(p)
+        return q.stop - q.start
+
+    def n_kv(self, p: int) -> int:
+        """Number of KV heads of group ``p``."""
+        k = self.kv_heads(p)
+        return k.stop - k.start
+
+    @property
+    def max_q(self) -> int:
+        """Query heads of the largest group."""
+        return self.n_q(0)
+
+    def q_rows(self, p: int) -> slice:
+        """Rows of q_proj (= columns of o_proj) owned by group ``p``."""
+        q, d = self.q_heads(p), self.head_dim
+        return slice(q.start * d, q.stop * d)
+
+    def kv_rows(self, p: int) -> slice:
+        """Rows of k_proj / v_proj used by group ``p``."""
+        k, d = self.kv_heads(p), self.head_dim
+        return slice(k.start * d, k.stop * d)
+
+    def kv_map(self, p: int) -> list[int] | None:
+        """Local KV head of each of group ``p``'s query heads, ``[n_q(p)]``, or None when it is
+        the kernels' own GQA map (local query head j uses KV head ``j // (n_q / n_kv)``)."""
+        q, k = self.q_heads(p), self.kv_heads(p)
+        local = [i // self.group_size - k.start for i in range(q.start, q.stop)]
+        nq, nk = len(local), k.stop - k.start
+        if nq % nk == 0 and local == [j // (nq // nk) for j in range(nq)]:
+            return None
+        return local
+
+    @property
+    def kv_shared(self) -> bool:
+        """Whether some KV head is used by more than one group (its copies' gradients are then
+        summed over all its users)."""
+        return any(self.first_kv_copied(p) for p in range(1, self.tsp_size))
+
+    def first_kv_copied(self, p: int) -> bool:
+        """Whether group ``p``'s first KV head is also used by group p-1 (a copy)."""
+        return p > 0 and self.kv_heads(p - 1).stop > self.kv_heads(p).start
+
+    def counted_kv(self, p: int) -> slice:
+        """Local KV heads of group ``p`` whose first user is ``p`` (each distinct head once)."""
+        return slice(int(self.first_kv_copied(p)), self.n_kv(p))
+
+    @property
+    def kv_replicas(self) -> int:
+        """Ranks sharing each KV head when every group uses exactly one, whole and equally shared
+        (``n_heads % D == 0`` and ``D % n_kv_heads == 0``): ``D / n_kv_heads``; else 1."""
+        D = self.tsp_size
+        if self.n_heads % D == 0 and D % self.n_kv_heads == 0:
+            return D // self.n_kv_heads
+        return 1
