@@ -14,7 +14,7 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import rel_err
+from conftest import error_message, rel_err
 from models import batch, build, lm_loss
 
 from tsp_ext import (
@@ -239,3 +239,17 @@ def test_head_layout(n_heads, n_kv, D, shared):
         for j in range(spec.counted_kv(p).start, spec.counted_kv(p).stop)
     ]
     assert counted == list(range(n_kv))
+
+
+def dcp_refusal_worker(rank, world, path):
+    import tsp_ext.checkpoint
+
+    model = apply_tsp(make("llama_9_3", torch.float64), init_tsp_mesh(world))
+    opt = torch.optim.AdamW(model.parameters())
+    return error_message(lambda: tsp_ext.checkpoint.save(path, model, opt))
+
+
+def test_dcp_checkpoint_of_an_uneven_layout_is_refused_clearly(tmp_path):
+    # 9 query heads over D = 2: DTensor placements cannot describe 5 + 4 head blocks
+    for msg in run_processes(dcp_refusal_worker, 2, str(tmp_path / "ckpt")):
+        assert "is split unevenly over tsp=2" in msg and "save_pretrained" in msg, msg
