@@ -189,3 +189,18 @@ def test_predicted_memory_within_10_percent_of_measured(layout, devices, seq_len
         assert getattr(predicted, key) == pytest.approx(measured[key], rel=0.10), key
     total = sum(getattr(predicted, k) for k in STATE_AND_SAVED)
     assert total == pytest.approx(sum(measured[k] for k in STATE_AND_SAVED), rel=0.10)
+
+
+# ---- the step-time model against the measured CPU step times ---------------------------------
+
+RESULTS_CPU = Path(__file__).parent.parent / "docs" / "benchmarks" / "results_cpu.json"
+
+
+def test_step_time_model_calibrates_within_25_percent_of_measured():
+    from tsp_ext.planner.calibration import calibrate, measured_runs
+
+    runs = measured_runs(json.loads(RESULTS_CPU.read_text()))
+    assert {r.kind for r in runs} == {"tsp", "tp", "sp", "tpxsp"}
+    # the harness's CPU runs: one core each at D = 2, four ranks sharing two cores at D = 4
+    fit = calibrate(runs, planner.Cluster(peak_tflops=0.1), cores=2)
+    assert fit.worst_error < 0.25, [(r.kind, r.tp, r.sp, r.seq_len, e) for r, e in fit.errors]

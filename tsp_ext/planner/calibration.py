@@ -93,22 +93,29 @@ def calibrate(
     base: Cluster,
     *,
     cores: int | None = None,
-    points: int = 24,
+    points: int = 16,
 ) -> Calibration:
-    """Fit ``mfu``, the link bandwidth (intra-node = inter-node) and the latency of ``base`` to
-    ``runs``; returns the cluster with the smallest worst relative error."""
+    """Fit ``mfu``, ``attention_efficiency``, the link bandwidth (intra-node = inter-node) and
+    the latency of ``base`` to ``runs``; returns the cluster with the smallest worst relative
+    error."""
     if not runs:
         raise ValueError("no measured runs of a ranked layout (tsp, tp, ulysses, tpxsp) to fit")
     best: tuple[float, Cluster] | None = None
-    for mfu in _grid(0.02, 1.0, points):
+    for mfu in _grid(0.02, 2.0, points):
         for gbs in _grid(0.05, 50.0, points):
             for latency in (10.0, 30.0, 100.0, 300.0, 1000.0):
-                c = replace(
-                    base, mfu=mfu, intra_node_gbs=gbs, inter_node_gbs=gbs, latency_us=latency
-                )
-                worst = max(abs(math.log(predict(r, c, cores) / r.step_seconds)) for r in runs)
-                if best is None or worst < best[0]:
-                    best = (worst, c)
+                for attn in _grid(0.25, 4.0, 9):
+                    c = replace(
+                        base,
+                        mfu=mfu,
+                        intra_node_gbs=gbs,
+                        inter_node_gbs=gbs,
+                        latency_us=latency,
+                        attention_efficiency=attn,
+                    )
+                    worst = max(abs(math.log(predict(r, c, cores) / r.step_seconds)) for r in runs)
+                    if best is None or worst < best[0]:
+                        best = (worst, c)
     cluster = best[1]
     errors = tuple((r, predict(r, cluster, cores) / r.step_seconds - 1) for r in runs)
     return Calibration(cluster, errors)

@@ -67,12 +67,14 @@ class Cluster:
     peak_tflops: float = 989.0
     mfu: float = 0.4
     latency_us: float = 10.0
+    attention_efficiency: float = 1.0  # attention kernels' FLOP rate relative to the matmuls'
 
     def __post_init__(self) -> None:
         if self.devices < 1 or self.devices_per_node < 1:
             raise ValueError("devices and devices_per_node must be >= 1")
-        if min(self.intra_node_gbs, self.inter_node_gbs, self.peak_tflops, self.mfu) <= 0:
-            raise ValueError("bandwidths, peak_tflops and mfu must be > 0")
+        rates = (self.intra_node_gbs, self.inter_node_gbs, self.peak_tflops, self.mfu)
+        if min(*rates, self.attention_efficiency) <= 0:
+            raise ValueError("bandwidths, peak_tflops, mfu and attention_efficiency must be > 0")
 
     @property
     def memory_bytes(self) -> float:

@@ -28,6 +28,13 @@ def step_flops(m: ModelShape, w: Workload, lay: Layout) -> tuple[float, float]:
     return layer / n, head / n
 
 
+def attention_flops(m: ModelShape, w: Workload, lay: Layout) -> float:
+    """The attention kernels' share of one decoder layer's ``step_flops`` per device."""
+    S = _tsp_seq(w, lay.group) if lay.kind == "tsp" else w.seq_len
+    attn = 2 * w.micro_batch * S * S * m.num_heads * m.head_dim
+    return (3.5 + (w.recompute == "full")) * attn / lay.group
+
+
 def _phase_seconds(flops: float, transfers, c: Cluster) -> float:
     """Compute, then blocking transfers in series; overlapped ones cost what compute can't hide."""
     compute = flops / (c.peak_tflops * 1e12 * c.mfu)
@@ -43,6 +50,8 @@ def _phase_seconds(flops: float, transfers, c: Cluster) -> float:
 def step_seconds(m: ModelShape, w: Workload, c: Cluster, lay: Layout, per_layer, per_step) -> float:
     """Estimated seconds of one training step (one micro-batch per device)."""
     layer_flops, head_flops = step_flops(m, w, lay)
+    attn = attention_flops(m, w, lay)  # runs at attention_efficiency x the matmuls' rate
+    layer_flops += attn / c.attention_efficiency - attn
     return m.num_layers * _phase_seconds(layer_flops, per_layer, c) + _phase_seconds(
         head_flops, per_step, c
     )
