@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from _data import SHAKESPEARE, load_texts, pack, train_tokenizer
 from _engines import Engine, tsp_config
+from _presets import PRESETS
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
@@ -40,24 +41,6 @@ from tsp_ext.checkpoint import inspect
 from tsp_ext.memory import SavedTensorBytes
 
 log = logging.getLogger("finetune_long_llama")
-
-# named tiny models built from a config (nothing to download): hidden, layers, heads, kv heads
-PRESETS = {
-    "tiny-llama": dict(
-        hidden_size=128,
-        intermediate_size=352,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    ),
-    "small-llama": dict(
-        hidden_size=512,
-        intermediate_size=1408,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-    ),
-}
 
 
 def parse_args(argv=None) -> argparse.Namespace:

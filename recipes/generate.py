@@ -21,6 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 from _data import SHAKESPEARE, load_texts, train_tokenizer
+from _presets import PRESETS
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, LogitsProcessor
 
 from tsp_ext import apply_tsp, init_tsp_mesh, load_pretrained, tsp_group
@@ -31,24 +32,6 @@ _SINGLE_PROCESS = {
     "MASTER_PORT": "29511",
     "RANK": "0",
     "WORLD_SIZE": "1",
-}
-
-# named tiny models built from a config (nothing to download): hidden, layers, heads, kv heads
-PRESETS = {
-    "tiny-llama": dict(
-        hidden_size=128,
-        intermediate_size=352,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    ),
-    "small-llama": dict(
-        hidden_size=512,
-        intermediate_size=1408,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-    ),
 }
 
 
