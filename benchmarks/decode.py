@@ -1,10 +1,13 @@
-"""Inference benchmark: TSP prefill and decode vs one process (CPU, gloo; not a timed test).
+"""Inference benchmark: TSP prefill and decode vs one process and vs DTensor tensor parallelism
+at the same D (CPU, gloo; not a timed test).
 
     python -m benchmarks.decode                 # D = 2, prints a table
     python -m benchmarks.decode --json          # the rows as JSON
 
 Each rank runs one thread (``run_processes`` sets it), so D ranks use D cores and the
 single-process baseline (Hugging Face ``generate`` with its ``DynamicCache``, no TSP) one core.
+The TP baseline is the same Hugging Face model under PyTorch ``parallelize_module`` with the
+model's own tp plan (``benchmarks.layouts``), generating with its ``DynamicCache`` of local heads.
 Rows, max over ranks:
 
 - ``prefill``: one forward over a ``--prompt``-token prompt filling the cache: seconds, then (in a
@@ -20,11 +23,16 @@ import json
 import time
 
 import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
 from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessor
 
 from tsp_ext import TSPCache, apply_tsp, init_tsp_mesh
 from tsp_ext.memory import PeakAllocated
 from tsp_ext.testing.launch import run_processes
+
+from .layouts import hf_tp_plan
 
 # a small Llama (GQA) that D = 2 and 4 divide
 MODEL = dict(
@@ -65,10 +73,14 @@ def _prefill(model, ids: torch.Tensor, tsp: bool) -> None:
         model(input_ids=ids, use_cache=True)
 
 
-def _worker(rank: int, world: int, tsp: bool, args) -> dict:
+def _worker(rank: int, world: int, layout: str, args) -> dict:
     model = _model(args.prompt + args.new)
+    tsp = layout == "tsp"
     if tsp:
         apply_tsp(model, init_tsp_mesh(world))
+    elif layout == "tp":
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        parallelize_module(model, mesh, hf_tp_plan(model))
     ids = torch.randint(0, MODEL["vocab_size"], (1, args.prompt), generator=torch.Generator())
     _prefill(model, ids[:, :64], tsp)  # warm-up
     start = time.perf_counter()
@@ -90,19 +102,26 @@ def _worker(rank: int, world: int, tsp: bool, args) -> dict:
         end = time.perf_counter()
         layers = out.cache.layers
         row[f"decode_b{B}_tokens_per_s"] = B * (args.new - 1) / (end - clock.times[0])
-        row[f"kv_b{B}_bytes"] = sum(layer.keys.nbytes + layer.values.nbytes for layer in layers)
-    row["weight_bytes"] = sum(p.nbytes for p in model.parameters())
+        row[f"kv_b{B}_bytes"] = sum(
+            _local(layer.keys).nbytes + _local(layer.values).nbytes for layer in layers
+        )
+    row["weight_bytes"] = sum(_local(p).nbytes for p in model.parameters())
     return row
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def measure(args) -> dict[str, dict]:
-    """``{"1 process": row, "TSP D=n": row}``, each row the max over its ranks."""
+    """``{"1 process": row, "TP D=n": row, "TSP D=n": row}``, each row the max over its ranks."""
     rows = {}
-    for name, world, tsp in (
-        ("1 process", 1, False),
-        (f"TSP D={args.tsp_size}", args.tsp_size, True),
+    for name, world, layout in (
+        ("1 process", 1, "single"),
+        (f"TP D={args.tsp_size}", args.tsp_size, "tp"),
+        (f"TSP D={args.tsp_size}", args.tsp_size, "tsp"),
     ):
-        per_rank = run_processes(_worker, world, tsp, args, timeout=900)
+        per_rank = run_processes(_worker, world, layout, args, timeout=900)
         rows[name] = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
     return rows
 

@@ -103,7 +103,7 @@ def _grad_all_reduce(model: nn.Module, group) -> Callable[[], None]:
     return reduce_grads
 
 
-def _hf_tp_plan(model: nn.Module) -> dict:
+def hf_tp_plan(model: nn.Module) -> dict:
     """The model's own HF tp plan (``model._tp_plan``: base plan + head) as torch parallel styles.
 
     HF's style names map to torch's: ``colwise``/``rowwise`` as is, ``colwise_gather_output``
@@ -145,7 +145,7 @@ def build_tsp(model, ids, world, device, overlap: bool = True) -> Prepared:
 
 def build_tp(model, ids, world, device) -> Prepared:
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("tp",))
-    parallelize_module(model, mesh, _hf_tp_plan(model))
+    parallelize_module(model, mesh, hf_tp_plan(model))
     return build_single(model, ids, world, device)
 
 
@@ -261,7 +261,7 @@ def build_tpxsp(model, ids, world, device) -> Prepared:
     deepspeed.comm.init_distributed(dist_backend=dist.get_backend())
     tp, sp = tp_sp_split("tpxsp", world)
     mesh = init_device_mesh(device.type, (sp, tp), mesh_dim_names=("sp", "tp"))
-    parallelize_module(model, mesh["tp"], _hf_tp_plan(model))
+    parallelize_module(model, mesh["tp"], hf_tp_plan(model))
     group = mesh["sp"].get_group()
     B, S = ids.shape
     _install_ulysses(model.config, tp, B, S, group)
