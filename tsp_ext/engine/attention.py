@@ -227,6 +227,8 @@ def tsp_attention_backward(sched: _Schedule, dy, x, cos, sin, own, q_norm, k_nor
     names = list(own)
     kvn = [n for n in names if n in _KV] if spec.kv_shared else []
     to_owner = [n for n in names if n not in kvn]
+    q_names = [n for n in names if n in _Q]  # leaves of the q path; the rest (but wo): k/v path
+    kv_names = [n for n in names if n not in _Q and n != "wo"]
     dy = dy.contiguous()
     dx = torch.zeros(B, T, x.shape[-1], dtype=acc, device=x.device)
     d_norm = None
@@ -271,8 +273,6 @@ def tsp_attention_backward(sched: _Schedule, dy, x, cos, sin, own, q_norm, k_nor
         dkv, handle = comm.reduce_scatter_seq(sched.rank_major(dk_all, dv_all), sched.group, True)
         del dk_all, dv_all
         # while dK/dV travel: the q path (dX and the q weights' gradients)
-        q_names = [n for n in leaves if n in _Q]
-        kv_names = [n for n in leaves if n not in _Q]
         q_grads = torch.autograd.grad(q, [xg, *(leaves[n] for n in q_names), *norms[:1]], dq)
         handle.wait()
         dk, dv = dkv.to(k.dtype).split(hk, dim=2)
