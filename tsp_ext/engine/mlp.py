@@ -28,56 +28,71 @@ from . import comm
 from .weight_ring import GradientRing, circulate
 
 
-def _swiglu_backward(x, dy, g, u, dn, acc: torch.dtype, hidden=None):
-    """Gradients of one shard's ``(silu(X·Gᵀ) ⊙ (X·Uᵀ))·Dnᵀ``: ``(dX, dG, dU, dDn)``, the weight
-    gradients in ``acc``.
+def _add_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out += a @ b`` for 2-D views; in place when ``out`` has the operands' dtype."""
+    if out.dtype == a.dtype:
+        out.addmm_(a, b)
+    else:
+        out += a @ b
 
-    ``hidden``: the saved gate/up pre-activations ``[2, B, T, F/D]``; recomputed if None.
+
+def _swiglu_backward(x, dy, gu, dn, out, dx, hidden=None) -> None:
+    """Backward of one shard's ``(silu(X·Gᵀ) ⊙ (X·Uᵀ))·Dnᵀ`` with ``gu = [G; U]`` (``[2f, h]``):
+    adds ``dX`` into ``dx [B·T, h]`` and writes ``[dG; dU]`` (``[2f, h]``) and ``dDn`` (``[h, f]``)
+    into ``out``, a flat buffer in the accumulation dtype laid out like the shard.
+
+    ``hidden``: the saved gate/up pre-activations ``[B, T, 2f]``; recomputed if None.
     """
-    hg, hu = hidden if hidden is not None else (F.linear(x, g), F.linear(x, u))  # [B, T, F/D]
+    two_f, h = gu.shape
+    f = two_f // 2
+    hid = F.linear(x, gu) if hidden is None else hidden  # [B, T, 2f]: one GEMM for gate and up
+    hg, hu = hid.chunk(2, dim=-1)
+    dm = dy @ dn  # [B, T, f]
     act = F.silu(hg)
-    dm = dy @ dn  # [B, T, F/D]
-    dhu = dm * act
-    dhg = torch.ops.aten.silu_backward(dm.mul_(hu), hg)  # one fused kernel for silu'
-    x2, dy2 = x.flatten(0, 1).to(acc), dy.flatten(0, 1).to(acc)
-    d_dn = dy2.t() @ act.mul_(hu).flatten(0, 1).to(acc)
-    d_g = dhg.flatten(0, 1).to(acc).t() @ x2
-    d_u = dhu.flatten(0, 1).to(acc).t() @ x2
-    dx = torch.addmm(dhg.flatten(0, 1) @ g, dhu.flatten(0, 1), u).view_as(x)
-    return dx, d_g, d_u, d_dn
+    dh = torch.empty_like(hid)  # [dhg | dhu], so that both weight gradients are one GEMM
+    torch.mul(dm, act, out=dh[..., f:])
+    torch.ops.aten.silu_backward.grad_input(dm.mul_(hu), hg, grad_input=dh[..., :f])
+    act.mul_(hu)  # the forward's activation, input of Dn
+    x2, dy2, dh2 = x.reshape(-1, h), dy.reshape(-1, h), dh.view(-1, two_f)
+    acc = out.dtype
+    torch.mm(dh2.t().to(acc), x2.to(acc), out=out[: two_f * h].view(two_f, h))
+    torch.mm(dy2.t().to(acc), act.view(-1, f).to(acc), out=out[two_f * h : 3 * f * h].view(h, f))
+    _add_matmul(dx, dh2, gu)
 
 
 class _RingSchedule:
-    """Weight ring of one call: every owner's shard shapes, group, options."""
+    """Weight ring of one call: every owner's slice width, group, options."""
 
     def __init__(self, group, config: TSPConfig, x: torch.Tensor, weights, sizes) -> None:
         self.group, self.config = group, config
         self.ring = comm.Ring(group)
         self.D, self.p = self.ring.size, self.ring.rank
-        h = x.shape[-1]
-        sizes = sizes or [weights[0].shape[0]] * self.D
-        # (G, U, Dn) shapes of owner q's slice of f_q rows: [f_q, h], [f_q, h], [h, f_q]
-        self.shapes = [[torch.Size((f, h))] * 2 + [torch.Size((h, f))] for f in sizes]
-        self.numel = 3 * h * max(sizes)
+        self.h = x.shape[-1]
+        self.sizes = sizes or [weights[0].shape[0]] * self.D  # f_q of every owner q
+        self.numel = 3 * self.h * max(self.sizes)
         self.acc = config.accum_for(x.dtype)
 
     def shards(self, weights):
-        """Yield ``(t, (G, U, Dn))`` of owner p - t; the next one arrives while the caller works."""
+        """Yield ``(t, (GU, Dn))`` of owner q = p - t: ``GU = [G_q; U_q]`` ``[2 f_q, h]`` and
+        ``Dn_q [h, f_q]``, views of the ring buffer; the next one arrives while the caller works."""
         packed = comm.pack(weights, numel=self.numel)  # a copy: it may serve as a receive buffer
         for t, cur in circulate(self.ring, packed, self.config.overlap, reuse=True):
-            yield t, comm.unpack(cur, self.shapes[(self.p - t) % self.D])
+            f, h = self.sizes[(self.p - t) % self.D], self.h
+            yield t, (cur[: 2 * f * h].view(2 * f, h), cur[2 * f * h : 3 * f * h].view(h, f))
 
 
 def tsp_mlp_forward(sched: _RingSchedule, x: torch.Tensor, weights, keep_hidden: bool = False):
     """Forward ring: ``X_p [B, T, h]`` -> ``Y_p [B, T, h]``, plus, if ``keep_hidden``, every
-    step's gate/up pre-activations, a list of D ``[2, B, T, f_q]`` (else None)."""
+    step's gate/up pre-activations, a list of D ``[B, T, 2 f_q]`` (else None)."""
     y = torch.zeros(x.shape, dtype=sched.acc, device=x.device)
     hidden = [] if keep_hidden else None
-    for _, (g, u, dn) in sched.shards(weights):
-        hg, hu = F.linear(x, g), F.linear(x, u)
+    for _, (gu, dn) in sched.shards(weights):
+        hid = F.linear(x, gu)  # [B, T, 2f]
         if keep_hidden:
-            hidden.append(torch.stack([hg, hu]))
-        y += F.linear(F.silu(hg) * hu, dn)
+            hidden.append(hid)
+        hg, hu = hid.chunk(2, dim=-1)
+        act = F.silu(hg).mul_(hu)
+        _add_matmul(y.view(-1, sched.h), act.view(-1, act.shape[-1]), dn.t())
     return y.to(x.dtype), hidden
 
 
@@ -87,18 +102,21 @@ def tsp_mlp_backward(sched: _RingSchedule, dy: torch.Tensor, x: torch.Tensor, we
     dy = dy.contiguous()
     dx = torch.zeros(x.shape, dtype=sched.acc, device=x.device)
     owner_grads = GradientRing(sched.ring)
-    for t, (g, u, dn) in sched.shards(weights):
+    for t, (gu, dn) in sched.shards(weights):
+        share = torch.empty(sched.numel, dtype=sched.acc, device=x.device)
+        share[dn.numel() * 3 :].zero_()  # a smaller shard's padding travels (and is summed) too
         h_t = hidden[t] if hidden is not None else None
-        dx_t, *dw = _swiglu_backward(x, dy, g, u, dn, sched.acc, h_t)
-        dx += dx_t
-        owner_grads.add(t, comm.pack(dw, sched.acc, sched.numel))
-    grads = comm.unpack(owner_grads.result(), sched.shapes[sched.p])
+        _swiglu_backward(x, dy, gu, dn, share, dx.view(-1, sched.h), h_t)
+        owner_grads.add(t, share)
+    f, h = sched.sizes[sched.p], sched.h
+    shapes = [torch.Size((f, h))] * 2 + [torch.Size((h, f))]
+    grads = comm.unpack(owner_grads.result(), shapes)
     return dx.to(x.dtype), [gr.to(w.dtype) for gr, w in zip(grads, weights)]
 
 
 class _TSPMLPFunction(torch.autograd.Function):
     """Autograd boundary of the ring schedule: saves X_p and the rank's own shards (plus every
-    step's gate/up pre-activations, D x ``[2, B, S/D, f_q]``, when ``config.recompute_mlp`` is
+    step's gate/up pre-activations, D x ``[B, S/D, 2 f_q]``, when ``config.recompute_mlp`` is
     off)."""
 
     @staticmethod
