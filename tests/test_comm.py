@@ -48,12 +48,42 @@ def duals_worker(rank, world):
     y = comm.sum_over_ranks(x, group)
     y.backward(g)
     out["sum_over_ranks"] = abs((y.detach() * g).sum().item() - _global_dot(x.detach(), x.grad))
+    out.update(_bucket_case(rank, world, group))
     # forward values
     x = torch.full((2, 1), float(rank))
     out["broadcast_value"] = comm.broadcast_from_owner(x, 0, group).eq(0).all().item()
     out["gather_value"] = comm.gather_seq(x[None], group)[0, :, 0].tolist()
     out["ring_value"] = comm.ring_pass(x, group)[0, 0].item()
     return out
+
+
+def _bucket_case(rank, world, group) -> dict:
+    """Replicated tensors used in a bucket get the gradients of per-use ``replicated``, from one
+    all-reduce per dtype."""
+    torch.manual_seed(world)
+    shapes = ((3, torch.float64), (4, torch.float64), (2, torch.float32))
+    ts = [torch.randn(n, dtype=dt, requires_grad=True) for n, dt in shapes]
+    torch.manual_seed(200 + rank)
+    gs = [torch.randn_like(t) for t in ts]
+
+    def loss():  # every tensor used twice
+        uses = [comm.replicated(t, group) + comm.replicated(t, group) for t in ts]
+        return sum((u * g).sum() for u, g in zip(uses, gs))
+
+    loss().backward()
+    expected = [t.grad.clone() for t in ts]
+    for t in ts:
+        t.grad = None
+    calls, real = [], dist.all_reduce
+    dist.all_reduce = lambda *a, **k: calls.append(a[0].numel()) or real(*a, **k)
+    try:
+        with comm.bucketed_replicated(ts, group):
+            total = loss()
+        total.backward()
+    finally:
+        dist.all_reduce = real
+    error = max((t.grad - e).abs().max().item() for t, e in zip(ts, expected))
+    return {"bucket_error": error, "bucket_all_reduces": sorted(calls)}
 
 
 @functools.cache
@@ -67,6 +97,8 @@ def test_functions_are_exact_duals(world):
         names = ("broadcast_from_owner", "gather_seq", "ring_pass", "replicated", "sum_over_ranks")
         for name in names:
             assert res[name] < 1e-12, (world, rank, name, res[name])
+        assert res["bucket_error"] < 1e-6, res["bucket_error"]  # float32 among them
+        assert res["bucket_all_reduces"] == [2, 7]  # one per dtype: 2 float32, 3 + 4 float64
         assert res["broadcast_value"]
         assert res["gather_value"] == [float(r) for r in range(world) for _ in range(2)]
         assert res["ring_value"] == float((rank - 1) % world)

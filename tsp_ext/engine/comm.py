@@ -7,7 +7,7 @@ composes with ordinary autograd; each Function's backward is the exact adjoint o
     broadcast from owner   <->  reduce to owner
     sequence all-gather    <->  sequence reduce-scatter
     ring pass (p -> p+1)   <->  reverse ring pass (p -> p-1)
-    replicated use         <->  gradient all-reduce
+    replicated use         <->  gradient all-reduce (one per step for a bucket of them)
     partial sums -> total  <->  identity (the total is one replicated value)
 
 All ranks are *group* ranks of the TSP process group. On CUDA/NCCL the async handles let the
@@ -17,6 +17,7 @@ caller overlap the transfer with compute on the current stream; on CPU/gloo the 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -243,8 +244,59 @@ def ring_pass(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return _RingPass.apply(x, group)
 
 
+class _BucketedUse(torch.autograd.Function):
+    """forward: identities of several replicated tensors.
+    backward: their gradients summed over the group by one all-reduce per dtype (the dual of
+    several ``_ReplicatedUse``, with one message instead of one per tensor)."""
+
+    @staticmethod
+    def forward(ctx, group: ProcessGroup, *xs: torch.Tensor):
+        ctx.group = group
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        out = list(grads)
+        for dtype in {g.dtype for g in grads if g is not None}:
+            index = [i for i, g in enumerate(grads) if g is not None and g.dtype == dtype]
+            flat = pack([grads[i] for i in index])
+            all_reduce(flat, ctx.group)
+            for i, g in zip(index, unpack(flat, [grads[i].shape for i in index])):
+                out[i] = g
+        return None, *out
+
+
+_bucket: dict[int, tuple[torch.Tensor, ProcessGroup]] | None = None
+
+
+@contextmanager
+def bucketed_replicated(tensors: Sequence[torch.Tensor], group: ProcessGroup):
+    """Within the block, ``replicated(t, group)`` of any of ``tensors`` returns a view made by one
+    shared autograd node, whose backward all-reduces all their gradients at once: one
+    collective per step instead of one per use (e.g. the norm weights of every layer).
+
+    The gradients then reach the tensors at the end of backward (when the last use's gradient is
+    known), so only tensors whose storage stays put for the whole step may be bucketed (not
+    FSDP2 / ZeRO-3 parameters, which are gathered per layer)."""
+    global _bucket
+    if not torch.is_grad_enabled() or len(tensors) < 2:
+        yield
+        return
+    views = _BucketedUse.apply(group, *tensors)
+    previous = _bucket
+    _bucket = {id(t): (v, group) for t, v in zip(tensors, views)}
+    try:
+        yield
+    finally:
+        _bucket = previous
+
+
 def replicated(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """Use a replicated tensor; its gradient is summed over ``group`` (dual: all-reduce)."""
+    """Use a replicated tensor; its gradient is summed over ``group`` (dual: all-reduce), in a
+    shared bucket when ``x`` is in the active ``bucketed_replicated`` block."""
+    hit = _bucket.get(id(x)) if _bucket is not None else None
+    if hit is not None and hit[1] is group:
+        return hit[0]
     return _ReplicatedUse.apply(x, group)
 
 

@@ -17,7 +17,7 @@ Steps, in order:
 from __future__ import annotations
 
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 from torch import nn
@@ -31,7 +31,7 @@ from .attention import TSPAttention
 from .causal_lm import TSPCausalLMLoss, check_inputs
 from .generate import tsp_forward, tsp_generate
 from .mlp import TSPGatedMLP
-from .replicated import TSPEmbedding, TSPLMHead, TSPRMSNorm
+from .replicated import TSPEmbedding, TSPLMHead, TSPRMSNorm, replicated_vectors
 from .vocab import TSPVocabEmbedding, TSPVocabLMHead
 
 # Families checked against this implementation; others with the same structure are accepted.
@@ -55,6 +55,7 @@ class TSPState:
     group: dist.ProcessGroup
     config: TSPConfig
     hf_config_values: dict  # config fields apply_tsp changed, as they were (for export)
+    bucketed: tuple[str, ...] = ()  # replicated vectors whose gradients share one all-reduce
 
     @property
     def size(self) -> int:
@@ -120,6 +121,7 @@ def apply_tsp(
     model.config.use_cache = False  # training calls keep no cache; generate passes a TSPCache
     model.loss_function = TSPCausalLMLoss(group)
     model.tsp = TSPState(mesh, group, config, changed)
+    model.tsp = replace(model.tsp, bucketed=replicated_vectors(model))
     model.forward = types.MethodType(tsp_forward, model)
     model.generate = types.MethodType(tsp_generate, model)
     model.register_forward_pre_hook(check_inputs, with_kwargs=True)

@@ -17,6 +17,7 @@ from ..engine import comm
 from .cache import TSPCache
 from .causal_lm import vocab_sharded_forward
 from .inference import inference_forward
+from .replicated import bucketed_grads
 
 # generate() options that need something a TSP cache does not do (crop, re-run, a second model)
 _UNSUPPORTED = {
@@ -53,7 +54,8 @@ def tsp_forward(
     if logits_to_keep:
         given["logits_to_keep"] = logits_to_keep
     train = vocab_sharded_forward if self.tsp.config.shard_vocab else type(self).forward
-    return train(self, **given, **kwargs)
+    with bucketed_grads(self):
+        return train(self, **given, **kwargs)
 
 
 def _check_generation_options(generation_config, kwargs: dict) -> None:

@@ -2,7 +2,8 @@
 
 Each rank applies them to its own tokens, so each rank's weight gradient covers only its tokens;
 every use goes through ``comm.replicated`` so the gradient is summed over the TSP group inside
-autograd (with any DP engine's hooks still seeing an ordinary parameter gradient). They take
+autograd (with any DP engine's hooks still seeing an ordinary parameter gradient). The small
+ones (norm weights, biases) share one all-reduce per step (``bucketed_grads``). They take
 over the Hugging Face modules' parameters as they are (same objects, same names), so tied
 embeddings stay tied.
 """
@@ -12,9 +13,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from ..engine.comm import replicated
+from ..engine.comm import bucketed_replicated, replicated
 from ..engine.pointwise import rms_norm
+from .sharding import Role, param_roles
 
 
 class TSPRMSNorm(nn.Module):
@@ -61,3 +64,20 @@ class TSPLMHead(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else replicated(self.bias, self.group)
         return F.linear(h, replicated(self.weight, self.group), bias)
+
+
+def replicated_vectors(model: nn.Module) -> tuple[str, ...]:
+    """Names of a TSP model's replicated 1-D parameters (norm weights, o_proj biases)."""
+    roles = param_roles(model)
+    return tuple(
+        n for n, p in model.named_parameters() if p.dim() == 1 and roles[n] is Role.REPLICATED
+    )
+
+
+def bucketed_grads(model: nn.Module):
+    """Context of one training forward: the replicated vectors' gradients are summed over the TSP
+    group by one all-reduce at the end of backward instead of one per use. Parameters a DP engine
+    gathers per layer (FSDP2 DTensors, ZeRO-3) keep their per-use all-reduce."""
+    params = [model.get_parameter(n) for n in model.tsp.bucketed]
+    stays_put = [p for p in params if not isinstance(p, DTensor) and not hasattr(p, "ds_id")]
+    return bucketed_replicated([p for p in stays_put if p.requires_grad], model.tsp.group)
