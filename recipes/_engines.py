@@ -80,7 +80,10 @@ class Engine:
         elif kind == "ddp":
             if getattr(model, "tsp", None) is None:
                 apply_tsp(model, mesh)
-            self.forward_model = DistributedDataParallel(model, process_group=self.dp_group)
+            # the gradients live in DDP's buckets (no second copy of every gradient)
+            self.forward_model = DistributedDataParallel(
+                model, process_group=self.dp_group, gradient_as_bucket_view=True
+            )
         else:
             raise ValueError(f"unknown --dp-engine {kind!r}")
         self.optimizer = factory(model.parameters())
