@@ -61,7 +61,10 @@ class Engine:
         (``tsp_ext.load_pretrained``); DeepSpeed and FSDP2 accept both."""
         self.kind, self.model, self.mesh, self.args = kind, model, mesh, args
         self.dp_group = mesh["dp"].get_group()
-        factory = lambda ps: torch.optim.AdamW(ps, lr=args.lr, weight_decay=0.0)  # noqa: E731
+
+        def factory(params):  # fused: no temporaries of a parameter's size in the step
+            return torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, fused=True)
+
         schedule = lr_lambda(args.warmup_steps, args.max_steps)
         if kind == "deepspeed":
             import tsp_ext.deepspeed as tds
@@ -80,7 +83,10 @@ class Engine:
         elif kind == "ddp":
             if getattr(model, "tsp", None) is None:
                 apply_tsp(model, mesh)
-            self.forward_model = DistributedDataParallel(model, process_group=self.dp_group)
+            # the gradients live in DDP's buckets (no second copy of every gradient)
+            self.forward_model = DistributedDataParallel(
+                model, process_group=self.dp_group, gradient_as_bucket_view=True
+            )
         else:
             raise ValueError(f"unknown --dp-engine {kind!r}")
         self.optimizer = factory(model.parameters())

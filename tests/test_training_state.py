@@ -1,6 +1,7 @@
 """Training-state checkpoints (``tsp_ext.checkpoint.save`` / ``load``, DCP): exact resume,
-resume at another TSP x dp layout, the same format for plain/DDP, FSDP2 and DeepSpeed ZeRO, and
-refusal of incomplete, damaged and other-model checkpoints."""
+resume at another TSP x dp layout, the same format for plain/DDP, FSDP2 and DeepSpeed ZeRO (one DCP
+checkpoint per group of parameters), each rank's torch RNG restored, and refusal of incomplete,
+damaged and other-model checkpoints."""
 
 from __future__ import annotations
 
@@ -14,12 +15,20 @@ import torch.distributed as dist
 from conftest import error_message
 from models import batch, build
 
-from tsp_ext import apply_tsp, full_state_dict, init_tsp_mesh, save_pretrained, shard_batch
+from tsp_ext import (
+    apply_tsp,
+    checkpoint,
+    full_state_dict,
+    init_tsp_mesh,
+    save_pretrained,
+    shard_batch,
+)
 from tsp_ext.testing.launch import run_processes
 
 pytestmark = pytest.mark.multiproc
 
 STEPS = 4  # straight; the checkpoint is taken after STEPS // 2
+GROUP_BYTES = 16 * 2**10  # several groups of parameters in the tiny model (~100 KB)
 
 
 class Trainer:
@@ -78,14 +87,10 @@ class Trainer:
         return total.item() / dp
 
     def save(self, path: str, step: int, **kw):
-        from tsp_ext import checkpoint
-
         return checkpoint.save(path, self.model, self.optimizer, scheduler=self.scheduler,
                                extra_state={"step": step}, engine=self.ds, **kw)  # fmt: skip
 
     def load(self, path: str) -> int:
-        from tsp_ext import checkpoint
-
         extra = checkpoint.load(
             path, self.model, self.optimizer, scheduler=self.scheduler, engine=self.ds
         )
@@ -120,15 +125,19 @@ def resume_worker(rank, world, kind, tmp):
     with torch.no_grad():  # an evaluation: FSDP2 leaves the root's parameters unsharded
         first.forward(**shard_batch(batch(first.model.config.vocab_size, 1, 24), first.mesh))
     ckpt = os.path.join(tmp, kind, f"checkpoint-{half}")
-    first.save(ckpt, half)
+    torch.manual_seed(100 + rank)  # each rank's own generator state goes into the checkpoint
+    first.save(ckpt, half, max_group_bytes=GROUP_BYTES)
+    draws = torch.rand(4)
     out = {"straight": losses, "export_equal": export_equal}
     for name, tsp in (("exact", 4), ("reshard", 2)):
-        again = Trainer(kind, tsp, seed=1)  # other weights, overwritten by the load
+        again = Trainer(kind, tsp, seed=1)  # other weights (and RNG), overwritten by the load
         start = again.load(ckpt)
+        out[name + "_rng"] = torch.equal(torch.rand(4), draws)
         out[name] = [again.step(s) for s in range(start, STEPS)]
         params = again.params()
         out[name + "_params"] = max((params[k] - final[k]).abs().max().item() for k in final)
     out["files"] = sorted(os.listdir(ckpt))
+    out["groups"] = len(checkpoint.inspect(ckpt)["groups"])
     return out
 
 
@@ -146,7 +155,12 @@ def test_exact_and_resharded_resume(kind, tmp):
         for a, b in zip(res["reshard"], res["straight"][half:]):
             assert abs(a - b) < 1e-5 * b, res
         assert res["reshard_params"] < 1e-5, res
-        assert "trainer_state.json" in res["files"] and ".metadata" in res["files"]
+        assert res["exact_rng"] and res["reshard_rng"], res  # the same 4 ranks: RNG restored
+        assert res["groups"] > 2, res  # several DCP checkpoints, each read on its own
+        assert res["files"] == [f"group-{i:05d}" for i in range(res["groups"])] + [
+            "rng",
+            "trainer_state.json",
+        ]
         assert res["export_equal"], res
 
 
@@ -157,9 +171,12 @@ def _damage(ckpt: str, where: str, how: str) -> str:
         if how == "interrupted":  # what a save killed before its completion leaves
             os.remove(os.path.join(where, "trainer_state.json"))
         elif how == "truncated":
-            data = next(f for f in sorted(os.listdir(where)) if f.endswith(".distcp"))
-            with open(os.path.join(where, data), "r+b") as f:
-                f.truncate(os.path.getsize(os.path.join(where, data)) // 2)
+            data = max(  # the largest data file of any group
+                (os.path.join(d, f) for d, _, fs in os.walk(where) for f in fs if "distcp" in f),
+                key=os.path.getsize,
+            )
+            with open(data, "r+b") as f:
+                f.truncate(os.path.getsize(data) // 2)
         elif how == "corrupt":
             with open(os.path.join(where, "trainer_state.json"), "w") as f:
                 f.write('{"format": ')
@@ -169,13 +186,11 @@ def _damage(ckpt: str, where: str, how: str) -> str:
 
 def safety_worker(rank, world, tmp):
     """Async save while training goes on; refusals leave the model untouched."""
-    from tsp_ext import checkpoint
-
     trainer = Trainer("ddp", 2)
     trainer.step(0)
     ckpt = os.path.join(tmp, "async")
     snapshot = trainer.params()
-    pending = trainer.save(ckpt, 1, async_save=True)
+    pending = trainer.save(ckpt, 1, async_save=True, max_group_bytes=GROUP_BYTES)
     trainer.step(1)  # changes the parameters while the checkpoint is written
     pending.wait()
     fresh = Trainer("ddp", 2, seed=1)

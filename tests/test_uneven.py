@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 
 import pytest
 import torch
@@ -253,3 +254,4 @@ def test_dcp_checkpoint_of_an_uneven_layout_is_refused_clearly(tmp_path):
     # 9 query heads over D = 2: DTensor placements cannot describe 5 + 4 head blocks
     for msg in run_processes(dcp_refusal_worker, 2, str(tmp_path / "ckpt")):
         assert "is split unevenly over tsp=2" in msg and "save_pretrained" in msg, msg
+    assert not os.listdir(tmp_path)  # refused before anything was written

@@ -2,9 +2,10 @@
 atomically.
 
 Tensors are gathered one at a time (over the TSP group, and over dp for FSDP2 DTensors and ZeRO-3
-partitions) to global rank 0, which appends them to the current safetensors file and writes that
-file once it reaches ``max_shard_size``. Peak extra memory: one shard file (plus one tensor) on
-rank 0, one TSP shard elsewhere; never the model.
+partitions) to global rank 0, which writes each straight into its place in the current
+safetensors file: the files (at most ``max_shard_size`` each) and their headers are planned
+beforehand from the full shapes, so a file is never held in memory. Peak extra memory: one full
+tensor on rank 0, one TSP shard elsewhere; never the model.
 """
 
 from __future__ import annotations
@@ -14,18 +15,30 @@ import json
 import os
 import re
 import shutil
+import struct
 import tempfile
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 from torch import nn
 
-from .state import iter_full_tensors, require_tsp
+from .state import full_shape, iter_full_tensors, require_tsp, reshard_fsdp
 
 WRITER = 0  # the global rank that writes the files
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
+_DTYPES = {  # safetensors' names
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 
 def parse_size(size: str | int) -> int:
@@ -39,44 +52,66 @@ def parse_size(size: str | int) -> int:
 
 
 class _ShardFiles:
-    """Accumulates tensors into one safetensors file of at most ``max_bytes`` (a larger tensor
-    gets a file of its own), writes it when full, and names the files and the index at the end."""
+    """Safetensors files of at most ``max_bytes`` each (a larger tensor gets a file of its own),
+    planned from ``entries`` (name, dtype, full shape; in the order the tensors will come):
+    ``add`` writes each tensor at its offset as it arrives, ``finish`` names the files and
+    writes the index if there are several."""
 
-    def __init__(self, folder: str, max_bytes: int) -> None:
-        self.folder, self.max_bytes = folder, max_bytes
-        self.pending: dict[str, torch.Tensor] = {}
-        self.pending_bytes = 0
-        self.files: list[list[str]] = []  # tensor names of each written file
-        self.total = 0
+    def __init__(
+        self, folder: str, entries: list[tuple[str, torch.dtype, torch.Size]], max_bytes: int
+    ) -> None:
+        self.folder = folder
+        self.files: list[list[tuple[str, torch.dtype, torch.Size]]] = []
+        size = 0
+        for entry in entries:
+            if entry[1] not in _DTYPES:
+                raise ValueError(f"{entry[0]}: safetensors has no dtype {entry[1]}")
+            nbytes = _nbytes(entry)
+            if not self.files or (self.files[-1] and size + nbytes > max_bytes):
+                self.files.append([])
+                size = 0
+            self.files[-1].append(entry)
+            size += nbytes
+        self.total = sum(_nbytes(e) for e in entries)
+        self.order = [(i, e) for i, file in enumerate(self.files) for e in file]
+        self.next, self.handle = 0, None
+
+    def part(self, i: int) -> str:
+        return os.path.join(self.folder, f"part-{i:05d}")
 
     def add(self, name: str, t: torch.Tensor) -> None:
-        size = t.numel() * t.element_size()
-        if self.pending and self.pending_bytes + size > self.max_bytes:
-            self.flush()
-        self.pending[name] = t.contiguous()
-        self.pending_bytes += size
-        self.total += size
+        i, (expected, dtype, shape) = self.order[self.next]
+        if (name, t.dtype, t.shape) != (expected, dtype, shape):
+            raise RuntimeError(
+                f"save_pretrained: got {name} {t.dtype} {list(t.shape)}, planned {expected} "
+                f"{dtype} {list(shape)}"
+            )
+        if self.files[i][0][0] == name:  # the first tensor of file i: header first
+            self.close()
+            self.handle = open(self.part(i), "wb")
+            self.handle.write(_header(self.files[i]))
+        self.handle.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+        self.next += 1
 
-    def flush(self) -> None:
-        if not self.pending:
-            return
-        file = os.path.join(self.folder, f"part-{len(self.files):05d}")
-        save_file(self.pending, file, metadata={"format": "pt"})
-        self.files.append(list(self.pending))
-        self.pending, self.pending_bytes = {}, 0
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.close()
+            self.handle = None
 
     def finish(self) -> None:
         """Rename the parts to Hugging Face's names; write the index if there are several."""
-        self.flush()
+        self.close()
+        if self.next != len(self.order):
+            raise RuntimeError(f"save_pretrained: {len(self.order) - self.next} tensors missing")
         n = len(self.files)
         if n == 1:
-            os.rename(os.path.join(self.folder, "part-00000"), self.name(0, 1))
+            os.rename(self.part(0), self.name(0, 1))
             return
         weight_map = {}
-        for i, names in enumerate(self.files):
+        for i, entries in enumerate(self.files):
             final = self.name(i, n)
-            os.rename(os.path.join(self.folder, f"part-{i:05d}"), final)
-            weight_map.update(dict.fromkeys(names, os.path.basename(final)))
+            os.rename(self.part(i), final)
+            weight_map.update(dict.fromkeys((e[0] for e in entries), os.path.basename(final)))
         index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
         with open(os.path.join(self.folder, "model.safetensors.index.json"), "w") as f:
             json.dump(index, f, indent=2)
@@ -84,6 +119,25 @@ class _ShardFiles:
     def name(self, i: int, n: int) -> str:
         base = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
         return os.path.join(self.folder, base)
+
+
+def _nbytes(entry: tuple[str, torch.dtype, torch.Size]) -> int:
+    return entry[2].numel() * entry[1].itemsize
+
+
+def _header(entries: list[tuple[str, torch.dtype, torch.Size]]) -> bytes:
+    """Length (8 bytes, little endian) + JSON header of a safetensors file holding ``entries``
+    back to back, padded with spaces to 8 bytes as safetensors writes it."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, dtype, shape in entries:
+        end = offset + _nbytes((name, dtype, shape))
+        header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape)}
+        header[name]["data_offsets"] = [offset, end]
+        offset = end
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
 
 
 def save_pretrained(
@@ -97,7 +151,8 @@ def save_pretrained(
 
     Works for a plain TSP model (DDP), an FSDP2-sharded one and the ``module`` of a DeepSpeed
     engine (any ZeRO stage): each tensor is gathered on its own and streamed to global rank 0,
-    which holds at most one ``max_shard_size`` file in memory. The result loads with plain
+    which writes it into its place in a file of at most ``max_shard_size`` (planned from the full
+    shapes) and frees it: one full tensor in memory at a time. The result loads with plain
     ``AutoModelForCausalLM.from_pretrained(path)`` in one process. It is written to a temporary
     directory beside ``path`` and renamed into place, so an interrupted save leaves any previous
     checkpoint at ``path`` intact; a failure is raised on every rank.
@@ -114,7 +169,13 @@ def save_pretrained(
             parent = os.path.dirname(os.path.abspath(path))
             os.makedirs(parent, exist_ok=True)
             tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
-            files = _ShardFiles(tmp, max_bytes)
+            reshard_fsdp(model)  # as iter_full_tensors does: the same names and shapes
+            entries = [
+                (n, t.dtype, full_shape(model, n, t))
+                for n, t in model.state_dict(keep_vars=True).items()
+                if not (tied and n == "lm_head.weight")
+            ]
+            files = _ShardFiles(tmp, entries, max_bytes)
         except BaseException as e:  # every rank must learn that the save failed
             error = e
     for name, t in iter_full_tensors(model, dst=WRITER):  # every rank takes part in each gather
@@ -132,6 +193,8 @@ def save_pretrained(
         except BaseException as e:
             error = e
     if writer and error is not None and tmp is not None:
+        if files is not None:
+            files.close()
         shutil.rmtree(tmp, ignore_errors=True)
     failed = [error is not None]
     dist.broadcast_object_list(failed, src=WRITER)

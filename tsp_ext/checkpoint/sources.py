@@ -5,12 +5,13 @@
 or ``"step"`` (a scalar). ``tensor`` is this rank's piece: the live tensor of a plain or FSDP2
 model (DTensor chunks included), or for a DeepSpeed engine the fp32 master / optimizer state of
 this TSP rank's shard, assembled over dp by ``deepspeed.utils.safe_get_full_*`` (ZeRO-1/2/3).
-``restore`` writes such pieces back, again one parameter at a time.
+``restore`` writes such pieces back, again one parameter at a time. Both take the parameter
+``names`` to visit (a checkpoint is written and read a group of parameters at a time).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 import torch
 from torch import nn
@@ -30,9 +31,10 @@ def _ds_base_state(engine) -> dict:
     return next(iter(state.values()))
 
 
-def _create_ds_state(engine, keys: set[str]) -> None:
-    """Give the wrapped torch optimizer zero state for each flat fp32 partition, as its first
-    step would (it creates it lazily), and link it to the parameters' ``safe_*`` fragments."""
+def prepare_restore(engine, keys: set[str]) -> None:
+    """DeepSpeed, before ``restore``: give the wrapped torch optimizer zero state for the
+    optimizer ``keys`` of the checkpoint on each flat fp32 partition, as its first step would (it
+    creates it lazily), and link it to the parameters' ``safe_*`` fragments."""
     opt = engine.optimizer
     flats = getattr(opt, "single_partition_of_fp32_groups", None)  # ZeRO-1/2
     if flats is None:
@@ -46,25 +48,29 @@ def _create_ds_state(engine, keys: set[str]) -> None:
         opt._lazy_init_hp_params_optimizer_state()
 
 
+def _named(model: nn.Module, names: Collection[str]) -> Iterator[tuple[str, nn.Parameter]]:
+    return ((n, p) for n, p in model.named_parameters() if n in names)
+
+
 def local_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer, engine=None
+    model: nn.Module, optimizer: torch.optim.Optimizer, names: Collection[str], engine=None
 ) -> Iterator[tuple[str, str, torch.Tensor, nn.Parameter]]:
-    """This rank's pieces of the training state; see the module docstring (collective for
-    DeepSpeed: every rank must consume the iterator)."""
+    """This rank's pieces of the training state of parameters ``names``; see the module
+    docstring (collective for DeepSpeed: every rank must consume the iterator)."""
     reshard_fsdp(model)
     if engine is not None:
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
         base = _ds_base_state(engine)
         keys = [k for k, v in base.items() if torch.is_tensor(v) and v.dim() > 0]
-        for name, p in model.named_parameters():
+        for name, p in _named(model, names):
             yield name, PARAM, safe_get_full_fp32_param(p).view(local_shape(p)), p
             for key in keys:
                 yield name, key, safe_get_full_optimizer_state(p, key).view(local_shape(p)), p
             if STEP in base:
                 yield name, STEP, torch.as_tensor(base[STEP]).detach().clone(), p
         return
-    for name, p in model.named_parameters():
+    for name, p in _named(model, names):
         yield name, PARAM, local_tensor(p.detach()), p
         for key, value in optimizer.state.get(p, {}).items():
             if torch.is_tensor(value) and value.dim() > 0:
@@ -74,14 +80,18 @@ def local_state(
 
 
 def targets(
-    model: nn.Module, optimizer: torch.optim.Optimizer, keys: dict[str, list[str]], engine=None
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    keys: dict[str, list[str]],
+    names: Collection[str],
+    engine=None,
 ) -> Iterator[tuple[str, str, torch.Tensor, nn.Parameter]]:
-    """Tensors to load into, like ``local_state``: for a plain / FSDP2 model the live parameters
-    and optimizer tensors themselves (created, zero, where the optimizer has none yet); for
-    DeepSpeed fresh fp32 buffers of this TSP rank's shape, handed to ``restore`` after loading.
-    ``keys``: per parameter name, the optimizer keys the checkpoint holds."""
+    """Tensors to load parameters ``names`` into, like ``local_state``: for a plain / FSDP2 model
+    the live parameters and optimizer tensors themselves (created, zero, where the optimizer has
+    none yet); for DeepSpeed fresh fp32 buffers of this TSP rank's shape, handed to ``restore``
+    after loading. ``keys``: per parameter name, the optimizer keys the checkpoint holds."""
     reshard_fsdp(model)
-    for name, p in model.named_parameters():
+    for name, p in _named(model, names):
         if engine is not None:
             yield name, PARAM, torch.empty(local_shape(p), dtype=torch.float32), p
             for key in keys.get(name, []):
@@ -101,27 +111,27 @@ def targets(
             yield name, key, local_tensor(value) if value.dim() else value, p
 
 
-def restore(engine, pieces: Iterator[tuple[str, str, torch.Tensor, nn.Parameter]]) -> None:
+def restore(engine, pieces: list[tuple[str, str, torch.Tensor, nn.Parameter]]) -> None:
     """DeepSpeed: set the fp32 master and optimizer state of each parameter from loaded
-    ``targets`` buffers, then refresh the (low-precision) model weights from the masters."""
+    ``targets`` buffers (one group of parameters; the optimizer step is set by the group that
+    holds it). Call ``finish_restore`` after the last group."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-    pieces = list(pieces)
-    _create_ds_state(engine, {key for _, key, _, _ in pieces} - {PARAM})
-    step = None
     for _, key, value, p in pieces:
         if key == PARAM:
             safe_set_full_fp32_param(p, value)
         elif key == STEP:
-            step = value
+            for st in engine.optimizer.optimizer.state.values():
+                if torch.is_tensor(st.get(STEP)):
+                    st[STEP].copy_(value)
+                else:
+                    st[STEP] = value.item()
         else:
             safe_set_full_optimizer_state(p, value, key)
-    if step is not None:
-        for st in engine.optimizer.optimizer.state.values():
-            if torch.is_tensor(st.get(STEP)):
-                st[STEP].copy_(step)
-            else:
-                st[STEP] = step.item()
+
+
+def finish_restore(engine) -> None:
+    """DeepSpeed: refresh the (low-precision) model weights from the restored fp32 masters."""
     opt = engine.optimizer
     if hasattr(opt, "update_lp_params"):  # ZeRO-1/2: fp32 partitions -> model weights
         opt.update_lp_params()

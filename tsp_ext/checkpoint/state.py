@@ -35,6 +35,19 @@ def reshard_fsdp(model: nn.Module) -> None:
             module.reshard()
 
 
+def full_shape(model: nn.Module, name: str, t: torch.Tensor) -> torch.Size:
+    """Shape of the full Hugging Face tensor that ``full_tensor(model, name, t)`` assembles,
+    without communication (``t``: this rank's value, as there)."""
+    shape = list(t.ds_shape if hasattr(t, "ds_shape") else t.shape)  # ZeRO-3: partitioned
+    sharded = shard_owner(model, name)
+    if sharded is not None:
+        module, key = sharded
+        dim = module.shard_dims[key]
+        tsp = dist.get_world_size(module.group)
+        shape[dim] = max(module.index_of(key, q)[dim].stop for q in range(tsp))
+    return torch.Size(shape)
+
+
 def full_tensor(
     model: nn.Module, name: str, t: torch.Tensor, *, dst: int | None = None
 ) -> torch.Tensor | None:

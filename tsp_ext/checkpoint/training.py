@@ -2,12 +2,18 @@
 one format for plain/DDP, FSDP2 and DeepSpeed ZeRO-1/2/3, resumable at any TSP and dp size.
 
 Each rank writes only the pieces it owns, described as DTensors over the full Hugging Face
-tensors (``layout.py``), so DCP writes replicated pieces once and reshards on load. A checkpoint
-directory holds the DCP files and ``trainer_state.json`` (scheduler, optimizer hyperparameters,
-the caller's ``extra_state``, the parameter names and full shapes, every file's size). It is
-written as ``.<name>.incomplete`` beside ``path`` and renamed to ``path`` only after every rank
-finished; ``load`` refuses an incomplete, truncated or other-model checkpoint with a
-``ValueError`` before it changes anything. Nothing is unpickled but DCP's own metadata.
+tensors (``layout.py``), so DCP writes replicated pieces once and reshards on load. The
+parameters are split into groups of bounded full size (model order, at most ``max_group_bytes``
+of float32 each; a larger parameter alone), and each group is one DCP checkpoint in a
+subdirectory ``group-<i>``, written and read on its own: a DeepSpeed save / load holds one
+group's fp32 masters and optimizer state at a time, not the whole rank's. The groups depend only
+on the parameter names and full shapes, and are recorded, so any layout reads them. ``rng/``
+holds each rank's torch generator states. ``trainer_state.json`` holds the scheduler, optimizer
+hyperparameters, the caller's ``extra_state``, the parameter names and full shapes, the groups
+and every file's size. A checkpoint is written as ``.<name>.incomplete`` beside ``path`` and
+renamed to ``path`` only after every rank finished; ``load`` refuses an incomplete, truncated or
+other-model checkpoint with a ``ValueError`` before it changes anything. Nothing is unpickled but
+DCP's own metadata.
 """
 
 from __future__ import annotations
@@ -15,19 +21,24 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from .export import WRITER, _replace_dir
 from .layout import Layout
-from .sources import PARAM, local_state, restore, targets
+from .rng import rng_kinds, rng_state, rng_targets, set_rng_state
+from .sources import PARAM, finish_restore, local_state, prepare_restore, restore, targets
 
 STATE = "trainer_state.json"
-FORMAT = "tsp_ext.dcp.v1"
+FORMAT = "tsp_ext.dcp.v2"
+RNG = "rng"
+GROUP_BYTES = 2**31  # default bound on the full float32 size of one group's parameters
 
 
 def save(
@@ -39,54 +50,84 @@ def save(
     extra_state: dict[str, Any] | None = None,
     engine=None,
     async_save: bool = False,
+    max_group_bytes: int = GROUP_BYTES,
 ) -> PendingSave | None:
-    """Write model, optimizer and scheduler state to the directory ``path`` (collective).
+    """Write model, optimizer and scheduler state and this process's torch RNG states to the
+    directory ``path`` (collective).
 
     Args:
         model: the TSP model (for DeepSpeed ``engine.module``; FSDP2-sharded is fine).
         optimizer: its optimizer (ignored with ``engine``: DeepSpeed's is read from it).
         scheduler: anything with ``state_dict()`` of JSON values (torch LR schedulers).
-        extra_state: JSON values returned by ``load`` (step, data position, RNG seeds, ...).
+        extra_state: JSON values returned by ``load`` (step, data position, seeds, ...).
         engine: the DeepSpeed engine, if any: its fp32 masters and optimizer state are saved,
-            gathered over dp one parameter at a time.
-        async_save: write in the background (``dcp.async_save``); returns a ``PendingSave``
-            whose ``wait()`` (collective) must be called before the next save / at exit, and
-            which completes the checkpoint. The state is copied before this returns.
+            gathered over dp one parameter at a time, one group of parameters at a time.
+        async_save: write in the background; returns a ``PendingSave`` whose ``wait()``
+            (collective) must be called before the next save / at exit, and which completes the
+            checkpoint. The state is copied before this returns (a copy of the rank's state).
+        max_group_bytes: bound on the full (unsharded) float32 size of the parameters written
+            in one DCP call; a DeepSpeed save holds about ``(1 + moments) x max_group_bytes /
+            tsp_size`` of fp32 state per rank at a time (or one larger parameter's).
     """
     path = os.fspath(path)
     json.dumps(extra_state)  # not JSON: TypeError here, before anything is written
+    layout = Layout(model)
+    shapes = _model_shapes(model, layout)  # an uneven layout is refused here, on every rank
+    groups = _groups(shapes, max_group_bytes)
     incomplete = _incomplete_dir(path)
     _on_writer(lambda: _fresh_dir(incomplete), f"preparing {incomplete}")
-    layout = Layout(model)
-    state_dict, keys = {}, {}
-    for name, key, tensor, param in local_state(model, optimizer, engine):
-        if key != PARAM:
-            keys.setdefault(name, []).append(key)
-        value = layout.wrap(name, tensor, param) if tensor.dim() else tensor
-        state_dict[_fqn(name, key)] = value
+    kinds = rng_kinds()
+    keys: dict[str, list[str]] = {}
+    stager = DefaultStager(StagingOptions(False, False, False, False)) if async_save else None
+    staged = []
+    for i, names in enumerate(groups):
+        state_dict = {}
+        for name, key, tensor, param in local_state(model, optimizer, names, engine):
+            if key != PARAM:
+                keys.setdefault(name, []).append(key)
+            value = layout.wrap(name, tensor, param) if tensor.dim() else tensor
+            state_dict[_fqn(name, key)] = value
+        where = os.path.join(incomplete, _group_dir(i))
+        if stager is not None:
+            staged.append((where, stager.stage(state_dict)))
+        else:
+            dcp.save(state_dict, checkpoint_id=where)
+        del state_dict  # DeepSpeed: this group's gathered fp32 state
+    rng = (os.path.join(incomplete, RNG), rng_state(kinds))
     opt = engine.optimizer if engine is not None else optimizer
     meta = {
         "format": FORMAT,
-        "model": _model_shapes(model, layout),
+        "model": shapes,
+        "groups": groups,
         "optimizer_keys": keys,
         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "extra_state": extra_state,
+        "rng": kinds,
         "saved_with": {"tsp_size": model.tsp.size, "world_size": dist.get_world_size()},
     }
-    if async_save:
+    if stager is not None:
+        stager.close()
         group = dist.new_group(backend="gloo")  # the background writer's own collectives
-        future = dcp.async_save(state_dict, checkpoint_id=incomplete, process_group=group)
+        writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tsp_ext-checkpoint")
+        future = writer.submit(_save_all, [*staged, rng], group)
+        writer.shutdown(wait=False)  # the thread ends once the save is done
         return PendingSave(future, group, incomplete, path, meta)
-    dcp.save(state_dict, checkpoint_id=incomplete)
+    dcp.save(rng[1], checkpoint_id=rng[0])
     _complete(incomplete, path, meta)
     return None
+
+
+def _save_all(parts: list[tuple[str, dict]], group) -> None:
+    """The background writer: one DCP save after the other (their collectives in one order)."""
+    for where, state_dict in parts:
+        dcp.save(state_dict, checkpoint_id=where, process_group=group)
 
 
 class PendingSave:
     """A checkpoint being written in the background; ``wait()`` finishes it (collective)."""
 
-    def __init__(self, future, group, incomplete: str, path: str, meta: dict) -> None:
+    def __init__(self, future: Future, group, incomplete: str, path: str, meta: dict) -> None:
         self._future, self._group = future, group
         self._incomplete, self._path, self._meta = incomplete, path, meta
 
@@ -105,7 +146,9 @@ def load(
     engine=None,
 ) -> dict[str, Any] | None:
     """Restore what ``save`` wrote into ``model``, ``optimizer`` and ``scheduler`` in place, at any
-    TSP / dp size and with any engine; returns the saved ``extra_state`` (collective).
+    TSP / dp size and with any engine, one group of parameters at a time; returns the saved
+    ``extra_state`` (collective). The torch RNG states are restored when the checkpoint was
+    written by as many ranks as there are now (a resharded resume draws its own numbers).
 
     Raises:
         ValueError: ``path`` is not a complete checkpoint (interrupted save, truncated or missing
@@ -117,13 +160,20 @@ def load(
     mine = _model_shapes(model, layout)
     if meta["model"] != mine:
         raise ValueError(f"{path} holds another model: {_model_difference(meta['model'], mine)}")
-    pieces = list(targets(model, optimizer, meta["optimizer_keys"], engine))
-    state_dict = {
-        _fqn(name, key): layout.wrap(name, t, p) if t.dim() else t for name, key, t, p in pieces
-    }
-    dcp.load(state_dict, checkpoint_id=path)  # in place, into the tensors of ``pieces``
     if engine is not None:
-        restore(engine, pieces)
+        prepare_restore(engine, {k for ks in meta["optimizer_keys"].values() for k in ks})
+    for i, names in enumerate(meta["groups"]):
+        pieces = list(targets(model, optimizer, meta["optimizer_keys"], set(names), engine))
+        state_dict = {
+            _fqn(name, key): layout.wrap(name, t, p) if t.dim() else t for name, key, t, p in pieces
+        }
+        # in place, into the tensors of ``pieces``
+        dcp.load(state_dict, checkpoint_id=os.path.join(path, _group_dir(i)))
+        if engine is not None:
+            restore(engine, pieces)
+        del pieces, state_dict
+    if engine is not None:
+        finish_restore(engine)
     opt = engine.optimizer if engine is not None else optimizer
     for group, saved in zip(opt.param_groups, meta["param_groups"]):
         group.update(
@@ -131,6 +181,10 @@ def load(
         )
     if scheduler is not None and meta["scheduler"] is not None:
         scheduler.load_state_dict(meta["scheduler"])
+    if meta["saved_with"]["world_size"] == dist.get_world_size():
+        rng = rng_targets(meta["rng"])
+        dcp.load(rng, checkpoint_id=os.path.join(path, RNG))
+        set_rng_state(rng)
     return meta["extra_state"]
 
 
@@ -166,6 +220,26 @@ def inspect(path: str | os.PathLike) -> dict[str, Any]:
     return meta
 
 
+def _groups(shapes: dict[str, list[int]], max_bytes: int) -> list[list[str]]:
+    """Consecutive parameters (model order) of at most ``max_bytes`` full float32 size each
+    (a larger parameter is a group of its own)."""
+    if max_bytes <= 0:
+        raise ValueError(f"max_group_bytes={max_bytes}: give a positive number of bytes")
+    groups, size = [], 0
+    for name, shape in shapes.items():
+        nbytes = 4 * torch.Size(shape).numel()
+        if not groups or size + nbytes > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    return groups
+
+
+def _group_dir(i: int) -> str:
+    return f"group-{i:05d}"
+
+
 def _fqn(name: str, key: str) -> str:
     return f"model.{name}" if key == PARAM else f"optim.{name}.{key}"
 
@@ -197,7 +271,13 @@ def _complete(incomplete: str, path: str, meta: dict) -> None:
     dist.barrier()
 
     def finish():
-        files = {f: os.path.getsize(os.path.join(incomplete, f)) for f in os.listdir(incomplete)}
+        files = {
+            os.path.relpath(os.path.join(root, f), incomplete): os.path.getsize(
+                os.path.join(root, f)
+            )
+            for root, _, names in os.walk(incomplete)
+            for f in names
+        }
         tmp = os.path.join(incomplete, STATE + ".tmp")
         with open(tmp, "w") as f:
             json.dump({**meta, "files": files}, f)

@@ -9,6 +9,14 @@ from torch.distributed.tensor import DTensor
 
 from ..hf.sharding import Role, counted_index, param_roles
 
+CHUNK = 1 << 22  # elements squared in float64 at a time (a 32 MB temporary, not a whole gradient)
+
+
+def _sum_of_squares(t: torch.Tensor) -> torch.Tensor:
+    """``sum(t**2)`` in float64, chunk by chunk: converting a whole gradient to float64 would
+    add twice its size (and its square as much again) to the peak memory of the step."""
+    return sum(c.double().pow(2).sum() for c in t.flatten().split(CHUNK))
+
 
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Clip a TSP model's gradients by their global L2 norm, in place; returns that norm.
@@ -40,7 +48,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
         if counted != (slice(None),):  # a slice with a shared KV head's copy: count the rest
             local = (g.full_tensor() if dtensor else g)[counted]
             dtensor = False  # the full TSP shard, identical over dp
-        sums[0 if role is Role.SHARDED else 1, 0 if dtensor else 1] += local.double().pow(2).sum()
+        sums[0 if role is Role.SHARDED else 1, 0 if dtensor else 1] += _sum_of_squares(local)
     if state.mesh.ndim > 1:  # every rank takes part, whether or not it holds DTensor grads
         over_dp = sums[:, 0].clone()
         dist.all_reduce(over_dp, group=state.mesh["dp"].get_group())
