@@ -161,3 +161,12 @@ def test_packed_logits_loss_and_grads_match_hf(world):
                 tol = max(tol, 1e-6)  # HF runs Qwen3's q/k norms in float32 (see test_engine)
             bad = {k: v for k, v in errs.items() if not v < tol}
             assert not bad, f"D={world} rank={rank} {case}: {bad}"
+
+
+def test_benchmark_rows():
+    from benchmarks.packed import bench, markdown_table
+
+    rows = bench(64, [5, 16], heads=2, kv_heads=1, head_dim=8, repeats=1, warmup=0)
+    assert [r["method"] for r in rows] == ["stream", "split", "masked", "split", "masked"]
+    assert all(r["max_abs_diff"] < 1e-5 for r in rows[1:])  # split and masked agree
+    assert markdown_table(rows).count("\n| ") == len(rows) + 1

@@ -199,13 +199,13 @@ def test_bad_resume_is_refused_before_training(tmp):
 
 
 def short_documents(path: str) -> None:
-    """A JSON-lines dataset of many short documents (8 to 3000 characters, cut from the plays),
+    """A JSON-lines dataset of many short documents (8 to 800 characters, cut from the plays),
     so that packed rows hold several documents and padding."""
     sys.path.insert(0, os.path.join(ROOT, "recipes"))
     from _data import shakespeare_files
 
     text = "".join(open(f, encoding="utf-8").read() for f in shakespeare_files()[:2])
-    sizes, docs, i = [8, 1500, 40, 3000, 700, 250], [], 0
+    sizes, docs, i = [8, 300, 40, 800, 150, 500], [], 0
     while i < len(text):
         docs.append(text[i : i + sizes[len(docs) % len(sizes)]])
         i += len(docs[-1])
