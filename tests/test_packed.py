@@ -73,29 +73,70 @@ def test_query_spans_reject_bad_positions():
 # --- kernels -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["cpu_flash", "blockwise"])
-@pytest.mark.parametrize("D,p", [(1, 0), (2, 1), (4, 0), (4, 3)])
-def test_kernels_match_block_diagonal_dense(name, D, p):
-    """Chunked attention on document spans vs an explicit masked softmax, fp64, two rows."""
+def check_kernel(name, D, p, dtype=torch.float64, device="cpu", tol=1e-12, d=8):
+    """Chunked attention on document spans vs an explicit masked softmax (in float64), two rows."""
     pos = doc_positions(([7, 1, 15, 3, 6], [1, 12, 19]))  # 32 tokens
     n, lay = pos.shape[1], ZigzagLayout(pos.shape[1], D)
     gen = torch.Generator().manual_seed(0)
-    q, dout = (torch.randn(2, n // D, 4, 8, generator=gen, dtype=torch.float64) for _ in "qo")
-    k, v = (torch.randn(2, n, 2, 8, generator=gen, dtype=torch.float64) for _ in "kv")
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(device, dtype)
+
+    q, dout = rand(2, n // D, 4, d), rand(2, n // D, 4, d)
+    k, v = rand(2, n, 2, d), rand(2, n, 2, d)
     spans = query_spans(lay.shard(pos, p), lay, p)
     kernel = BACKENDS[name]
     out, lse = chunked_attention_forward(kernel, q, spans, k, v, 0.3)
     dq, dk, dv = chunked_attention_backward(kernel, dout, q, spans, k, v, out, lse, 0.3)
 
-    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-    mask = lay.shard(allowed(pos), p)  # [B, S/D, S]: this rank's query rows
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    mask = lay.shard(allowed(pos), p).to(device)  # [B, S/D, S]: this rank's query rows
     s = torch.einsum("bthd,bshd->bhts", qr, kr.repeat_interleave(2, 2)) * 0.3
     s = s.masked_fill(~mask[:, None], float("-inf"))
     ref = torch.einsum("bhts,bshd->bthd", s.softmax(-1), vr.repeat_interleave(2, 2))
-    ref.backward(dout)
-    for got, want in [(out, ref), (lse, s.logsumexp(-1)), (dq, qr.grad), (dk, kr.grad)]:
-        torch.testing.assert_close(got, want.detach(), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(dv, vr.grad, rtol=1e-12, atol=1e-12)
+    ref.backward(dout.double())
+    pairs = [(out, ref), (lse, s.logsumexp(-1)), (dq, qr.grad), (dk, kr.grad), (dv, vr.grad)]
+    for got, want in pairs:
+        torch.testing.assert_close(got.double(), want.detach(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("name", ["cpu_flash", "blockwise"])
+@pytest.mark.parametrize("D,p", [(1, 0), (2, 1), (4, 0), (4, 3)])
+def test_kernels_match_block_diagonal_dense(name, D, p):
+    check_kernel(name, D, p)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["cuda_flash", "cuda_efficient", "flash_attn"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_kernels_match_block_diagonal_dense(name, dtype):
+    if not BACKENDS[name].supports(torch.device("cuda"), dtype):
+        pytest.skip(f"{name} cannot run {dtype} here")
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    for D, p in [(1, 0), (2, 1), (4, 3)]:
+        check_kernel(name, D, p, dtype, "cuda", tol, d=64)
+
+
+@pytest.mark.parametrize("name", ["cuda_flash", "cuda_efficient"])
+def test_cuda_op_calls_on_document_spans_match_schema_on_meta(name):
+    """Pieces of 1 to 7 tokens with and without a prefix, through the CUDA ops' meta kernels
+    (shapes and dtypes; runs without a GPU)."""
+    pos = doc_positions(([7, 1, 15, 3, 6],))
+    lay = ZigzagLayout(32, 2)
+    spans = query_spans(lay.shard(pos, 1), lay, 1)
+    assert {s.length for s in spans} >= {1} and any(s.start > s.first_key for s in spans)
+    q, dout = (torch.empty(2, 16, 4, 8, device="meta", dtype=torch.bfloat16) for _ in "qo")
+    k, v = (torch.empty(2, 32, 2, 8, device="meta", dtype=torch.bfloat16) for _ in "kv")
+    out, lse = chunked_attention_forward(BACKENDS[name], q, spans, k, v, 0.3)
+    dq, dk, dv = chunked_attention_backward(BACKENDS[name], dout, q, spans, k, v, out, lse, 0.3)
+    assert (out.shape, lse.shape, dq.shape, dk.shape, dv.shape) == (
+        q.shape,
+        (2, 4, 16),
+        q.shape,
+        k.shape,
+        v.shape,
+    )
 
 
 # --- the TSP model vs Hugging Face ---------------------------------------------------------
