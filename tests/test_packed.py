@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import rel_err
 from models import build, lm_loss
+from transformers import DataCollatorWithFlattening
 
 from tsp_ext import TSPConfig, apply_tsp, full_grads, gather_sequence, init_tsp_mesh, shard_batch
 from tsp_ext.engine.attention_kernels import (
@@ -42,10 +43,17 @@ def allowed(pos: torch.Tensor) -> torch.Tensor:
 
 
 def packed_batch(vocab: int, rows=DOCS, seed: int = 1) -> dict[str, torch.Tensor]:
-    """``DataCollatorWithFlattening``-style rows: labels -100 at each document's first token."""
-    pos = doc_positions(rows)
-    ids = torch.randint(0, vocab, pos.shape, generator=torch.Generator().manual_seed(seed))
-    return {"input_ids": ids, "labels": ids.masked_fill(pos == 0, -100), "position_ids": pos}
+    """Random documents packed by Hugging Face's ``DataCollatorWithFlattening``, one call per
+    row (labels -100 at each document's first token, position ids restarting at 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    collate = DataCollatorWithFlattening()
+    out = [
+        collate([{"input_ids": torch.randint(0, vocab, (n,), generator=gen)} for n in lens])
+        for lens in rows
+    ]
+    batch = {k: torch.cat([o[k] for o in out]) for k in ("input_ids", "labels", "position_ids")}
+    assert torch.equal(batch["position_ids"], doc_positions(rows))
+    return batch
 
 
 # --- spans ---------------------------------------------------------------------------------
@@ -145,9 +153,8 @@ TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 CASES = [  # (family, dtype, backend, rows)
     ("llama", torch.float64, "cpu_flash", DOCS),
     ("llama", torch.float64, "blockwise", DOCS),
-    ("qwen3", torch.float64, "cpu_flash", DOCS[:1]),
     ("llama", torch.float32, "cpu_flash", DOCS),
-    ("llama", torch.float32, "blockwise", DOCS[1:]),
+    ("llama", torch.float32, "blockwise", DOCS[:1]),
 ]
 
 
@@ -198,8 +205,6 @@ def test_packed_logits_loss_and_grads_match_hf(world):
     for rank, per_case in enumerate(parity(world)):
         for case, errs in per_case.items():
             tol = TOL[getattr(torch, case[1].split(".")[1])]
-            if case[0] == "qwen3":
-                tol = max(tol, 1e-6)  # HF runs Qwen3's q/k norms in float32 (see test_engine)
             bad = {k: v for k, v in errs.items() if not v < tol}
             assert not bad, f"D={world} rank={rank} {case}: {bad}"
 
