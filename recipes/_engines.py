@@ -117,7 +117,12 @@ class Engine:
     def save(self, path: str, step: int) -> None:
         """Training state at ``step`` under ``path`` (``tsp_ext.checkpoint.save``, DCP): the same
         format for every engine, resumable at any TSP size / dp size / engine."""
-        extra = {"step": step, "seq_len": self.args.seq_len, "seed": self.args.seed}
+        extra = {
+            "step": step,
+            "seq_len": self.args.seq_len,
+            "packing": self.args.packing,
+            "seed": self.args.seed,
+        }
         checkpoint.save(
             path,
             self.model,

@@ -3,7 +3,9 @@
     python recipes/eval_checkpoint.py --checkpoint outputs/finetune/final --seq-len 4096
 
 Uses the same held-out blocks as ``finetune_long_llama.py`` (the last ``--eval-blocks`` blocks of
-the packed dataset), with the tokenizer saved beside the weights; no TSP, no process group.
+the packed dataset, ``--packing`` as in training), with the tokenizer saved beside the weights; no
+TSP, no process group. Rows of whole documents run with per-document positions and the
+block-diagonal causal mask, ignoring the targets across documents and on padding.
 """
 
 from __future__ import annotations
@@ -12,8 +14,22 @@ import argparse
 import json
 
 import torch
-from _data import SHAKESPEARE, load_texts, pack
+from _data import SHAKESPEARE, load_texts, pack, pack_documents
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+
+def row_loss(model, row: dict[str, torch.Tensor]) -> float:
+    """Token-mean loss of one packed row (``input_ids`` and, for whole documents,
+    ``position_ids`` and ``attention_mask``, each ``[seq_len]``)."""
+    ids = row["input_ids"][None]
+    if "position_ids" not in row:
+        return model(input_ids=ids, labels=ids).loss.item()
+    pos, real = row["position_ids"], row["attention_mask"]
+    doc = (pos == 0).cumsum(0)  # padding is a document of its own
+    mask = (doc[:, None] == doc[None, :]).tril()[None, None]
+    labels = ids.masked_fill((pos == 0) | (real == 0), -100)
+    out = model(input_ids=ids, position_ids=pos[None], attention_mask=mask, labels=labels)
+    return out.loss.item()
 
 
 def main() -> None:
@@ -22,20 +38,26 @@ def main() -> None:
     p.add_argument("--dataset", default=SHAKESPEARE)
     p.add_argument("--text-column", default="text")
     p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--packing", choices=("stream", "documents"), default="stream")
     p.add_argument("--eval-blocks", type=int, default=2)
     p.add_argument("--json", action="store_true", help="print {'eval_loss': ...} only")
     args = p.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
     model = AutoModelForCausalLM.from_pretrained(args.checkpoint).eval()
-    blocks = pack(load_texts(args.dataset, args.text_column), tokenizer, args.seq_len)
-    blocks = blocks[-min(args.eval_blocks, len(blocks) - 1) :]
+    texts = load_texts(args.dataset, args.text_column)
+    if args.packing == "documents":
+        blocks = pack_documents(texts, tokenizer, args.seq_len)
+    else:
+        blocks = {"input_ids": pack(texts, tokenizer, args.seq_len)}
+    n = len(blocks["input_ids"])
+    rows = range(n - min(args.eval_blocks, n - 1), n)
     with torch.no_grad():
-        losses = [model(input_ids=b[None], labels=b[None]).loss.item() for b in blocks]
+        losses = [row_loss(model, {k: v[i] for k, v in blocks.items()}) for i in rows]
     loss = sum(losses) / len(losses)
     if args.json:
         print(json.dumps({"eval_loss": loss}))
     else:
-        print(f"{args.checkpoint}: single-process eval loss {loss:.4f} on {len(blocks)} blocks")
+        print(f"{args.checkpoint}: single-process eval loss {loss:.4f} on {len(losses)} blocks")
 
 
 if __name__ == "__main__":

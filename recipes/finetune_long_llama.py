@@ -22,7 +22,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from _data import SHAKESPEARE, load_texts, pack, train_tokenizer
+from _data import SHAKESPEARE, load_texts, pack, pack_documents, train_tokenizer
 from _engines import Engine, tsp_config
 from _presets import PRESETS
 from accelerate import Accelerator
@@ -53,6 +53,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--text-column", default="text")
     p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument(
+        "--packing",
+        choices=("stream", "documents"),
+        default="stream",
+        help="stream: documents joined by EOS into one causal stream; documents: whole documents "
+        "per row, attention and positions per document",
+    )
     p.add_argument("--tsp-size", type=int, default=None, help="default: all processes")
     p.add_argument("--dp-engine", choices=("ddp", "deepspeed", "fsdp2"), default="ddp")
     p.add_argument(
@@ -102,6 +109,12 @@ def check_args(args, world: int) -> None:
             raise SystemExit(
                 f"--resume-from {args.resume_from} was saved with seq_len={saved.get('seq_len')}, "
                 f"this run has {args.seq_len}: resume with the same --seq-len"
+            )
+        if saved.get("packing", "stream") != args.packing:
+            raise SystemExit(
+                f"--resume-from {args.resume_from} was saved with --packing "
+                f"{saved.get('packing', 'stream')}, this run has {args.packing}: resume with the "
+                "same --packing"
             )
 
 
@@ -170,16 +183,30 @@ def peak_memory_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def load_blocks(args, texts: list[str], tokenizer) -> dict[str, torch.Tensor]:
+    """The packed data, ``[N, seq_len]`` each: ``input_ids``, and with ``--packing documents``
+    ``position_ids`` restarting per document and ``attention_mask`` (0 on row-end padding)."""
+    if args.packing == "documents":
+        return pack_documents(texts, tokenizer, args.seq_len)
+    return {"input_ids": pack(texts, tokenizer, args.seq_len)}
+
+
+def local_batch(blocks: dict[str, torch.Tensor], index, mesh, device: torch.device) -> dict:
+    """This rank's TSP inputs for the blocks at ``index``; the targets are the inputs
+    (``shard_batch`` ignores padding and, between documents, the next document's first token)."""
+    batch = {k: v[index].to(device) for k, v in blocks.items()}
+    return shard_batch({**batch, "labels": batch["input_ids"]}, mesh)
+
+
 @torch.no_grad()
-def evaluate(engine: Engine, eval_blocks: torch.Tensor, mesh, device: torch.device) -> float:
+def evaluate(engine: Engine, eval_blocks: dict, mesh, device: torch.device) -> float:
     """Mean loss over the held-out blocks (split over dp replicas, tokens over TSP ranks)."""
     model = engine.forward_model
     model.eval()
     dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
     total = torch.zeros(2, dtype=torch.float64, device=device)
-    for i in range(dp_rank, len(eval_blocks), dp):
-        ids = eval_blocks[i : i + 1].to(device)
-        total[0] += model(**shard_batch({"input_ids": ids, "labels": ids}, mesh)).loss.double()
+    for i in range(dp_rank, len(eval_blocks["input_ids"]), dp):
+        total[0] += model(**local_batch(eval_blocks, slice(i, i + 1), mesh, device)).loss.double()
         total[1] += 1
     dist.all_reduce(total, group=mesh["dp"].get_group())
     model.train()
@@ -198,9 +225,11 @@ def main(argv=None) -> None:
     set_seed(args.seed)
     texts = load_texts(args.dataset, args.text_column)
     tokenizer = build_tokenizer(args, texts, acc)
-    blocks = pack(texts, tokenizer, args.seq_len)
-    n_eval = min(args.eval_blocks, len(blocks) - 1)
-    train_blocks, eval_blocks = blocks[:-n_eval], blocks[-n_eval:]
+    blocks = load_blocks(args, texts, tokenizer)
+    n_blocks = len(blocks["input_ids"])
+    n_eval = min(args.eval_blocks, n_blocks - 1)
+    train_blocks = {k: v[:-n_eval] for k, v in blocks.items()}
+    eval_blocks = {k: v[-n_eval:] for k, v in blocks.items()}
 
     mesh = init_tsp_mesh(args.tsp_size)
     dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
@@ -210,8 +239,9 @@ def main(argv=None) -> None:
     engine = Engine(args.dp_engine, model, mesh, args)
     start = engine.load(args.resume_from) if args.resume_from else 0
     log.info(
-        f"{args.model}: {full_params / 1e6:.2f}M parameters, {len(train_blocks)} training blocks "
-        f"of {args.seq_len} tokens; dp={dp} x tsp={args.tsp_size} with {args.dp_engine}"
+        f"{args.model}: {full_params / 1e6:.2f}M parameters, {n_blocks - n_eval} training blocks "
+        f"of {args.seq_len} tokens ({args.packing} packing); dp={dp} x tsp={args.tsp_size} "
+        f"with {args.dp_engine}"
     )
 
     os.makedirs(args.output_dir, exist_ok=True)
@@ -225,10 +255,10 @@ def main(argv=None) -> None:
         t0 = time.perf_counter()
         losses = []
         for micro in range(args.gradient_accumulation_steps):
-            ids = train_blocks[block_ids(step, micro, args, dp, dp_rank, len(train_blocks))]
-            ids = ids.to(acc.device)
+            index = block_ids(step, micro, args, dp, dp_rank, n_blocks - n_eval)
+            batch = local_batch(train_blocks, index, mesh, acc.device)
             with SavedTensorBytes(ignore=model.parameters()) as saved:
-                out = engine.forward_model(**shard_batch({"input_ids": ids, "labels": ids}, mesh))
+                out = engine.forward_model(**batch)
             activation_bytes = saved.nbytes
             engine.backward(out.loss)
             norm = engine.step(last_micro=micro == args.gradient_accumulation_steps - 1)

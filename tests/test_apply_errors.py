@@ -63,6 +63,14 @@ def errors_worker(rank, world):
             lambda: model(**{**local, "position_ids": torch.arange(4)[None].expand(2, -1)})
         ),
         "left_pad": error_message(lambda: shard_batch(left_pad, mesh)),
+        "doc_positions": error_message(
+            lambda: shard_batch(
+                {**data, "position_ids": torch.tensor([[0, 1, 2, 4, 5, 0, 1, 2]])}, mesh
+            )
+        ),
+        "local_doc_positions": error_message(
+            lambda: model(**{**local, "position_ids": local["position_ids"] + 100})
+        ),
         "vocab": error_message(lambda: apply_tsp(build("llama", vocab_size=97), mesh)),
         "head_bias": error_message(lambda: apply_tsp(head_bias, mesh)),
         "label_range": error_message(lambda: model(**bad_label)),
@@ -99,6 +107,8 @@ def messages():
         ("no_shift", "labels shifted before sharding"),
         ("wrong_positions", "not this rank's zigzag positions"),
         ("left_pad", "right padding only"),
+        ("doc_positions", "row 0 has 4 at token 3; position_ids must count up by one"),
+        ("local_doc_positions", "row 0 has 100 at global position 0"),
         ("vocab", "<no error>"),  # any vocabulary is sharded (rows 49 + 48)
         ("head_bias", "use TSPConfig(shard_vocab=False) for models with an LM-head bias"),
         ("label_range", "labels must be in [0, 96) or -100"),

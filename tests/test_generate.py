@@ -98,6 +98,7 @@ def error_cases(rank, mesh):
     other = apply_tsp(hf_model("qwen2", torch.float32), mesh)
     ids, _ = prompt(1, 9, 0)
     long_ids = torch.ones(1, model.config.max_position_embeddings + 1, dtype=torch.long)
+    packed = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4]])  # two documents in one prompt row
     return {
         "too long": error_message(lambda: model.generate(long_ids, max_new_tokens=1)),
         "assisted": error_message(lambda: model.generate(ids, assistant_model=other)),
@@ -107,6 +108,9 @@ def error_cases(rank, mesh):
             lambda: model(input_ids=ids, cache=DynamicCache(config=model.config))
         ),
         "other layout": error_message(lambda: model.generate(ids, cache=TSPCache(other))),
+        "packed": error_message(
+            lambda: model(input_ids=ids, position_ids=packed, cache=TSPCache(model))
+        ),
     }
 
 
@@ -202,6 +206,7 @@ def test_errors():
         "ranks differ": "different input_ids",
         "dynamic cache": "needs a TSPCache",
         "other layout": "was built for",
+        "packed": "restart inside a row (packed documents)",
     }
     for what, words in expected.items():
         assert words in errors[what], (what, errors[what])

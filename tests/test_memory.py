@@ -17,6 +17,7 @@ from tsp_ext.testing.launch import run_processes
 pytestmark = pytest.mark.multiproc
 
 SEQ, HIDDEN, FFN = 240, 48, 64  # sizes distinct from each other and from every S/D
+DOCS = [50, 1, 70, 119]  # "attn_packed": packed documents straddling chunks and ranks
 
 
 def memory_worker(rank, world):
@@ -33,20 +34,31 @@ def memory_worker(rank, world):
     attn, mlp, rope = LlamaAttention(cfg, 0), LlamaMLP(cfg), LlamaRotaryEmbedding(cfg)
     lay = ZigzagLayout(SEQ, world)
     x = torch.randn(1, SEQ, HIDDEN)
+    docs = torch.cat([torch.arange(n) for n in DOCS])[None]  # per-document positions
+    doc_mask = ((docs == 0).cumsum(1)[0, :, None] == (docs == 0).cumsum(1)[0, None, :]).tril()
     result = {}
-    configs = {"attn": TSPConfig(), "mlp": TSPConfig(), "mlp_kept": TSPConfig(recompute_mlp=False)}
-    for name, hf in (("attn", attn), ("mlp", mlp), ("mlp_kept", mlp)):
+    configs = {"mlp": TSPConfig(), "mlp_kept": TSPConfig(recompute_mlp=False)}
+    modules = (("attn", attn), ("attn_packed", attn), ("mlp", mlp), ("mlp_kept", mlp))
+    for name, hf in modules:
+        packed = name == "attn_packed"
         if world == 1:  # the unmodified module on the full sequence, for reference
             xr = x.clone().requires_grad_()
+            pos = docs if packed else torch.arange(SEQ)[None]
+            mask = doc_mask[None, None] if packed else None
             with SavedTensorBytes() as rec:
-                hf(
-                    xr, position_embeddings=rope(xr, torch.arange(SEQ)[None])
-                ) if name == "attn" else hf(xr)
+                if hf is attn:
+                    hf(xr, position_embeddings=rope(xr, pos), attention_mask=mask)
+                else:
+                    hf(xr)
             result[f"hf_{name}"] = rec.nbytes
-        tsp = (TSPAttention if name == "attn" else TSPGatedMLP).from_hf(hf, group, configs[name])
+        cls = TSPAttention if hf is attn else TSPGatedMLP
+        tsp = cls.from_hf(hf, group, configs.get(name))
         xl = lay.shard(x, rank).requires_grad_()
         with SavedTensorBytes() as rec:
-            if name == "attn":
+            if packed:
+                pos = lay.shard(docs, rank)
+                tsp(xl, position_embeddings=rope(xl, pos), position_ids=pos)
+            elif hf is attn:
                 tsp(xl, position_embeddings=rope(xl, lay.positions(rank)[None]))
             else:
                 tsp(xl)
@@ -61,7 +73,7 @@ def measured(world):
     return run_processes(memory_worker, world)
 
 
-@pytest.mark.parametrize("module", ["attn", "mlp", "mlp_kept"])
+@pytest.mark.parametrize("module", ["attn", "attn_packed", "mlp", "mlp_kept"])
 def test_saved_bytes_shrink_as_one_over_d(module):
     base = measured(1)[0][module]
     assert base > 0
@@ -77,7 +89,7 @@ def test_saved_bytes_shrink_as_one_over_d(module):
 def test_nothing_full_size_is_saved(world):
     for res in measured(world):
         full_weights = set(res["weight_shapes"])
-        for module in ("attn", "mlp", "mlp_kept"):
+        for module in ("attn", "attn_packed", "mlp", "mlp_kept"):
             for shape in res[f"{module}_shapes"]:
                 assert SEQ not in shape, f"{module} saved a full-sequence tensor {shape}"
                 assert shape not in full_weights, f"{module} saved a full weight {shape}"

@@ -188,6 +188,7 @@ def test_bad_resume_is_refused_before_training(tmp):
         "seq_len": (["--seq-len", "256"], "was saved with seq_len=512, this run has 256"),
         "model": (["--model", "small-llama"], "holds another model"),
         "incomplete": (["--resume-from", res["out"]], "is incomplete: it has no"),
+        "packing": (["--packing", "documents"], "saved with --packing stream, this run has"),
     }
     for name, (extra, expected) in cases.items():
         args = [*base, "--tsp-size", "1", "--dp-engine", "fsdp2", "--resume-from", ckpt]
@@ -195,3 +196,52 @@ def test_bad_resume_is_refused_before_training(tmp):
         assert bad.returncode != 0, name
         assert expected in bad.stdout + bad.stderr, (name, bad.stderr[-2000:])
         assert "train:" not in bad.stderr, name  # no step was taken
+
+
+def short_documents(path: str) -> None:
+    """A JSON-lines dataset of many short documents (8 to 800 characters, cut from the plays),
+    so that packed rows hold several documents and padding."""
+    sys.path.insert(0, os.path.join(ROOT, "recipes"))
+    from _data import shakespeare_files
+
+    text = "".join(open(f, encoding="utf-8").read() for f in shakespeare_files()[:2])
+    sizes, docs, i = [8, 300, 40, 800, 150, 500], [], 0
+    while i < len(text):
+        docs.append(text[i : i + sizes[len(docs) % len(sizes)]])
+        i += len(docs[-1])
+    with open(path, "w") as f:
+        f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
+
+
+def test_packing_documents_trains_and_matches_one_process(tmp):
+    """--packing documents at tsp=2: the recipe's eval loss equals the exported model's in one
+    plain process with per-document positions and the block-diagonal causal mask
+    (``eval_checkpoint.py --packing documents``)."""
+    from transformers import AutoTokenizer
+
+    data, out = os.path.join(tmp, "docs.jsonl"), os.path.join(tmp, "documents")
+    short_documents(data)
+    args = [*TINY, "--max-steps", "2", "--dataset", f"json:{data}", "--packing", "documents"]
+    res = launch(*args, "--output-dir", out)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+    with open(os.path.join(out, "final_eval.json")) as f:
+        recipe_eval = json.load(f)["eval_loss"]
+
+    from _data import load_texts, pack_documents  # recipes/ is on the path (short_documents)
+
+    final = os.path.join(out, "final")
+    tok = AutoTokenizer.from_pretrained(final)
+    eval_rows = pack_documents(load_texts(f"json:{data}", "text"), tok, 512)["position_ids"][-2:]
+    assert all((pos == 0).sum() > 2 for pos in eval_rows)  # several documents per eval row
+    script = os.path.join(ROOT, "recipes", "eval_checkpoint.py")
+    cmd = [sys.executable, script, "--checkpoint", final, "--dataset", f"json:{data}"]
+    one = subprocess.run(
+        [*cmd, "--seq-len", "512", "--packing", "documents", "--json"],
+        capture_output=True, text=True, timeout=200, cwd=ROOT,
+    )  # fmt: skip
+    assert one.returncode == 0, one.stderr[-3000:]
+    loss = json.loads(one.stdout.strip().splitlines()[-1])["eval_loss"]
+    assert abs(loss - recipe_eval) < 1e-4 * recipe_eval, (loss, recipe_eval)

@@ -34,7 +34,7 @@ from .attention_kernels import (
     select_backend,
 )
 from .heads import AttentionSpec
-from .layout import ZigzagLayout
+from .layout import RowSpans, Span, ZigzagLayout
 from .masked_attention import masked_chunked_attention
 from .pointwise import rms_norm, rope
 
@@ -59,13 +59,16 @@ def project_qkv(x, w, cos, sin, q_norm, k_norm, spec: AttentionSpec):
 
 
 class _Schedule:
-    """One call's fixed context: group, layout, spec, options."""
+    """One call's fixed context: group, layout, query spans (default: the zigzag chunks; packed
+    documents: ``engine.documents.query_spans``), spec, options."""
 
-    def __init__(self, spec: AttentionSpec, group, config: TSPConfig, x: torch.Tensor):
+    def __init__(
+        self, spec: AttentionSpec, group, config: TSPConfig, x: torch.Tensor, q_spans=None
+    ):
         self.spec, self.group, self.config = spec, group, config
         self.D, self.p = comm.size_and_rank(group)
         self.layout = ZigzagLayout.from_local(x.shape[1], self.D)
-        self.q_spans = self.layout.spans(self.p)
+        self.q_spans = self.layout.spans(self.p) if q_spans is None else q_spans
         self.acc = config.accum_for(x.dtype)
         self.kernel = select_backend(config.attn_backend, x.device, x.dtype, config.attn_block)
 
@@ -336,14 +339,16 @@ def tsp_attention(
     spec: AttentionSpec,
     group,
     config: TSPConfig,
+    q_spans: tuple[Span, ...] | RowSpans | None = None,
 ) -> torch.Tensor:
     """TSP attention of this rank's tokens: ``x [B, S/D, h]`` -> ``Y_p [B, S/D, h]`` (no o bias).
 
-    ``cos, sin [B or 1, S/D, d]`` are the RoPE tables of the tokens' global positions; ``weights``
+    ``cos, sin [B or 1, S/D, d]`` are the RoPE tables of the tokens' positions; ``weights``
     holds this rank's head-group shards (``wq, wo, wk, wv`` and optional ``bq, bk, bv``);
-    ``q_norm, k_norm`` the replicated per-head norm weights or None.
+    ``q_norm, k_norm`` the replicated per-head norm weights or None; ``q_spans`` the local query
+    spans of packed documents (``engine.documents.query_spans``; None: one causal stream).
     """
-    sched = _Schedule(spec, group, config, x)
+    sched = _Schedule(spec, group, config, x, q_spans)
     B, T, _ = x.shape
     if cos.shape[-2:] != (T, spec.head_dim) or cos.shape != sin.shape:
         raise ValueError(

@@ -10,7 +10,9 @@ to, so it returns that piece's exact share of the gradients.
 The chunked functions take K/V in natural token order (position i at index i). A local query
 chunk at global positions ``[s, s+C)`` is two fused calls: the prefix keys ``[0, s)`` with no
 mask and the diagonal block ``[s, s+C)`` with ``is_causal=True``, merged by log-sum-exp. The
-transients are one chunk's outputs and gradients; nothing of size T x S exists.
+transients are one chunk's outputs and gradients; nothing of size T x S exists. In a packed row
+(``engine.documents``) chunks are cut where documents start and a span's prefix begins at its
+document's first key (``Span.first_key``): no call ever touches another document's keys.
 
 Backends (``select_backend``):
 
@@ -38,7 +40,7 @@ from collections.abc import Sequence
 import torch
 
 from .blockwise_attention import attention_backward, attention_forward
-from .layout import Span
+from .layout import RowSpans, Span
 
 Tensor = torch.Tensor
 aten = torch.ops.aten
@@ -272,19 +274,34 @@ def _check(q: Tensor, q_spans: Sequence[Span], k: Tensor, v: Tensor) -> None:
     if k.shape != v.shape or k.shape[0] != q.shape[0] or q.shape[2] % k.shape[2]:
         raise ValueError(f"bad shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     for s in q_spans:
-        if s.offset < 0 or s.offset + s.length > q.shape[1] or s.start < 0 or s.stop > k.shape[1]:
+        if (
+            s.offset < 0
+            or s.offset + s.length > q.shape[1]
+            or not 0 <= s.first_key <= s.start
+            or s.stop > k.shape[1]
+        ):
             raise ValueError(f"{s} does not fit q {tuple(q.shape)} and k {tuple(k.shape)}")
 
 
 def _pieces(s: Span) -> list[tuple[slice, bool]]:
-    """Key ranges of a query span and whether each is causal: the diagonal, then the prefix."""
-    return [(slice(s.start, s.stop), True)] + ([(slice(0, s.start), False)] if s.start else [])
+    """Key ranges of a query span and whether each is causal: the diagonal, then the prefix
+    ``[first_key, start)`` if not empty."""
+    prefix = [(slice(s.first_key, s.start), False)] if s.start > s.first_key else []
+    return [(slice(s.start, s.stop), True)] + prefix
+
+
+def _per_row(fn, q_spans: RowSpans, *tensors: Tensor) -> tuple[Tensor, ...]:
+    """``fn(row_spans, *row_tensors)`` for every batch row, results concatenated along dim 0."""
+    if len(q_spans.rows) != tensors[0].shape[0]:
+        raise ValueError(f"{len(q_spans.rows)} rows of spans for a batch of {tensors[0].shape[0]}")
+    outs = [fn(s, *(t[b : b + 1] for t in tensors)) for b, s in enumerate(q_spans.rows)]
+    return tuple(torch.cat(parts) for parts in zip(*outs))
 
 
 def chunked_attention_forward(
     kernel: AttentionKernel,
     q: Tensor,
-    q_spans: Sequence[Span],
+    q_spans: Sequence[Span] | RowSpans,
     k: Tensor,
     v: Tensor,
     scale: float,
@@ -292,12 +309,19 @@ def chunked_attention_forward(
     """Causal attention of local query chunks to keys in natural order.
 
     Args:
-        q: ``[B, T, Hq, d]``; ``q_spans`` cover its rows: ``Span(offset, start, length)`` =
-            rows ``[offset, offset+length)`` hold global positions ``[start, start+length)``.
+        q: ``[B, T, Hq, d]``; ``q_spans`` cover its rows: ``Span(offset, start, length,
+            first_key)`` = rows ``[offset, offset+length)`` hold global positions ``[start,
+            start+length)`` and see keys from ``first_key`` on. ``RowSpans``: per batch row.
         k, v: ``[B, S, Hk, d]``, key i at position i. A query sees keys at positions <= its own.
     Returns:
         out ``[B, T, Hq, d]`` (q's dtype), lse ``[B, Hq, T]`` (float32; float64 for float64).
     """
+    if isinstance(q_spans, RowSpans):
+
+        def fwd(spans, q, k, v):
+            return chunked_attention_forward(kernel, q, spans, k, v, scale)
+
+        return _per_row(fwd, q_spans, q, k, v)
     _check(q, q_spans, k, v)
     B, T, hq, _ = q.shape
     out = torch.zeros_like(q)
@@ -319,7 +343,7 @@ def chunked_attention_backward(
     kernel: AttentionKernel,
     dout: Tensor,
     q: Tensor,
-    q_spans: Sequence[Span],
+    q_spans: Sequence[Span] | RowSpans,
     k: Tensor,
     v: Tensor,
     out: Tensor,
@@ -333,6 +357,12 @@ def chunked_attention_backward(
     reduce-scatters them across ranks, so they are accumulated and returned at full precision.
     Rows of q outside every span get dq = 0. Transient: one chunk's per-piece gradients.
     """
+    if isinstance(q_spans, RowSpans):
+
+        def bwd(spans, dout, q, k, v, out, lse):
+            return chunked_attention_backward(kernel, dout, q, spans, k, v, out, lse, scale)
+
+        return _per_row(bwd, q_spans, dout, q, k, v, out, lse)
     _check(q, q_spans, k, v)
     cdt = _stat_dtype(q)
     dq = torch.zeros_like(q)

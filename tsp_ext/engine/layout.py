@@ -20,15 +20,28 @@ IGNORE_INDEX = -100
 
 @dataclass(frozen=True)
 class Span:
-    """Consecutive tokens at local offset ``offset`` with global positions ``[start, stop)``."""
+    """Consecutive tokens at local offset ``offset`` with global positions ``[start, stop)``.
+
+    As queries, they see the keys at positions ``[first_key, own position]``: ``first_key`` is 0
+    in one causal stream, the start of their document in a packed row (``engine.documents``).
+    """
 
     offset: int
     start: int
     length: int
+    first_key: int = 0
 
     @property
     def stop(self) -> int:
         return self.start + self.length
+
+
+@dataclass(frozen=True)
+class RowSpans:
+    """Query spans that differ between batch rows (packed rows with different documents):
+    ``rows[b]`` are the spans of batch row b."""
+
+    rows: tuple[tuple[Span, ...], ...]
 
 
 @dataclass(frozen=True)

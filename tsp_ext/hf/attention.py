@@ -16,17 +16,25 @@ from torch import nn
 from ..config import TSPConfig
 from ..engine import comm
 from ..engine.attention import AttentionSpec, tsp_attention
+from ..engine.documents import query_spans
+from ..engine.layout import ZigzagLayout
 from .sharding import Role, ShardedModule
+
+# keyword argument carrying the local query spans of packed documents from the model's input check
+# (``causal_lm.check_inputs``) to every layer's attention: derived once per forward, not per layer
+SPANS_KWARG = "tsp_query_spans"
 
 
 class TSPAttention(ShardedModule):
     """Llama-family self-attention on a TSP axis; holds head group p of every projection.
 
     Same call signature as Hugging Face's ``LlamaAttention``: ``hidden_states [B, S/D, h]`` in
-    zigzag layout and ``position_embeddings = (cos, sin)`` of those tokens' *global* positions;
-    returns ``(output [B, S/D, h], None)``. Parameters keep the Hugging Face names; q/k/v_proj
-    hold rows, o_proj columns of this rank's head group; o_proj's bias and the q/k norms (if
-    any) are replicated, their gradients summed over the TSP group.
+    zigzag layout and ``position_embeddings = (cos, sin)`` of those tokens' positions;
+    returns ``(output [B, S/D, h], None)``. ``position_ids`` restarting at 0 per document (packed
+    rows, ``engine.documents``) make attention causal within each document and blocked across
+    documents; plain global positions give one causal stream. Parameters keep the Hugging Face
+    names; q/k/v_proj hold rows, o_proj columns of this rank's head group; o_proj's bias and
+    the q/k norms (if any) are replicated, their gradients summed over the TSP group.
     """
 
     # dim along which each sharded parameter is cut (others are replicated)
@@ -162,12 +170,18 @@ class TSPAttention(ShardedModule):
                 "padding needs none (padded tokens come last and carry ignored labels)"
             )
         cos, sin = position_embeddings
+        spans, pos = kwargs.get(SPANS_KWARG), kwargs.get("position_ids")
+        if spans is None and pos is not None:  # called without the model's input check
+            D, p = comm.size_and_rank(self.group)
+            spans = query_spans(pos, ZigzagLayout.from_local(x.shape[1], D), p)
         own = self._own()
         q_norm = k_norm = None
         if self.q_norm is not None:
             q_norm = comm.replicated(self.q_norm.weight, self.group)
             k_norm = comm.replicated(self.k_norm.weight, self.group)
-        y = tsp_attention(x, cos, sin, own, q_norm, k_norm, self.spec, self.group, self.config)
+        y = tsp_attention(
+            x, cos, sin, own, q_norm, k_norm, self.spec, self.group, self.config, spans
+        )
         if self.o_proj.bias is not None:
             y = y + comm.replicated(self.o_proj.bias, self.group)
         return y, None

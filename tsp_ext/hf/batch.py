@@ -6,10 +6,11 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..engine.comm import gather_seq
+from ..engine.documents import HOW, breaks
 from ..engine.layout import IGNORE_INDEX, ZigzagLayout, pad_sequence, padded_length
 from ..mesh import tsp_submesh
 
-_KNOWN_KEYS = {"input_ids", "labels", "attention_mask"}
+_KNOWN_KEYS = {"input_ids", "labels", "attention_mask", "position_ids"}
 
 
 def shard_batch(
@@ -19,16 +20,20 @@ def shard_batch(
 
     Args:
         batch: ``input_ids [B, S]``, optional ``labels [B, S]`` (Hugging Face convention: the
-            model shifts them) and optional ``attention_mask [B, S]`` for *right* padding.
+            model shifts them), optional ``attention_mask [B, S]`` for *right* padding and
+            optional ``position_ids [B or 1, S]`` for packed documents: restarting at 0 on each
+            document's first token (``DataCollatorWithFlattening``); attention then stays
+            inside each document and RoPE uses the position inside the document.
         mesh: the TSP mesh (``init_tsp_mesh``).
         pad_token_id: id placed in positions added to reach a multiple of 2·tsp_size.
 
     Returns:
-        ``input_ids`` and ``position_ids`` ``[B, S'/D]`` (global positions, zigzag order) and,
-        if labels were given, ``shift_labels`` — labels shifted *before* sharding, ``-100``
-        wherever the predicted token is padding — also passed as ``labels`` so that the model
-        computes its loss. S' is S rounded up to a multiple of 2·D; the added tokens come last,
-        so causal attention never lets a real token see them.
+        ``input_ids`` and ``position_ids`` ``[B, S'/D]`` (global positions, or the given
+        per-document ones, zigzag order) and, if labels were given, ``shift_labels`` — labels
+        shifted *before* sharding, ``-100`` wherever the predicted token is padding or the first
+        token of the next document — also passed as ``labels`` so that the model computes its
+        loss. S' is S rounded up to a multiple of 2·D; the added tokens come last (continuing
+        the last document), so causal attention never lets a real token see them.
     """
     unknown = set(batch) - _KNOWN_KEYS
     if unknown:
@@ -40,10 +45,13 @@ def shard_batch(
         raise ValueError(f"input_ids must be [B, S], got {tuple(ids.shape)}")
     B, S = ids.shape
     lay = ZigzagLayout(padded_length(S, D), D)
-    out = {
-        "input_ids": lay.shard(pad_sequence(ids, D, pad_token_id), p),
-        "position_ids": lay.positions(p, ids.device)[None].expand(B, -1),
-    }
+    docs = _document_positions(batch.get("position_ids"), B, S)
+    out = {"input_ids": lay.shard(pad_sequence(ids, D, pad_token_id), p)}
+    if docs is None:
+        out["position_ids"] = lay.positions(p, ids.device)[None].expand(B, -1)
+    else:  # the padding continues the last document
+        tail = docs[:, -1:] + torch.arange(1, lay.seq_len - S + 1, device=docs.device)
+        out["position_ids"] = lay.shard(torch.cat([docs, tail], dim=1), p)
     labels, mask = batch.get("labels"), batch.get("attention_mask")
     if mask is not None:
         if mask.shape != ids.shape:
@@ -60,9 +68,27 @@ def shard_batch(
         if mask is not None:
             next_is_pad = torch.cat([mask[:, 1:], mask.new_zeros(B, 1)], dim=1) == 0
             shifted = shifted.masked_fill(next_is_pad, IGNORE_INDEX)
+        if docs is not None:  # the last token of a document does not predict the next one
+            next_starts = torch.cat([docs[:, 1:] == 0, docs.new_zeros(B, 1, dtype=bool)], dim=1)
+            shifted = shifted.masked_fill(next_starts.to(shifted.device), IGNORE_INDEX)
         local = lay.shard(pad_sequence(shifted, D, IGNORE_INDEX), p)
         out.update(labels=local, shift_labels=local)
     return out
+
+
+def _document_positions(pos: torch.Tensor | None, B: int, S: int) -> torch.Tensor | None:
+    """The batch's per-document ``position_ids`` as ``[B, S]`` int64, checked, or None."""
+    if pos is None:
+        return None
+    if pos.dim() != 2 or pos.shape[1] != S or pos.shape[0] not in (1, B):
+        raise ValueError(f"position_ids {tuple(pos.shape)} must be [B, S] or [1, S], S = {S}")
+    pos = pos.long().expand(B, S)
+    bad = breaks(pos)
+    bad[:, 0] = pos[:, 0] != 0
+    if bad.any():
+        b, j = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"position_ids row {b} has {int(pos[b, j])} at token {j}; {HOW}")
+    return pos
 
 
 def gather_sequence(x: torch.Tensor, mesh: DeviceMesh, seq_len: int | None = None) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """What a TSP causal LM does differently at call time: the global loss, the vocab-sharded
 ``forward`` (fused ring LM head + cross-entropy) and the input check that rejects batches not
-made by ``shard_batch``."""
+made by ``shard_batch`` (and derives the query spans of packed documents once per call)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..engine import comm
+from ..engine.documents import check_across_ranks, query_spans
 from ..engine.layout import IGNORE_INDEX, ZigzagLayout
+from .attention import SPANS_KWARG
 
 NEEDS_SHIFT_LABELS = (
     "a TSP model needs labels shifted before sharding: build the batch with tsp_ext.shard_batch "
@@ -130,11 +132,12 @@ def vocab_sharded_forward(
     return out.to_tuple() if return_dict is False else out
 
 
-def check_inputs(model: nn.Module, args: tuple, kwargs: dict) -> None:
+def check_inputs(model: nn.Module, args: tuple, kwargs: dict):
     """Forward pre-hook: reject inputs that would silently give wrong results under TSP (calls
-    with a KV cache are checked by the inference path instead)."""
+    with a KV cache are checked by the inference path instead) and hand every layer's attention
+    the local query spans its ``position_ids`` describe (packed documents: ``engine.documents``)."""
     if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
-        return
+        return None
     if args:
         raise ValueError("call a TSP model with keyword arguments: model(**shard_batch(...))")
     if kwargs.get("attention_mask") is not None:
@@ -148,13 +151,7 @@ def check_inputs(model: nn.Module, args: tuple, kwargs: dict) -> None:
             "a TSP model needs the global position_ids of its tokens: use tsp_ext.shard_batch"
         )
     state = model.tsp
-    expected = ZigzagLayout.from_local(pos.shape[-1], state.size).positions(
-        dist.get_rank(state.group), pos.device
-    )
-    if not torch.equal(
-        pos.reshape(-1, pos.shape[-1]), expected.expand(pos.numel() // pos.shape[-1], -1)
-    ):
-        raise ValueError(
-            "position_ids are not this rank's zigzag positions: build the batch with "
-            "tsp_ext.shard_batch on the same mesh"
-        )
+    layout = ZigzagLayout.from_local(pos.shape[-1], state.size)
+    check_across_ranks(pos, layout, state.group)
+    spans = query_spans(pos, layout, dist.get_rank(state.group))
+    return args, {**kwargs, SPANS_KWARG: spans}

@@ -166,6 +166,19 @@ def _logits(model, h: torch.Tensor) -> torch.Tensor:
     return F.linear(h, head.weight, head.bias)
 
 
+def _refuse_packed(pos: torch.Tensor, mask: torch.Tensor | None) -> None:
+    """Raise ``ValueError`` if a prompt row's positions restart between two real tokens (packed
+    documents); left padding (positions of padded tokens, then 0, 1, ...) is fine."""
+    real = torch.ones_like(pos, dtype=torch.bool) if mask is None else mask.bool()
+    both = real[:, 1:] & real[:, :-1]
+    if (both & (pos[:, 1:] != pos[:, :-1] + 1)).any():
+        raise ValueError(
+            "the prompt's position_ids restart inside a row (packed documents): TSP prefill and "
+            "generate take one sequence per row; pass the documents as separate rows (left "
+            "padding with their attention_mask)"
+        )
+
+
 def inference_forward(
     model,
     input_ids: torch.Tensor | None,
@@ -210,6 +223,7 @@ def inference_forward(
         position_ids = torch.arange(past, past + T, device=input_ids.device)[None]
     with torch.no_grad():
         if past == 0:
+            _refuse_packed(position_ids.expand(B, -1), attention_mask)
             h = _prefill(model, input_ids, attention_mask, position_ids, cache)
         else:
             h = _decode(model, input_ids, attention_mask, position_ids.expand(B, -1), cache)
