@@ -1,13 +1,14 @@
 """Training-state checkpoints of a TSP model through ``torch.distributed.checkpoint`` (DCP):
 one format for plain/DDP, FSDP2 and DeepSpeed ZeRO-1/2/3, resumable at any TSP and dp size.
 
-Each rank writes only the pieces it owns, described as DTensors over the full Hugging Face
-tensors (``layout.py``), so DCP writes replicated pieces once and reshards on load. A checkpoint
-directory holds the DCP files and ``trainer_state.json`` (scheduler, optimizer hyperparameters,
-the caller's ``extra_state``, the parameter names and full shapes, every file's size). It is
-written as ``.<name>.incomplete`` beside ``path`` and renamed to ``path`` only after every rank
-finished; ``load`` refuses an incomplete, truncated or other-model checkpoint with a
-``ValueError`` before it changes anything. Nothing is unpickled but DCP's own metadata.
+Each rank writes only the pieces it owns, described by their offsets in the full Hugging Face
+tensors (``layout.py``; uneven layouts included), so DCP writes pieces held by several ranks once
+and reshards on load. A checkpoint directory holds the DCP files and ``trainer_state.json``
+(scheduler, optimizer hyperparameters, the caller's ``extra_state``, the parameter names and full
+shapes, every file's size). It is written as ``.<name>.incomplete`` beside ``path`` and renamed
+to ``path`` only after every rank finished; ``load`` refuses an incomplete, truncated or
+other-model checkpoint with a ``ValueError`` before it changes anything. Nothing is unpickled but
+DCP's own metadata.
 """
 
 from __future__ import annotations
