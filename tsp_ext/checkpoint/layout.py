@@ -55,6 +55,7 @@ class Layout:
         return torch.Size(shape)
 
     def wrap(self, name: str, local: torch.Tensor, like: torch.Tensor) -> Chunks:
+        """``local`` (this rank's piece of ``name``, laid out like ``like``) as DCP chunks."""
         shape = self.full_shape(name, like)
         tsp = blocks(self.model, name)
         # TSP blocks along each dim (global [start, stop)); this rank's is at position self.rank
