@@ -152,6 +152,17 @@ def config_errors_worker(rank, world):
             lambda: init({"tsp": {"size": 2}, "sequence_parallel_size": 2}, optimizer=adamw)
         ),
         "mpu": error_message(lambda: init({"tsp": {"size": 2}}, optimizer=adamw, mpu=object())),
+        "mixed_kv_clipping": error_message(  # 9 / 3 heads at tsp=2: rank 1's K/V = kv 1 (copy), 2
+            lambda: tds.initialize(
+                model=build("llama", num_attention_heads=9, num_key_value_heads=3, hidden_size=72),
+                config={
+                    "train_micro_batch_size_per_gpu": 1,
+                    "gradient_clipping": 1.0,
+                    "tsp": {"size": 2},
+                },
+                optimizer=adamw,
+            )
+        ),  # fmt: skip
         "stale": error_message(
             lambda: tds.initialize(
                 model=stale,
@@ -173,6 +184,7 @@ def config_errors_worker(rank, world):
         ("stale", "pass an optimizer factory"),
         ("disagree", "recompute_mlp=False (model: True)"),
         ("zero3_float64", "ZeRO-3 partitions float32, bfloat16 and float16 parameters only"),
+        ("mixed_kv_clipping", "would count twice; use a tsp size in [1, 3, 8, 9]"),
     ],
 )
 def test_config_errors(case, expected):

@@ -15,8 +15,10 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import error_message, rel_err
+import torch.utils._pytree as pytree
+from conftest import rel_err
 from models import batch, build, lm_loss
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tsp_ext import (
     TSPConfig,
@@ -242,16 +244,49 @@ def test_head_layout(n_heads, n_kv, D, shared):
     assert counted == list(range(n_kv))
 
 
-def dcp_refusal_worker(rank, world, path):
-    import tsp_ext.checkpoint
+class _Transfers(TorchDispatchMode):
+    """Records ``(op, elements)`` of every collective and point-to-point transfer (c10d ops)."""
 
-    model = apply_tsp(make("llama_9_3", torch.float64), init_tsp_mesh(world))
-    opt = torch.optim.AdamW(model.parameters())
-    return error_message(lambda: tsp_ext.checkpoint.save(path, model, opt))
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            leaves = pytree.tree_leaves(args)
+            size = sum(t.numel() for t in leaves if isinstance(t, torch.Tensor))
+            self.seen.append((func.__name__.split(".")[0], size))
+        return func(*args, **(kwargs or {}))
 
 
-def test_dcp_checkpoint_of_an_uneven_layout_is_refused_clearly(tmp_path):
-    # 9 query heads over D = 2: DTensor placements cannot describe 5 + 4 head blocks
-    for msg in run_processes(dcp_refusal_worker, 2, str(tmp_path / "ckpt")):
-        assert "is split unevenly over tsp=2" in msg and "save_pretrained" in msg, msg
-    assert not os.listdir(tmp_path)  # refused before anything was written
+def kv_transfer_worker(rank, world):
+    """Attention backward of 9 query / 3 KV heads at D = 4 (KV heads 1 and 2 each on two ranks):
+    the c10d transfers it makes and the shared heads of this rank."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+
+    from tsp_ext import TSPAttention
+
+    cfg = LlamaConfig(**MODELS["llama_9_3"][1], num_hidden_layers=1, intermediate_size=53)
+    torch.manual_seed(0)
+    attn = TSPAttention.from_hf(LlamaAttention(cfg, layer_idx=0).double(), dist.group.WORLD)
+    x = torch.randn(1, 6, cfg.hidden_size, dtype=torch.float64, requires_grad=True)
+    cos, sin = LlamaRotaryEmbedding(cfg)(x, torch.arange(6)[None] + 6 * rank)
+    y, _ = attn(x, position_embeddings=(cos, sin))
+    with _Transfers() as transfers:
+        y.sum().backward()
+    shared = [(i, list(users)) for i, users in attn.spec.shared_kv(rank)]
+    return transfers.seen, shared, attn.spec.head_dim * cfg.hidden_size
+
+
+def test_shared_kv_gradients_are_summed_among_their_users_one_head_at_a_time():
+    # before: one [n_kv * d, h] buffer per K/V tensor, all-reduced over the whole TSP group
+    # (local KV head, ranks using it) of each rank's shared heads: KV 1 on ranks 1-2, KV 2 on 2-3
+    expected = [[], [(0, [1, 2])], [(0, [1, 2]), (1, [2, 3])], [(0, [2, 3])]]
+    for rank, (seen, shared, head) in enumerate(run_processes(kv_transfer_worker, 4)):
+        assert shared == expected[rank], (rank, shared)
+        assert not [op for op, _ in seen if "allreduce" in op], (rank, seen)
+        p2p = [(op, n) for op, n in seen if op in ("send", "recv_")]
+        # wk and wv rows of one KV head per message; a pair (send, receive) per shared head
+        assert p2p and all(n == 2 * head for _, n in p2p) if shared else not p2p, (rank, seen)
+        assert len(p2p) == 2 * len(shared), (rank, p2p)

@@ -1,16 +1,16 @@
 """Training-state checkpoints of a TSP model through ``torch.distributed.checkpoint`` (DCP):
 one format for plain/DDP, FSDP2 and DeepSpeed ZeRO-1/2/3, resumable at any TSP and dp size.
 
-Each rank writes only the pieces it owns, described as DTensors over the full Hugging Face
-tensors (``layout.py``), so DCP writes replicated pieces once and reshards on load. The
-parameters are split into groups of bounded full size (model order, at most ``max_group_bytes``
-of float32 each; a larger parameter alone), and each group is one DCP checkpoint in a
-subdirectory ``group-<i>``, written and read on its own: a DeepSpeed save / load holds one
-group's fp32 masters and optimizer state at a time, not the whole rank's. The groups depend only
-on the parameter names and full shapes, and are recorded, so any layout reads them. ``rng/``
-holds each rank's torch generator states. ``trainer_state.json`` holds the scheduler, optimizer
-hyperparameters, the caller's ``extra_state``, the parameter names and full shapes, the groups
-and every file's size. A checkpoint is written as ``.<name>.incomplete`` beside ``path`` and
+Each rank writes only the pieces it owns, described by their offsets in the full Hugging Face
+tensors (``layout.py``; uneven layouts included), so DCP writes pieces held by several ranks once
+and reshards on load. The parameters are split into groups of bounded full size (model order, at
+most ``max_group_bytes`` of float32 each; a larger parameter alone), and each group is one DCP
+checkpoint in a subdirectory ``group-<i>``, written and read on its own: a DeepSpeed save / load
+holds one group's fp32 masters and optimizer state at a time, not the whole rank's. The groups
+depend only on the parameter names and full shapes, and are recorded, so any layout reads them.
+``rng/`` holds each rank's torch generator states. ``trainer_state.json`` holds the scheduler,
+optimizer hyperparameters, the caller's ``extra_state``, the parameter names and full shapes, the
+groups and every file's size. A checkpoint is written as ``.<name>.incomplete`` beside ``path`` and
 renamed to ``path`` only after every rank finished; ``load`` refuses an incomplete, truncated or
 other-model checkpoint with a ``ValueError`` before it changes anything. Nothing is unpickled but
 DCP's own metadata.

@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..config import TSPConfig
+from ..engine.heads import AttentionSpec
 from ..hf.apply import apply_tsp
 from ..hf.sharding import Role, param_roles
 from ..mesh import init_tsp_mesh
@@ -121,6 +122,26 @@ def mark_parallel_params(model: nn.Module) -> None:
         p.tensor_model_parallel = roles[name] is Role.SHARDED
 
 
+def _check_clipping(config: dict[str, Any], model: nn.Module) -> None:
+    """DeepSpeed's gradient norm tags whole parameters, so it would count twice a shared KV head
+    whose copy shares a K/V slice with a head of the rank's own (``AttentionSpec.kv_mixed``)."""
+    if not config.get("gradient_clipping"):
+        return
+    spec = next((m.spec for m in model.modules() if isinstance(getattr(m, "spec", None),
+                                                               AttentionSpec)), None)  # fmt: skip
+    if spec is None or not spec.kv_mixed:
+        return
+    sizes = [
+        D for D in range(1, spec.n_heads + 1) if not dataclasses.replace(spec, tsp_size=D).kv_mixed
+    ]
+    raise ValueError(
+        f"gradient_clipping with tsp size {spec.tsp_size}: {spec.n_heads} query / "
+        f"{spec.n_kv_heads} KV heads put a shared KV head and an own one in the same K/V slice, "
+        "which DeepSpeed's gradient norm would count twice; use a tsp size in "
+        f"{sizes}, or set gradient_clipping to 0"
+    )
+
+
 def _check_zero3_dtype(config: dict[str, Any], model: nn.Module) -> None:
     stage = (config.get("zero_optimization") or {}).get("stage", 0)
     dtypes = {p.dtype for p in model.parameters()}
@@ -187,6 +208,7 @@ def initialize(
     model_parameters = _check_optimizer_params(model, optimizer, model_parameters)
     if model_parameters is None and not isinstance(optimizer, torch.optim.Optimizer):
         model_parameters = list(model.parameters())
+    _check_clipping(cfg, model)
     mark_parallel_params(model)
     mpu = TSPModelParallelUnit(mesh)
     out = deepspeed.initialize(

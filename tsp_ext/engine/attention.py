@@ -15,8 +15,8 @@ dK/dV and reduces dW_r to its owner r. Saved per rank: X_p, A_r and lse_r of eve
 and the rank's own shards — O(S/D) activations, O(1/D) weights.
 
 A KV head used by several groups (D > n_kv_heads, or a group boundary inside a KV head's query
-heads) is replicated on those ranks; its gradient is the sum over all of its users, all-reduced
-so the copies stay equal.
+heads) is replicated on those ranks; its gradient is the sum over all of its users, summed among
+those ranks only (point to point) so the copies stay equal.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from .layout import RowSpans, Span, ZigzagLayout
 from .masked_attention import masked_chunked_attention
 from .pointwise import rms_norm, rope
 
-# Names of the sharded tensors of one head group: the k/v part (reduced separately when KV heads
-# are shared) and the leaves of the q projection (its backward runs while dK/dV travel).
+# Names of the sharded tensors of one head group: the k/v part (summed among the users of a shared
+# KV head) and the leaves of the q projection (its backward runs while dK/dV travel).
 _KV = ("wk", "wv", "bk", "bv")
 _Q = ("wq", "bq")
 
@@ -217,19 +217,29 @@ def tsp_attention_forward(
     return y.to(x.dtype), a_all, lse_all
 
 
+def share_kv(grads: dict[str, torch.Tensor], spec: AttentionSpec, p: int, group) -> None:
+    """Sum, in place, the K/V gradient rows (``wk, wv, bk, bv`` in ``grads``) of each of group
+    ``p``'s shared KV heads over the groups using it; each rank sends at most its own rows."""
+    d = spec.head_dim
+    kv = [n for n in grads if n in _KV]
+    for i, users in spec.shared_kv(p):  # in head order: every user visits them alike
+        rows = [grads[n][i * d : (i + 1) * d] for n in kv]
+        buf = comm.pack(rows)
+        comm.sum_among(buf, users, group)
+        for row, total in zip(rows, comm.unpack(buf, [r.shape for r in rows])):
+            row.copy_(total)
+
+
 def tsp_attention_backward(sched: _Schedule, dy, x, cos, sin, own, q_norm, k_norm, a_all, lse_all):
     """Backward schedule. Returns ``dX_p``, the fully reduced gradients of this rank's own shards
     (dict like ``own``) and this rank's partial gradients of the replicated q/k norm weights.
 
-    Each group's gradients are reduced to their owner; when KV heads are shared by several groups
-    (``spec.kv_shared``), the K/V gradients instead accumulate into one ``[n_kv * d, ...]``
-    buffer per tensor (zeros where a group has no head), all-reduced once at the end, and every
-    rank keeps the rows of its KV heads: each copy gets the sum over all of its users."""
+    Each group's gradients are reduced to their owner; then the rows of each KV head shared by
+    several groups (``spec.shared_kv``) are summed among its users only (``comm.sum_among``), so
+    every copy gets the sum over all of its users and no buffer exceeds a group's own rows."""
     B, T, _ = x.shape
     D, p, spec, acc = sched.D, sched.p, sched.spec, sched.acc
     names = list(own)
-    kvn = [n for n in names if n in _KV] if spec.kv_shared else []
-    to_owner = [n for n in names if n not in kvn]
     q_names = [n for n in names if n in _Q]  # leaves of the q path; the rest (but wo): k/v path
     kv_names = [n for n in names if n not in _Q and n != "wo"]
     dy = dy.contiguous()
@@ -237,12 +247,6 @@ def tsp_attention_backward(sched: _Schedule, dy, x, cos, sin, own, q_norm, k_nor
     d_norm = None
     d_own: dict[str, torch.Tensor] = {}
     pending: list[tuple[int, torch.Tensor, comm.Pending]] = []
-    kv_full: dict[str, torch.Tensor] = {}
-    if kvn:  # every KV tensor in full: rows n_kv * d
-        n_rows = spec.n_kv_heads * spec.head_dim
-        shapes = [torch.Size((n_rows, *own[n].shape[1:])) for n in kvn]
-        kv_flat = dy.new_zeros(sum(s.numel() for s in shapes), dtype=acc)
-        kv_full = dict(zip(kvn, comm.unpack(kv_flat, shapes)))
 
     for r, w in sched.weight_stream(own):
         with torch.enable_grad():
@@ -287,18 +291,14 @@ def tsp_attention_backward(sched: _Schedule, dy, x, cos, sin, own, q_norm, k_nor
             gn = torch.stack([q_grads[-1].to(acc), kv_grads[-1].to(acc)])
             d_norm = gn if d_norm is None else d_norm + gn
         # reduce(dW_r, dst=r): the owner gets the sum over all ranks' tokens
-        buf = comm.pack([g[n] for n in to_owner], acc)
+        buf = comm.pack([g[n] for n in names], acc)
         pending.append((r, buf, comm.reduce(buf, r, sched.group, async_op=True)))
-        for n in kvn:  # shared KV heads: summed over every group using them, below
-            kv_full[n][spec.kv_rows(r)] += g[n]
         while len(pending) > 1 or (r == D - 1 and pending):
             r0, buf0, h = pending.pop(0)
             h.wait()
             if r0 == p:
-                d_own.update(zip(to_owner, comm.unpack(buf0, [own[n].shape for n in to_owner])))
-    if kvn:
-        comm.all_reduce(kv_flat, sched.group)
-        d_own.update({n: kv_full[n][spec.kv_rows(p)] for n in kvn})
+                d_own.update(zip(names, comm.unpack(buf0, [own[n].shape for n in names])))
+    share_kv(d_own, spec, p, sched.group)
     d_own = {n: d_own[n].to(own[n].dtype) for n in names}
     if d_norm is not None:
         d_norm = [t.to(n.dtype) for t, n in zip(d_norm, (q_norm, k_norm))]

@@ -77,6 +77,30 @@ def all_reduce(t: torch.Tensor, group: ProcessGroup, async_op: bool = False):
     return work if async_op else _Done()
 
 
+def sum_among(t: torch.Tensor, ranks: Sequence[int], group: ProcessGroup) -> None:
+    """In-place sum of ``t`` over the group ranks ``ranks`` (this rank among them), point to point:
+    ``ranks[0]`` adds the others' values in rank order through one receive buffer and sends the
+    total back, so every copy is bit-identical. Ranks that share several such sets must visit them
+    in the same order (e.g. by their first rank) or they deadlock."""
+    lead, others = ranks[0], ranks[1:]
+    if dist.get_rank(group) != lead:
+        _p2p(dist.isend, [t], [lead], group)
+        _p2p(dist.irecv, [t], [lead], group)
+        return
+    buf = torch.empty_like(t)
+    for q in others:
+        _p2p(dist.irecv, [buf], [q], group)
+        t += buf
+    _p2p(dist.isend, [t] * len(others), others, group)
+
+
+def _p2p(op, tensors: Sequence[torch.Tensor], peers: Sequence[int], group: ProcessGroup) -> None:
+    """Send / receive each tensor to / from its peer (group ranks) as one batch, and wait."""
+    ops = [dist.P2POp(op, t, group=group, group_peer=q) for t, q in zip(tensors, peers)]
+    if ops:
+        Pending(dist.batch_isend_irecv(ops)).wait()
+
+
 def all_gather_seq(x: torch.Tensor, group: ProcessGroup, async_op: bool = False):
     """Gather every rank's shard: ``x [...]`` -> ``(out [D, ...], handle)``, rank-major."""
     D = dist.get_world_size(group)

@@ -108,6 +108,29 @@ class AttentionSpec:
         return slice(int(self.first_kv_copied(p)), self.n_kv(p))
 
     @property
+    def kv_mixed(self) -> bool:
+        """Whether some group's KV slice holds both a copy of a shared head (counted by the group
+        before it) and a head it counts itself: a per-parameter gradient norm (DeepSpeed's)
+        cannot count such a slice exactly."""
+        return any(self.first_kv_copied(p) and self.n_kv(p) > 1 for p in range(self.tsp_size))
+
+    def kv_users(self, j: int) -> range:
+        """Groups whose query heads use KV head ``j`` (consecutive)."""
+        g = self.group_size
+        return range(self._group_of(j * g), self._group_of((j + 1) * g - 1) + 1)
+
+    def _group_of(self, i: int) -> int:
+        """Group holding query head ``i``."""
+        return next(p for p in range(self.tsp_size) if self.q_heads(p).stop > i)
+
+    def shared_kv(self, p: int) -> list[tuple[int, range]]:
+        """``(local index, users)`` of each of group ``p``'s KV heads that other groups use too,
+        in head order: its gradient is the sum over ``users`` (``kv_users``)."""
+        k = self.kv_heads(p)
+        users = [(j - k.start, self.kv_users(j)) for j in range(k.start, k.stop)]
+        return [(i, u) for i, u in users if len(u) > 1]
+
+    @property
     def kv_replicas(self) -> int:
         """Ranks sharing each KV head when every group uses exactly one, whole and equally shared
         (``n_heads % D == 0`` and ``D % n_kv_heads == 0``): ``D / n_kv_heads``; else 1."""

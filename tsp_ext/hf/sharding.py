@@ -8,14 +8,12 @@ gradient norms all read the layout through this one interface, never through mod
 from __future__ import annotations
 
 import abc
-import dataclasses
 import enum
 from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import Placement, Replicate, Shard
 
 from ..engine import comm
 
@@ -89,33 +87,14 @@ class ShardedModule(nn.Module, abc.ABC):
         rows = self.index_of(name, rank)[dim]
         return torch.Size((*like[:dim], rows.stop - rows.start, *like[dim + 1 :]))
 
-    def placement(self, name: str) -> TSPPlacement:
-        """Where every rank's slice of ``name`` sits in the full tensor, as DTensor placements
-        (what DCP checkpoints record): derived from ``index_of`` of every rank. Equal blocks in
-        rank order are ``Shard(dim)``; equal blocks each held by c consecutive ranks (KV heads
-        shared by c head groups) are ``(Shard(dim), Replicate())`` on a ``(D/c, c)`` view.
-        Uneven layouts have no DTensor placement: ``ValueError`` saying so."""
-        D = dist.get_world_size(self.group)
+    def blocks(self, name: str) -> tuple[int, list[slice]] | None:
+        """``(dim, [rows of TSP rank q along dim, for every q])`` of sharded parameter ``name``;
+        None if replicated. Blocks may differ by one head or row, and several ranks may hold
+        overlapping ones (a KV head shared by consecutive head groups)."""
         if name not in self.shard_dims:
-            return TSPPlacement((D,), (Replicate(),))
+            return None
         dim = self.shard_dims[name]
-        rows = [self.index_of(name, q)[dim] for q in range(D)]
-        starts = sorted({r.start for r in rows})
-        size = rows[0].stop - rows[0].start
-        copies = D // len(starts)
-        even = all(r.stop - r.start == size for r in rows) and D % len(starts) == 0
-        in_order = all(r.start == q // copies * size for q, r in enumerate(rows))
-        if not (even and in_order):
-            sizes = [r.stop - r.start for r in rows]
-            raise ValueError(
-                f"{name} is split unevenly over tsp={D} (rows {sizes}): DCP training-state "
-                "checkpoints need equal shards; checkpoint at a TSP size that divides the heads, "
-                "MLP width and vocabulary (exporting with tsp_ext.save_pretrained works at any "
-                "size, and a checkpoint saved at an even size resumes at any even size)"
-            )
-        if copies == 1:
-            return TSPPlacement((D,), (Shard(dim),))
-        return TSPPlacement((D // copies, copies), (Shard(dim), Replicate()))
+        return dim, [self.index_of(name, q)[dim] for q in range(dist.get_world_size(self.group))]
 
     def counted_index(self, name: str) -> tuple[slice, ...]:
         """The part of this rank's ``name`` that a gradient norm counts here (all of it unless
@@ -125,17 +104,6 @@ class ShardedModule(nn.Module, abc.ABC):
     def role(self, name: str) -> Role:
         """Layout of parameter ``name`` over the TSP axis."""
         return Role.SHARDED if name in self.shard_dims else Role.REPLICATED
-
-
-@dataclasses.dataclass(frozen=True)
-class TSPPlacement:
-    """The TSP axis viewed as a mesh of shape ``mesh_shape`` (TSP rank p at row-major position
-    p) and the DTensor placement of a parameter on each of its dims: ``((D,), (Shard(0),))`` for
-    row blocks, ``((D,), (Replicate(),))`` for a replicated weight, ``((n_kv, D/n_kv),
-    (Shard(0), Replicate()))`` for KV heads each held by D/n_kv consecutive ranks."""
-
-    mesh_shape: tuple[int, ...]
-    placements: tuple[Placement, ...]
 
 
 def shard_owner(model: nn.Module, name: str) -> tuple[ShardedModule, str] | None:
@@ -173,9 +141,7 @@ def counted_index(model: nn.Module, name: str) -> tuple[slice, ...]:
     return (slice(None),) if owner is None else owner[0].counted_index(owner[1])
 
 
-def placement(model: nn.Module, name: str) -> TSPPlacement:
-    """``TSPPlacement`` of parameter ``name`` of a TSP model (replicated unless sharded)."""
+def blocks(model: nn.Module, name: str) -> tuple[int, list[slice]] | None:
+    """``ShardedModule.blocks`` of parameter ``name`` of a TSP model (None if replicated)."""
     owner = shard_owner(model, name)
-    if owner is None:
-        return TSPPlacement((dist.get_world_size(model.tsp.group),), (Replicate(),))
-    return owner[0].placement(owner[1])
+    return None if owner is None else owner[0].blocks(owner[1])

@@ -9,6 +9,7 @@ from .shapes import (
     _heads,
     _layer_params,
     _shard_params,
+    _shared_kv_messages,
     _tsp_heads,
     _tsp_shard_params,
     _vocab_params,
@@ -23,7 +24,7 @@ def tsp_comm(m: ModelShape, w: Workload, c: Cluster, lay: Layout) -> tuple[list,
     largest shard (⌈F/D⌉, ⌈V/D⌉ rows), broadcasts the largest head group."""
     D, B, h, d, b, acc = lay.tp, w.micro_batch, m.hidden_size, m.head_dim, w.beta, w.acc
     bw, ov = c.bandwidth(1, D), w.overlap
-    nh, nkv, shared_kv = _tsp_heads(m, D)
+    nh, nkv = _tsp_heads(m, D)
     attn = _layer_params(m, nh, nkv, 0) - 2 * h  # the largest head group's q/k/v/o shard
     mlp = 3 * h * -(-m.intermediate_size // D)
     kv = 2 * B * _tsp_seq(w, D) * nkv * d * (D - 1)  # elements received, all D groups
@@ -37,9 +38,10 @@ def tsp_comm(m: ModelShape, w: Workload, c: Cluster, lay: Layout) -> tuple[list,
         Transfer("reduce-scatter dK/dV", kv * acc, D, False, bw),
         Transfer("all-reduce norm grads", 2 * 2 * (D - 1) / D * h * b, 2, False, bw),
     ]
-    if shared_kv:  # shared KV heads: every K/V gradient is all-reduced (one [n_kv·d, h] buffer)
-        shared = 2 * (D - 1) / D * 2 * h * d * acc * m.num_kv_heads
-        layer.append(Transfer("all-reduce shared K/V grads", shared, m.num_kv_heads, False, bw))
+    messages = _shared_kv_messages(m, D)
+    if messages:  # shared KV heads: their gradient rows summed among their users, point to point
+        shared = messages * 2 * h * d * acc
+        layer.append(Transfer("sum shared K/V grads among users", shared, messages, False, bw))
     T, V = _tsp_seq(w, D) / D, m.vocab_size
     if w.shard_vocab:
         ring = (D - 1) * -(-V // D) * h

@@ -95,7 +95,7 @@ def tsp_memory(m: ModelShape, w: Workload, lay: Layout) -> Memory:
     acts = m.num_layers * tsp_layer_saved(m, w, D) + head
     # transient: double-buffered weight shards and their float32 gradient accumulators, one
     # head group's gathered K/V with its float32 gradient, one MLP shard's intermediates
-    nh, nkv, _ = _tsp_heads(m, D)
+    nh, nkv = _tsp_heads(m, D)
     shard = max(_layer_params(m, nh, nkv, 0), 3 * h * F / D)
     kv = 2 * B * T * D * nkv * m.head_dim * (w.beta + w.acc)
     layer = 2 * shard * (w.beta + w.acc) + kv + 6 * B * T * F / D * w.beta

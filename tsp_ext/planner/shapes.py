@@ -127,14 +127,29 @@ def _shard_params(m: ModelShape, n: int) -> float:
     return _layer_params(m, *_heads(m, n), m.intermediate_size / n)
 
 
-def _tsp_heads(m: ModelShape, D: int) -> tuple[int, int, bool]:
-    """TSP's largest head group on D ranks: (query heads, KV heads, whether KV heads are shared
-    between groups); groups hold ⌊n_h/D⌋ or ⌈n_h/D⌉ query heads and every KV head they use."""
-    spec = AttentionSpec(m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, D, 1.0)
-    return spec.max_q, max(spec.n_kv(p) for p in range(D)), spec.kv_shared
+def _tsp_heads(m: ModelShape, D: int) -> tuple[int, int]:
+    """TSP's largest head group on D ranks: (query heads, KV heads); groups hold ⌊n_h/D⌋ or
+    ⌈n_h/D⌉ query heads and every KV head they use."""
+    spec = _spec(m, D)
+    return spec.max_q, max(spec.n_kv(p) for p in range(D))
+
+
+def _shared_kv_messages(m: ModelShape, D: int) -> int:
+    """Point-to-point messages (one KV head's k and v gradient rows each) of the busiest rank when
+    shared KV heads' gradients are summed among their users: the first user receives and sends
+    back users - 1, every other user sends and receives one; 0 when no KV head is shared."""
+    spec = _spec(m, D)
+    return max(
+        sum(2 * (len(users) - 1) if users[0] == p else 2 for _, users in spec.shared_kv(p))
+        for p in range(D)
+    )
+
+
+def _spec(m: ModelShape, D: int) -> AttentionSpec:
+    return AttentionSpec(m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, D, 1.0)
 
 
 def _tsp_shard_params(m: ModelShape, D: int) -> float:
     """One decoder layer's parameters on the TSP rank with the largest shards (⌈F/D⌉ MLP rows)."""
-    nh, nkv, _ = _tsp_heads(m, D)
+    nh, nkv = _tsp_heads(m, D)
     return _layer_params(m, nh, nkv, -(-m.intermediate_size // D))
