@@ -281,7 +281,8 @@ class _BucketedUse(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         out = list(grads)
-        for dtype in {g.dtype for g in grads if g is not None}:
+        # first-appearance order: a set's order (dtype hashes) differs between processes
+        for dtype in dict.fromkeys(g.dtype for g in grads if g is not None):
             index = [i for i, g in enumerate(grads) if g is not None and g.dtype == dtype]
             flat = pack([grads[i] for i in index])
             all_reduce(flat, ctx.group)
