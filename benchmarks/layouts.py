@@ -8,12 +8,15 @@ size, and returns a ``Prepared``: the parallelised model and the two calls of a 
 | layout | library | weights per rank | tokens per rank |
 |---|---|---|---|
 | single | transformers | all | all |
-| tsp, tsp_no_overlap | tsp_ext.apply_tsp | 1/D | 1/D (zigzag) |
+| tsp | tsp_ext.apply_tsp | 1/D | 1/D (zigzag) |
 | tp | torch ``parallelize_module`` with the model's HF tp plan | 1/D | all |
 | tp_sp | torch TP + ``SequenceParallel`` norms (Megatron TP+SP) | 1/D | 1/D between blocks |
 | ulysses | DeepSpeed ``UlyssesSPAttentionHF.register_with_transformers`` | all | 1/D |
 | tpxsp | torch TP on ``tp`` (inside) × DeepSpeed Ulysses on ``sp`` (across) | 1/tp | 1/sp |
 | ring | torch ``context_parallel`` (ring attention) | all | 1/D |
+
+``tsp_no_overlap`` and ``tsp_keep_mlp`` are ``tsp`` with ``TSPConfig(overlap=False)`` and
+``TSPConfig(recompute_mlp=False)``.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ def tp_sp_split(layout: str, devices: int) -> tuple[int, int]:
     """(tp, sp) sizes of a layout on ``devices`` ranks; TSP folds both onto one axis (D, D)."""
     if layout == "single":
         return 1, 1
-    if layout in ("tsp", "tsp_no_overlap"):
+    if layout.startswith("tsp"):
         return devices, devices
     if layout in ("tp", "tp_sp"):
         return devices, 1
@@ -129,11 +132,11 @@ def build_single(model, ids, world, device) -> Prepared:
     return Prepared(model, loss)
 
 
-def build_tsp(model, ids, world, device, overlap: bool = True) -> Prepared:
+def build_tsp(model, ids, world, device, **options) -> Prepared:
     from tsp_ext import TSPConfig, apply_tsp, init_tsp_mesh, shard_batch
 
     mesh = init_tsp_mesh(world)
-    model = apply_tsp(model, mesh, config=TSPConfig(overlap=overlap))
+    model = apply_tsp(model, mesh, config=TSPConfig(**options))
     batch = shard_batch({"input_ids": ids, "labels": ids}, mesh)
 
     def loss():
@@ -301,6 +304,7 @@ BUILDERS: dict[str, Callable[..., Prepared]] = {
     "single": build_single,
     "tsp": build_tsp,
     "tsp_no_overlap": lambda m, i, w, d: build_tsp(m, i, w, d, overlap=False),
+    "tsp_keep_mlp": lambda m, i, w, d: build_tsp(m, i, w, d, recompute_mlp=False),
     "tp": build_tp,
     "tp_sp": build_tp_sp,
     "ulysses": build_ulysses,
