@@ -4,11 +4,14 @@ Rank p holds head group p (``⌊n_heads/D⌋`` or ``⌈n_heads/D⌉`` consecutiv
 heads they use, the matching columns of o_proj; ``engine.heads``) and the tokens of zigzag
 shard p. Forward, for r = 0..D-1:
 
-    W_r = broadcast(Wq_r, Wk_r, Wv_r, Wo_r, src=r)        # prefetched while group r-1 computes
+    W_r = broadcast(Wq_r, Wk_r, Wv_r, Wo_r, src=r)        # prefetched two groups ahead
     Q, K, V = rope(X_p · W_r)                              # local tokens, global positions
     K_all, V_all = all_gather_seq(K, V)                    # only the real KV heads of group r
     A_r, lse_r = causal_attention(Q, K_all, V_all)         # by global position
     Y_p += A_r · Wo_rᵀ                                     # no all-reduce
+
+With ``overlap``, group r+1 is projected and its K/V gather posted before group r attends, so
+the gather flies while the attention kernel runs (forward and the backward's recompute alike).
 
 Backward re-broadcasts W_r and re-gathers K/V (recomputed from the saved X_p), reduce-scatters
 dK/dV and reduces dW_r to its owner r. Saved per rank: X_p, A_r and lse_r of every group, cos/sin
@@ -107,6 +110,27 @@ class _Schedule:
                     nxt[1].wait()
             yield r, dict(zip(names, comm.unpack(buf, shapes[r])))
 
+    def projected_groups(self, own: dict[str, torch.Tensor], project: Callable):
+        """Yield ``_Group``s r = 0..D-1: W_r, ``project(W_r)`` (a tuple starting ``q, k, v``) and
+        the K/V all-gather of group r in flight. With ``overlap``, group r+1 is projected and its
+        gather posted before group r is yielded, so the caller's attention of group r hides it."""
+
+        def start(item: tuple[int, dict[str, torch.Tensor]]) -> _Group:
+            r, w = item
+            projected = project(w)
+            kv_all, handle = self.gather_kv(projected[1].detach(), projected[2].detach())
+            return _Group(self, r, w, projected, kv_all, handle)
+
+        stream = self.weight_stream(own)
+        nxt = start(next(stream))
+        for r in range(self.D):
+            cur = nxt
+            if r + 1 < self.D and self.config.overlap:
+                nxt = start(next(stream))
+            yield cur
+            if r + 1 < self.D and not self.config.overlap:
+                nxt = start(next(stream))
+
     def project(self, x, w, cos, sin, q_norm, k_norm):
         """Local Q ``[B, T, n_q(r), d]`` and K, V ``[B, T, n_kv(r), d]`` of head group r."""
         return project_qkv(x, w, cos, sin, q_norm, k_norm, self.spec)
@@ -139,6 +163,21 @@ class _Schedule:
                 rows = out[q, :, s.offset : s.offset + s.length]
                 rows[:, :, :hk], rows[:, :, hk:] = dk[:, s.start : s.stop], dv[:, s.start : s.stop]
         return out
+
+
+class _Group:
+    """One head group in flight: ``r``, its weights ``w``, the caller's ``projected`` tuple and
+    its K/V all-gather (``kv()`` waits for it)."""
+
+    def __init__(self, sched: _Schedule, r: int, w, projected: tuple, kv_all, handle) -> None:
+        self.sched, self.r, self.w, self.projected = sched, r, w, projected
+        self._kv_all, self._handle = kv_all, handle
+
+    def kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Wait for the gather; K, V ``[B, S, n_kv(r), d]`` in token order (heads-major)."""
+        self._handle.wait()
+        kv_all, self._kv_all = self._kv_all, None
+        return self.sched.natural_kv(kv_all)
 
 
 def heads_major(t: torch.Tensor) -> torch.Tensor:
@@ -190,13 +229,15 @@ def tsp_attention_forward(
     # A of every group, heads-major: [B, n_h, T, d]; group r fills its heads q_heads(r)
     a_all = x.new_empty(B, spec.n_heads, T, spec.head_dim) if keep else None
     lse_all = None
-    for r, w in sched.weight_stream(own):
-        q, k, v = sched.project(x, w, cos, sin, q_norm, k_norm)
-        kv_all, gathering = sched.gather_kv(k, v)
-        q = heads_major(q)
-        gathering.wait()
-        k_all, v_all = sched.natural_kv(kv_all)
-        del kv_all
+
+    def project(w):
+        return sched.project(x, w, cos, sin, q_norm, k_norm)
+
+    for group in sched.projected_groups(own, project):
+        r, w = group.r, group.w
+        q = heads_major(group.projected[0])
+        k_all, v_all = group.kv()
+        del group
         if kv_sink is not None:
             kv_sink(r, k_all, v_all)
         k_all, v_all = expand_kv(k_all, v_all, spec.kv_map(r))
@@ -248,21 +289,25 @@ def tsp_attention_backward(sched: _Schedule, dy, x, cos, sin, own, q_norm, k_nor
     d_own: dict[str, torch.Tensor] = {}
     pending: list[tuple[int, torch.Tensor, comm.Pending]] = []
 
-    for r, w in sched.weight_stream(own):
+    def recompute(w):
+        """Q, K, V of group r from the saved X_p, with the graph back to X_p and the shards."""
         with torch.enable_grad():
             xg = x.detach().requires_grad_()
             leaves = {n: w[n].detach().requires_grad_() for n in names if n != "wo"}
             norms = [t.detach().requires_grad_() for t in (q_norm, k_norm) if t is not None]
             q, k, v = sched.project(xg, leaves, cos, sin, *(norms or (None, None)))
-        kv_all, gathering = sched.gather_kv(k.detach(), v.detach())
+        return q, k, v, xg, leaves, norms
+
+    for group in sched.projected_groups(own, recompute):
+        r, w = group.r, group.w
+        q, k, v, xg, leaves, norms = group.projected
         # while K/V travel: dA = dY_p · Wo_r ;  dWo_r (partial) = dY_pᵀ · A_r
         heads = spec.q_heads(r)
         a = a_all[:, heads].transpose(1, 2)  # [B, T, n_q(r), d]
         da = heads_major((dy @ w["wo"]).view_as(a))
         dwo = dy.flatten(0, 1).t().to(acc) @ a.flatten(2).flatten(0, 1).to(acc)
-        gathering.wait()
-        k_all, v_all = expand_kv(*sched.natural_kv(kv_all), spec.kv_map(r))
-        del kv_all
+        k_all, v_all = expand_kv(*group.kv(), spec.kv_map(r))
+        del group
         dq, dk_all, dv_all = chunked_attention_backward(
             sched.kernel,
             da,
