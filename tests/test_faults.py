@@ -4,6 +4,8 @@ runs in step on every rank."""
 from __future__ import annotations
 
 import functools
+import os
+import signal
 import time
 
 import pytest
@@ -96,3 +98,32 @@ def test_one_bad_rank_fails_every_rank(case, expected):
     for _, seconds, losses, reference in per_rank:
         assert seconds < 10
         assert losses == [reference] * 2  # the next step runs in step, on the same batch
+
+
+def stopped_peer_worker(rank, world, timeout_s):
+    """Rank 1 stops (SIGSTOP) before a step; rank 0 runs it, then lets rank 1 go (SIGCONT)."""
+    mesh = init_tsp_mesh(world, timeout=timeout_s)
+    model = apply_tsp(build("llama"), mesh)
+    local = shard_batch(batch(model.config.vocab_size, 2, 16), mesh)
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return None
+    start = time.monotonic()
+    try:
+        model(**local)
+        error = "<no error>"
+    except Exception as e:  # what the backend raises when a collective times out
+        error = f"{type(e).__name__}: {e}"
+    finally:
+        os.kill(pids[1], signal.SIGCONT)
+    return error, time.monotonic() - start
+
+
+def test_stopped_peer_times_out():
+    """A peer that stops (SIGSTOP) fails the others within the mesh's timeout, not gloo's 30
+    minutes; the launcher kills whatever is left."""
+    error, seconds = run_processes(stopped_peer_worker, 2, 10, timeout=120)[0]
+    assert "Timed out" in error, error
+    assert 9 < seconds < 30
