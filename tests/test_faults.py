@@ -32,21 +32,13 @@ def one_bad_rank_worker(rank, world):
     V = model.config.vocab_size
     local = shard_batch(batch(V, 2, 16), mesh)
 
-    def bad_label(labels):
-        labels = labels.clone()
-        labels[1, 3] = V + 5
-        return labels
-
+    labels = local["shift_labels"].clone()
+    labels[1, 3] = V + 5  # the full batch's label at position 8 (rank 1 holds 4..11)
     bad = {
         "id": _on_rank(
             local, rank, 1, "input_ids", lambda ids: ids.index_fill(1, torch.tensor([2]), V)
         ),
-        "label": {
-            **_on_rank(local, rank, 1, "labels", bad_label),
-            "shift_labels": bad_label(local["shift_labels"])
-            if rank == 1
-            else local["shift_labels"],
-        },
+        "label": {**local, "labels": labels, "shift_labels": labels} if rank == 1 else local,
         "mask": _on_rank(local, rank, 1, "attention_mask", lambda _: torch.ones(2, 8)),
         "shape": shard_batch(batch(V, 2, 8), mesh) if rank == 1 else local,
         "positions": _on_rank(local, rank, 0, "position_ids", lambda pos: pos + 1),
@@ -81,7 +73,10 @@ def results():
             "id",
             "TSP rank 1 of 2: input_ids must be in [0, 96), got 96 in row 0 at position 6 of",
         ),
-        ("label", "TSP rank 1 of 2: labels must be in [0, 96) or -100, got 101 in row 1 at"),
+        (
+            "label",
+            "TSP rank 1 of 2: labels must be in [0, 96) or -100, got 101 in row 1 at position 8",
+        ),
         ("mask", "TSP rank 1 of 2: a TSP model takes no attention_mask"),
         (
             "shape",
