@@ -30,12 +30,18 @@ def load_texts(dataset: str, text_column: str, split: str = "train") -> list[str
         return [open(f, encoding="utf-8").read() for f in shakespeare_files()]
     builder, _, files = dataset.partition(":")
     if builder in ("text", "json", "csv", "parquet") and files:
+        matched = sorted(glob.glob(files))
+        if not matched:
+            raise ValueError(
+                f"--dataset {dataset}: no file matches {files!r} (relative to {os.getcwd()}); "
+                "give a glob that matches your data files"
+            )
         if builder == "text":  # one document per file, not one per line
             ds = datasets.load_dataset(
-                "text", data_files=sorted(glob.glob(files)), sample_by="document", split=split
+                "text", data_files=matched, sample_by="document", split=split
             )
         else:
-            ds = datasets.load_dataset(builder, data_files=sorted(glob.glob(files)), split=split)
+            ds = datasets.load_dataset(builder, data_files=matched, split=split)
     else:
         ds = datasets.load_dataset(dataset, split=split)
     if text_column not in ds.column_names:

@@ -19,6 +19,7 @@ import resource
 import shutil
 import sys
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,7 @@ from _data import SHAKESPEARE, load_texts, pack, pack_documents, train_tokenizer
 from _engines import Engine, tsp_config
 from _presets import PRESETS
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import InitProcessGroupKwargs, set_seed
 from tqdm.auto import tqdm
 from transformers import (
     AutoConfig,
@@ -61,6 +62,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "per row, attention and positions per document",
     )
     p.add_argument("--tsp-size", type=int, default=None, help="default: all processes")
+    p.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a collective waits for a stopped or hung peer before failing",
+    )
     p.add_argument("--dp-engine", choices=("ddp", "deepspeed", "fsdp2"), default="ddp")
     p.add_argument(
         "--ds-config", default=os.path.join(os.path.dirname(__file__), "configs", "ds_zero2.json")
@@ -96,6 +103,8 @@ def check_args(args, world: int) -> None:
         raise SystemExit(
             f"--seq-len {args.seq_len} is shorter than 2 x tsp size = {2 * args.tsp_size}"
         )
+    if args.model not in PRESETS:
+        check_context(args.seq_len, AutoConfig.from_pretrained(args.model), args.model)
     if args.dp_engine == "deepspeed" and not os.path.isfile(args.ds_config):
         raise SystemExit(f"--ds-config {args.ds_config} does not exist")
     if args.keep_last < 0:
@@ -116,6 +125,23 @@ def check_args(args, world: int) -> None:
                 f"{saved.get('packing', 'stream')}, this run has {args.packing}: resume with the "
                 "same --packing"
             )
+
+
+def check_context(seq_len: int, hf_config, name: str) -> None:
+    """Refuse a ``--seq-len`` beyond the positions the model was trained (or scaled) for."""
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    if limit is not None and seq_len > limit:
+        rope = {
+            "rope_type": "yarn",
+            "factor": float(-(-seq_len // limit)),
+            "original_max_position_embeddings": limit,
+        }
+        raise SystemExit(
+            f"--seq-len {seq_len} is beyond {name}'s max_position_embeddings={limit}: positions "
+            f"past it were never trained. Use --seq-len <= {limit}, or extend the context with "
+            'RoPE scaling in the model\'s config.json (e.g. "rope_parameters": '
+            f"{json.dumps(rope)}, keeping its rope_theta) and max_position_embeddings >= {seq_len}"
+        )
 
 
 def build_tokenizer(args, texts, acc: Accelerator):
@@ -215,7 +241,13 @@ def evaluate(engine: Engine, eval_blocks: dict, mesh, device: torch.device) -> f
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    acc = Accelerator(cpu=not torch.cuda.is_available())
+    if args.dist_timeout <= 0:
+        raise SystemExit(f"--dist-timeout {args.dist_timeout}: give a positive number of seconds")
+    timeout = timedelta(seconds=args.dist_timeout)
+    acc = Accelerator(
+        cpu=not torch.cuda.is_available(),
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)],
+    )
     logging.basicConfig(
         level=logging.INFO if acc.is_main_process else logging.WARNING,
         format="%(message)s",
@@ -231,7 +263,7 @@ def main(argv=None) -> None:
     train_blocks = {k: v[:-n_eval] for k, v in blocks.items()}
     eval_blocks = {k: v[-n_eval:] for k, v in blocks.items()}
 
-    mesh = init_tsp_mesh(args.tsp_size)
+    mesh = init_tsp_mesh(args.tsp_size, timeout=timeout)
     dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
     model, full_params = build_model(args, len(tokenizer), mesh, acc.device)
     if args.gradient_checkpointing:

@@ -55,6 +55,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     text.add_argument("--prompt", default="Friends, Romans, countrymen, lend me your ears;")
     text.add_argument("--prompt-file", help="read the prompt from this file")
     p.add_argument("--tsp-size", type=int, default=None, help="default: the world size")
+    p.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a collective waits for a stopped or hung peer before failing",
+    )
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--sample", action="store_true", help="sample (default: greedy)")
     p.add_argument("--temperature", type=float, default=0.8)
@@ -82,7 +88,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     for key, value in _SINGLE_PROCESS.items():  # plain `python recipes/generate.py`: 1 process
         os.environ.setdefault(key, value)
-    mesh = init_tsp_mesh(args.tsp_size or int(os.environ["WORLD_SIZE"]))
+    mesh = init_tsp_mesh(args.tsp_size or int(os.environ["WORLD_SIZE"]), timeout=args.dist_timeout)
     main_rank = dist.get_rank() == 0
     model, tokenizer = build(args, mesh)
     text = open(args.prompt_file).read() if args.prompt_file else args.prompt

@@ -105,7 +105,7 @@ def messages():
         ("no_positions", "needs the global position_ids"),
         ("mask", "takes no attention_mask"),
         ("no_shift", "labels shifted before sharding"),
-        ("wrong_positions", "not this rank's zigzag positions"),
+        ("wrong_positions", "position_ids of the TSP ranks do not fit together"),
         ("left_pad", "right padding only"),
         ("doc_positions", "row 0 has 4 at token 3; position_ids must count up by one"),
         ("local_doc_positions", "row 0 has 100 at global position 0"),

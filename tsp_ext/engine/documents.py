@@ -9,9 +9,9 @@ cutting a zigzag chunk where a document starts gives spans whose queries share t
 (``Span.first_key``); the chunked kernels run each as one prefix call over ``[first_key,
 start)`` and one causal diagonal call, and no call touches another document's keys.
 
-Every rank derives its spans from its own position ids (``query_spans``); ``check_across_ranks``
-verifies with one small all-gather that the ranks' chunks fit together (each chunk continues the
-document of the chunk before it or starts a new one).
+Every rank checks and derives its spans from its own position ids (``local_error``,
+``query_spans``); ``check_chunks`` verifies with one small all-gather that the ranks' chunks fit
+together (each chunk continues the document of the chunk before it or starts a new one).
 """
 
 from __future__ import annotations
@@ -59,38 +59,28 @@ def local_error(pos: torch.Tensor, layout: ZigzagLayout, p: int) -> str | None:
     return None
 
 
-def check_across_ranks(position_ids: torch.Tensor, layout: ZigzagLayout, group) -> None:
-    """Raise ``ValueError`` on every rank of ``group`` unless every rank's position ids are
-    valid per-document positions of its zigzag shard and the chunks continue each other.
+def check_chunks(position_ids: torch.Tensor, layout: ZigzagLayout, group) -> None:
+    """Raise ``ValueError`` on every rank of ``group`` unless the ranks' chunks continue each
+    other (each chunk continues the document of the chunk before it or starts a new one).
 
-    One all-gather of ``1 + 4B`` integers per rank: a validity flag and the first and last
-    position id of each local chunk."""
+    Every rank's position ids must already be valid per-document positions of its zigzag shard
+    (``local_error``, agreed across ranks). One all-gather of ``4B`` integers per rank: the first
+    and last position id of each local chunk."""
     D, p = comm.size_and_rank(group)
     pos = _rows(position_ids)
-    error = local_error(pos, layout, p)
     B = pos.shape[0]
-    edges = torch.zeros(B, 2, 2, dtype=torch.int64)
-    if error is None:
-        for i, s in enumerate(layout.spans(p)):
-            edges[:, i] = pos[:, [s.offset, s.offset + s.length - 1]]
-    mine = torch.cat([torch.tensor([error is not None]), edges.flatten()])
-    gathered, _ = comm.all_gather_seq(mine.to(position_ids.device), group)
-    gathered = gathered.cpu()
-    failed = [r for r in range(D) if gathered[r, 0]]
-    if error is not None:
-        raise ValueError(error)
-    if failed:
-        raise ValueError(f"TSP rank {failed[0]} got invalid position_ids; {HOW}")
+    edges = torch.stack([pos[:, [s.offset, s.offset + s.length - 1]] for s in layout.spans(p)], 1)
+    gathered = comm.all_gather_seq(edges.to(position_ids.device), group)[0].cpu()
     # chunk c of the sequence: (first, last) position ids of every row
     chunks = torch.empty(B, 2 * D, 2, dtype=torch.int64)
     for r in range(D):
-        chunks[:, list(layout.chunks(r))] = gathered[r, 1:].view(B, 2, 2)
+        chunks[:, list(layout.chunks(r))] = gathered[r]
     first, last = chunks[..., 0], chunks[..., 1]
     ok = (first[:, 1:] == 0) | (first[:, 1:] == last[:, :-1] + 1)
     if not ok.all():
         b, c = (int(i) for i in (~ok).nonzero()[0])
         raise ValueError(
-            f"position_ids are not this rank's zigzag positions: in row {b}, chunk {c + 1} "
+            f"position_ids of the TSP ranks do not fit together: in row {b}, chunk {c + 1} "
             f"starts at {int(first[b, c + 1])} but chunk {c} ends at {int(last[b, c])}; {HOW}"
         )
 

@@ -151,8 +151,14 @@ def check_supported(model: nn.Module) -> None:
             kind = "mixture-of-experts" if hasattr(mlp, "experts") else "non-gated"
             raise ValueError(f"{name} layer {i}: {kind} MLPs are not supported (need gate/up/down)")
         for norm in ("input_layernorm", "post_attention_layernorm"):
-            if not hasattr(getattr(layer, norm, None), "variance_epsilon"):
-                raise ValueError(f"{name} layer {i}: {norm} is not an RMSNorm")
+            module = getattr(layer, norm, None)
+            if not hasattr(module, "variance_epsilon"):
+                raise ValueError(
+                    f"{name} (model_type={getattr(cfg, 'model_type', None)!r}) layer {i}: "
+                    f"{norm} is a {type(module).__name__}, not a Llama-style RMSNorm "
+                    "(x / rms(x) * weight, with variance_epsilon); supported: "
+                    f"{', '.join(SUPPORTED_MODELS)} and models of the same structure"
+                )
     if (
         getattr(cfg, "use_sliding_window", True)
         and getattr(cfg, "sliding_window", None) is not None

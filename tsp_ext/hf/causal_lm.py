@@ -11,7 +11,8 @@ from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..engine import comm
-from ..engine.documents import check_across_ranks, query_spans
+from ..engine.agreement import agree
+from ..engine.documents import check_chunks, local_error, query_spans
 from ..engine.layout import IGNORE_INDEX, ZigzagLayout
 from .attention import SPANS_KWARG
 
@@ -135,23 +136,89 @@ def vocab_sharded_forward(
 def check_inputs(model: nn.Module, args: tuple, kwargs: dict):
     """Forward pre-hook: reject inputs that would silently give wrong results under TSP (calls
     with a KV cache are checked by the inference path instead) and hand every layer's attention
-    the local query spans its ``position_ids`` describe (packed documents: ``engine.documents``)."""
+    the local query spans its ``position_ids`` describe (packed documents: ``engine.documents``).
+
+    Runs before the first collective of the call, and every rank of the TSP group raises the same
+    ``ValueError`` when any rank's inputs are invalid (``engine.agreement``): no rank is left
+    waiting in a collective, and a caller that catches the error can go on with the next batch.
+    """
     if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
         return None
-    if args:
-        raise ValueError("call a TSP model with keyword arguments: model(**shard_batch(...))")
-    if kwargs.get("attention_mask") is not None:
+    state = model.tsp
+    D, p = comm.size_and_rank(state.group)
+    error, facts = _local_error(args, kwargs, model.config.vocab_size, D, p)
+    table = agree(error, facts, state.group)
+    if (table[:, :2] != table[0, :2]).any():
+        shapes = ", ".join(f"rank {r}: [{b}, {t}]" for r, (b, t, _) in enumerate(table.tolist()))
         raise ValueError(
+            f"the TSP ranks got local batches of different shapes ({shapes}): every rank of a "
+            "TSP group must shard the same full batch with tsp_ext.shard_batch"
+        )
+    pos = kwargs["position_ids"]
+    layout = ZigzagLayout.from_local(pos.shape[-1], D)
+    if table[:, 2].any():  # per-document positions somewhere: do the chunks fit together?
+        check_chunks(pos, layout, state.group)
+    return args, {**kwargs, SPANS_KWARG: query_spans(pos, layout, p)}
+
+
+def _local_error(
+    args: tuple, kwargs: dict, vocab_size: int, D: int, p: int
+) -> tuple[str | None, list[int]]:
+    """Why this rank's call cannot run, or None; and ``[B, S/D, packed]`` to compare across
+    ranks (``packed``: 1 if the position ids are per-document, not the global ones)."""
+    pos = kwargs.get("position_ids")
+    ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
+    tokens = ids if ids is not None else embeds
+    shaped = tokens is not None and tokens.dim() >= 2
+    facts = [tokens.shape[0], tokens.shape[1], 0] if shaped else [-1, -1, 0]
+    if args:
+        return "call a TSP model with keyword arguments: model(**shard_batch(...))", facts
+    if kwargs.get("logits_to_keep"):
+        return "logits_to_keep is not supported by a TSP model (every token is local)", facts
+    if kwargs.get("labels") is not None and kwargs.get("shift_labels") is None:
+        return NEEDS_SHIFT_LABELS, facts
+    if kwargs.get("attention_mask") is not None:
+        return (
             "a TSP model takes no attention_mask: pass the full batch's mask to "
             "tsp_ext.shard_batch, which turns right padding into ignored labels"
-        )
-    pos = kwargs.get("position_ids")
+        ), facts
     if pos is None:
-        raise ValueError(
-            "a TSP model needs the global position_ids of its tokens: use tsp_ext.shard_batch"
+        return (
+            "a TSP model needs the global position_ids of its tokens: use tsp_ext.shard_batch",
+            facts,
         )
-    state = model.tsp
-    layout = ZigzagLayout.from_local(pos.shape[-1], state.size)
-    check_across_ranks(pos, layout, state.group)
-    spans = query_spans(pos, layout, dist.get_rank(state.group))
-    return args, {**kwargs, SPANS_KWARG: spans}
+    if not shaped:
+        return "a TSP model needs input_ids [B, S/D] (or inputs_embeds [B, S/D, h])", facts
+    B, T = facts[:2]
+    try:
+        layout = ZigzagLayout.from_local(T, D)
+    except ValueError as e:
+        return str(e), facts
+    labels = kwargs.get("shift_labels")
+    for name, t in (("position_ids", pos), ("shift_labels", labels)):
+        if t is not None and (t.dim() != 2 or t.shape[1] != T or t.shape[0] not in (1, B)):
+            return f"{name} {tuple(t.shape)} must match input_ids [{B}, {T}]", facts
+    if ids is not None:
+        bad = (ids < 0) | (ids >= vocab_size)
+        if bad.any():
+            return _out_of_range("input_ids", ids, bad, layout, p, f"[0, {vocab_size})"), facts
+    if labels is not None:
+        bad = ((labels < 0) | (labels >= vocab_size)) & (labels != IGNORE_INDEX)
+        if bad.any():
+            within = f"[0, {vocab_size}) or {IGNORE_INDEX}"
+            return _out_of_range("labels", labels, bad, layout, p, within), facts
+    packed = not bool((pos == layout.positions(p, pos.device)).all())
+    return (local_error(pos, layout, p) if packed else None), [B, T, int(packed)]
+
+
+def _out_of_range(
+    name: str, t: torch.Tensor, bad: torch.Tensor, layout: ZigzagLayout, p: int, within: str
+) -> str:
+    """The message for a token id outside ``within``: its value, row and place in the full
+    batch (a shifted label at global position g is the full batch's label at g + 1)."""
+    b, j = (int(i) for i in bad.nonzero()[0])
+    at = int(layout.positions(p)[j]) + (name == "labels")
+    return (
+        f"{name} must be in {within}, got {int(t[b, j])} in row {b} at position {at} of the "
+        "full batch: check the tokenizer and the model's vocab_size"
+    )

@@ -1,0 +1,61 @@
+"""Single-process error messages that say what to change: recipe arguments, unsupported norms,
+timeouts."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+from transformers import GemmaConfig, GemmaForCausalLM, LlamaConfig
+
+from tsp_ext import init_tsp_mesh
+from tsp_ext.hf.apply import check_supported
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "recipes"))
+
+import finetune_long_llama as recipe  # noqa: E402
+from _data import load_texts  # noqa: E402
+
+
+def test_empty_dataset_glob_names_the_argument(tmp_path):
+    with pytest.raises(ValueError, match=r"--dataset text:.*: no file matches '.*\*\.txt'"):
+        load_texts(f"text:{tmp_path}/*.txt", "text")
+
+
+def test_seq_len_beyond_max_positions_is_refused_with_the_rope_hint(tmp_path):
+    LlamaConfig(hidden_size=16, num_attention_heads=2, max_position_embeddings=256).save_pretrained(
+        tmp_path
+    )
+    args = recipe.parse_args(["--model", str(tmp_path), "--seq-len", "512", "--tsp-size", "2"])
+    with pytest.raises(SystemExit, match="max_position_embeddings=256") as e:
+        recipe.check_args(args, 2)
+    assert '"rope_type": "yarn", "factor": 2.0' in str(e.value)
+    args = recipe.parse_args(["--model", str(tmp_path), "--seq-len", "256", "--tsp-size", "2"])
+    recipe.check_args(args, 2)  # within the trained positions: accepted
+
+
+def test_dist_timeout_must_be_positive():
+    with pytest.raises(SystemExit, match="--dist-timeout 0.0: give a positive number of seconds"):
+        recipe.main(["--dist-timeout", "0"])
+    with pytest.raises(ValueError, match="timeout must be positive"):
+        init_tsp_mesh(1, timeout=-5)
+
+
+def test_gemma_norms_are_refused_naming_the_model_type():
+    cfg = GemmaConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=32,
+    )
+    with pytest.raises(ValueError) as e:
+        check_supported(GemmaForCausalLM(cfg))
+    message = str(e.value)
+    assert "GemmaForCausalLM (model_type='gemma') layer 0: input_layernorm is a GemmaRMSNorm" in (
+        message
+    )
+    assert "supported: LlamaForCausalLM, MistralForCausalLM" in message
