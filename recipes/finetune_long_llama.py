@@ -178,7 +178,7 @@ def warn_restarts(args) -> None:
         log.warning(
             "a restart reuses the launcher's store, where the process group of the failed "
             "attempt left its addresses: the new one may fail to come up ('Connection refused'). "
-            "Launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and --rdzv_backend c10d "
+            "Launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and the c10d rendezvous "
             "(docs/faults.md)"
         )
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import os
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -20,13 +21,22 @@ pytestmark = pytest.mark.multiproc
 AUTO = [*TINY, "--save-every", "2", "--resume-from", "auto"]
 
 
-def launch(*args: str, launcher=(), env=None, timeout: float = 400) -> subprocess.CompletedProcess:
+def launch(*args: str, env=None, timeout: float = 400) -> subprocess.CompletedProcess:
     cmd = [ACCELERATE, "launch", "--config_file", CONFIG, "--main_process_port", str(free_port())]
+    return run([*cmd, RECIPE, *args], env, timeout)
+
+
+def torchrun(*args: str, env=None, timeout: float = 400) -> subprocess.CompletedProcess:
+    """The documented restartable launch: c10d rendezvous on a free port, a store per attempt."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2"]
+    cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
+    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})}
+    return run([*cmd, "--max-restarts", "1", RECIPE, *args], env, timeout)
+
+
+def run(cmd: list[str], env, timeout: float) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-    return subprocess.run(
-        [*cmd, *launcher, RECIPE, *args],
-        capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT,
-    )  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
 def weights(out: str) -> dict[str, torch.Tensor]:
@@ -46,13 +56,9 @@ def uninterrupted(tmp: str) -> str:
 @functools.cache
 def killed(tmp: str) -> tuple[str, subprocess.CompletedProcess]:
     """The same run, rank 1 SIGKILLed at the start of step 4 (rows 1-3 written, checkpoint 2),
-    restarted once by the elastic launcher (c10d rendezvous, a fresh store per attempt)."""
+    restarted once by torchrun (docs/faults.md)."""
     out = os.path.join(tmp, "killed")
-    res = launch(
-        *AUTO, "--output-dir", out,
-        launcher=["--rdzv_backend", "c10d", "--max_restarts", "1"],
-        env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TSP_EXT_FAULT_KILL_STEP": "4"},
-    )  # fmt: skip
+    res = torchrun(*AUTO, "--output-dir", out, env={"TSP_EXT_FAULT_KILL_STEP": "4"})
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return out, res
 
