@@ -81,11 +81,16 @@ def test_resume_auto_skips_damaged_and_interrupted_checkpoints(tmp):
     with open(os.path.join(out, "checkpoint-4", "trainer_state.json"), "r+") as f:
         f.truncate(10)
     os.makedirs(os.path.join(out, ".checkpoint-6.incomplete"))
+    state = os.path.join(out, "checkpoint-4", "trainer_state.json")
+    named = [*TINY, "--resume-from", os.path.join(out, "checkpoint-4"), "--output-dir", out]
+    bad = launch(*named)  # named explicitly: refused before any step, naming the file
+    assert bad.returncode != 0
+    assert f"{state} is truncated or corrupt" in bad.stderr, bad.stderr[-3000:]
+    assert "resume from another checkpoint" in bad.stderr and "train:" not in bad.stderr
     res = launch(*AUTO, "--output-dir", out)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     log = res.stdout
     assert f"skipping {os.path.join(out, '.checkpoint-6.incomplete')}: an interrupted save" in log
-    state = os.path.join(out, "checkpoint-4", "trainer_state.json")
     assert f"skipping {state} is truncated or corrupt" in log
     assert f"--resume-from auto: {os.path.join(out, 'checkpoint-2')}" in log
     rows, expected = metrics(out), metrics(uninterrupted(tmp))
