@@ -154,10 +154,13 @@ def newest_checkpoint(output_dir: str) -> str | None:
             continue
         found = os.path.join(output_dir, name)
         break
-    if dist.get_rank() == 0:
+    one = not dist.is_initialized()  # one process: the mesh starts the process group later
+    if one or dist.get_rank() == 0:
         for why in skipped:
             log.warning(f"--resume-from auto: skipping {why}")
         log.info(f"--resume-from auto: {found or 'no complete checkpoint, a fresh start'}")
+    if one:
+        return found
     seen = [None] * dist.get_world_size()
     dist.all_gather_object(seen, found)
     if len(set(seen)) > 1:
