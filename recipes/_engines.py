@@ -111,14 +111,17 @@ class Engine:
         return the gradient norm before clipping (None before). The norm is global (the same on
         every rank); when it is not finite, or with ``skip`` (a non-finite loss), the gradients
         are dropped and neither the optimizer nor the schedule advances. DeepSpeed skips a
-        non-finite norm itself (its overflow check) and reports it as inf."""
+        non-finite norm itself (its overflow check, reported as inf) but not ``skip``: finite
+        gradients of a non-finite loss update the weights. ``updated`` says which happened."""
         if self.kind == "deepspeed":
             self.engine.step()  # DeepSpeed counts micro batches and updates at the boundary
+            self.updated = self.engine.was_step_applied()
             return float(self.engine.get_global_grad_norm() or 0.0) if last_micro else None
         if not last_micro:
             return None
         norm = clip_grad_norm_(self.model, self.args.max_grad_norm).item()
-        if not skip and math.isfinite(norm):
+        self.updated = not skip and math.isfinite(norm)
+        if self.updated:
             self.optimizer.step()
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -269,9 +269,10 @@ def open_metrics(path: str, start: int):
     return open(path, "a")
 
 
-def nonfinite(args, step: int, loss: float, norm: float) -> None:
+def nonfinite(args, step: int, loss: float, norm: float, updated: bool) -> None:
     """A non-finite loss or gradient norm at ``step`` (1-based): the same values on every rank,
-    so every rank stops (``--on-nonfinite stop``) or skips the step together."""
+    so every rank stops (``--on-nonfinite stop``) or skips the step together (``updated``: the
+    engine updated the weights all the same)."""
     what = "loss" if not math.isfinite(loss) else "gradient norm"
     msg = f"rank {dist.get_rank()}: non-finite {what} at step {step} (loss {loss}, norm {norm})"
     if args.on_nonfinite == "stop":
@@ -279,7 +280,10 @@ def nonfinite(args, step: int, loss: float, norm: float) -> None:
             f"{msg}: stopped, no checkpoint of this step; lower --lr, check the data, or pass "
             "--on-nonfinite skip"
         )
-    log.warning(f"{msg}: skipped (no update, the schedule does not advance)")
+    if updated:  # DeepSpeed, finite gradients of a non-finite loss
+        log.warning(f"{msg}: DeepSpeed updated the weights (finite gradients)")
+    else:
+        log.warning(f"{msg}: skipped (no update, the schedule does not advance)")
 
 
 def peak_memory_bytes() -> int:
@@ -378,7 +382,7 @@ def main(argv=None) -> None:
         norm = engine.step(last_micro=True, skip=not math.isfinite(loss))
         finite = math.isfinite(loss) and math.isfinite(norm)
         if not finite:
-            nonfinite(args, step + 1, loss, norm)
+            nonfinite(args, step + 1, loss, norm, engine.updated)
         tps = tokens_per_step / (time.perf_counter() - t0)
         row = {
             "step": step + 1,
@@ -388,7 +392,7 @@ def main(argv=None) -> None:
             "lr": engine.scheduler.get_last_lr()[0],
             "peak_mem_bytes": peak_memory_bytes(),
         }
-        if not finite:
+        if not engine.updated:
             row["skipped"] = True
         if (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps:
             row["eval_loss"] = eval_loss = evaluate(engine, eval_blocks, mesh, acc.device)
