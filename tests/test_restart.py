@@ -5,6 +5,7 @@ uninterrupted run ends; a NaN loss on one rank is detected by every rank at the 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import subprocess
 import sys
@@ -123,3 +124,16 @@ def test_nan_loss_on_one_rank_is_detected_on_every_rank(engine, mode, tmp):
     assert rows[1]["lr"] == rows[0]["lr"] != rows[2]["lr"]  # the schedule waited one step
     assert all(torch.isfinite(w).all() for w in weights(out).values())
     assert saved == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+
+
+def test_metrics_keep_the_rows_up_to_the_resumed_step(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "recipes"))
+    from finetune_long_llama import open_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    rows = [json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in (1, 2, 3)]
+    path.write_text("".join(rows) + '{"step": 4, "lo')  # the last row of a killed process
+    with open_metrics(str(path), start=2) as f:
+        f.write(json.dumps({"step": 3, "loss": 0.5}) + "\n")
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
+    assert json.loads(path.read_text().splitlines()[-1])["loss"] == 0.5
