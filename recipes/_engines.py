@@ -10,6 +10,7 @@ import json
 import math
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 import tsp_ext.fsdp
@@ -26,6 +27,13 @@ def lr_lambda(warmup: int, total: int):
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
     return f
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """The weights a rank holds of ``param``: ZeRO-3's partition, FSDP2's shard, or itself."""
+    if hasattr(param, "ds_tensor"):
+        return param.ds_tensor
+    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def ds_config(args) -> dict:
@@ -98,19 +106,36 @@ class Engine:
         else:
             (loss / self.args.gradient_accumulation_steps).backward()
 
-    def step(self, last_micro: bool) -> float | None:
+    def step(self, last_micro: bool, skip: bool = False) -> float | None:
         """After each micro batch: at the last one clip, update and advance the schedule, and
-        return the gradient norm before clipping (None before)."""
+        return the gradient norm before clipping (None before). The norm is global (the same on
+        every rank); when it is not finite, or with ``skip`` (a non-finite loss), the gradients
+        are dropped and neither the optimizer nor the schedule advances. DeepSpeed skips a
+        non-finite norm itself (its overflow check, reported as inf) but not ``skip``: finite
+        gradients of a non-finite loss update the weights. ``updated`` says which happened."""
         if self.kind == "deepspeed":
             self.engine.step()  # DeepSpeed counts micro batches and updates at the boundary
+            self.updated = self.engine.was_step_applied()
             return float(self.engine.get_global_grad_norm() or 0.0) if last_micro else None
         if not last_micro:
             return None
-        norm = clip_grad_norm_(self.model, self.args.max_grad_norm)
-        self.optimizer.step()
-        self.scheduler.step()
+        norm = clip_grad_norm_(self.model, self.args.max_grad_norm).item()
+        self.updated = not skip and math.isfinite(norm)
+        if self.updated:
+            self.optimizer.step()
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return norm.item()
+        return norm
+
+    @torch.no_grad()
+    def weights_finite(self) -> bool:
+        """Whether every weight of every rank is finite (collective: one all-reduce)."""
+        local = [_local(p) for p in self.model.parameters()]
+        flag = torch.zeros(1, device=local[0].device)
+        for t in local:
+            flag += (~torch.isfinite(t)).sum()
+        torch.distributed.all_reduce(flag)
+        return flag.item() == 0
 
     # -- checkpoints -------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ import argparse
 import gc
 import json
 import logging
+import math
 import os
 import re
 import resource
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 from _data import SHAKESPEARE, load_texts, pack, pack_documents, train_tokenizer
 from _engines import Engine, tsp_config
+from _faults import maybe_kill, maybe_poison
 from _presets import PRESETS
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, set_seed
@@ -90,7 +92,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", default="outputs/finetune")
-    p.add_argument("--resume-from", default=None, help="a checkpoint-<step> directory")
+    p.add_argument(
+        "--resume-from",
+        default=None,
+        help="a checkpoint-<step> directory, or auto: the newest complete one in --output-dir "
+        "(a fresh start when there is none)",
+    )
+    p.add_argument(
+        "--on-nonfinite",
+        choices=("stop", "skip"),
+        default="stop",
+        help="a non-finite loss or gradient norm: stop with the step number, or skip the step "
+        "(no update, the schedule does not advance)",
+    )
     return p.parse_args(argv)
 
 
@@ -109,6 +123,8 @@ def check_args(args, world: int) -> None:
         raise SystemExit(f"--ds-config {args.ds_config} does not exist")
     if args.keep_last < 0:
         raise SystemExit(f"--keep-last {args.keep_last}: give 0 (keep all) or a positive count")
+    if args.resume_from == "auto":
+        args.resume_from = newest_checkpoint(args.output_dir)
     if args.resume_from:
         try:  # complete, undamaged (the model itself is checked when it is loaded)
             saved = inspect(args.resume_from)["extra_state"]
@@ -141,6 +157,58 @@ def check_context(seq_len: int, hf_config, name: str) -> None:
             f"past it were never trained. Use --seq-len <= {limit}, or extend the context with "
             'RoPE scaling in the model\'s config.json (e.g. "rope_parameters": '
             f"{json.dumps(rope)}, keeping its rope_theta) and max_position_embeddings >= {seq_len}"
+        )
+
+
+def newest_checkpoint(output_dir: str) -> str | None:
+    """The newest complete ``checkpoint-<step>`` in ``output_dir`` (None: none; collective). It
+    says (rank 0) what it skips: interrupted saves (``.checkpoint-<step>.incomplete``) and any
+    checkpoint ``inspect`` refuses (truncated, damaged, foreign)."""
+    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
+    skipped = [
+        f"{os.path.join(output_dir, n)}: an interrupted save"
+        for n in sorted(names)
+        if re.fullmatch(r"\.checkpoint-\d+\.incomplete", n)
+    ]
+    done = [n for n in names if re.fullmatch(r"checkpoint-\d+", n)]
+    found = None
+    for name in sorted(done, key=lambda n: int(n.split("-")[1]), reverse=True):
+        try:
+            inspect(os.path.join(output_dir, name))
+        except ValueError as e:
+            skipped.append(str(e))
+            continue
+        found = os.path.join(output_dir, name)
+        break
+    one = not dist.is_initialized()  # one process: the mesh starts the process group later
+    if one or dist.get_rank() == 0:
+        for why in skipped:
+            log.warning(f"--resume-from auto: skipping {why}")
+        log.info(f"--resume-from auto: {found or 'no complete checkpoint, a fresh start'}")
+    if one:
+        return found
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, found)
+    if len(set(seen)) > 1:
+        raise SystemExit(
+            f"--resume-from auto: the ranks found different checkpoints in {output_dir} "
+            f"({seen}): every rank must see the same --output-dir (a shared filesystem)"
+        )
+    return found
+
+
+def warn_restarts(args) -> None:
+    """Under an elastic launcher with restarts (``--max_restarts``), say what a restart needs."""
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) == 0:
+        return
+    if args.resume_from != "auto":
+        log.warning("restarts without --resume-from auto begin again at step 1")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        log.warning(
+            "a restart reuses the launcher's store, where the process group of the failed "
+            "attempt left its addresses: the new one may fail to come up ('Connection refused'). "
+            "Launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and the c10d rendezvous "
+            "(docs/faults.md)"
         )
 
 
@@ -194,13 +262,54 @@ def block_ids(step: int, micro: int, args, dp: int, dp_rank: int, n: int) -> lis
 def save_checkpoint(engine: Engine, args, step: int) -> None:
     """``<output-dir>/checkpoint-<step>``, then (rank 0) drop all but the ``--keep-last`` newest.
     A checkpoint only gets its name once complete, so the rotation never removes the last good
-    one for a partial one."""
+    one for a partial one; weights that are not all finite are never saved."""
+    if not engine.weights_finite():
+        raise SystemExit(
+            f"step {step}: the weights hold non-finite values, checkpoint-{step} is not written; "
+            "resume from an earlier checkpoint (with a lower --lr, or --on-nonfinite skip)"
+        )
     engine.save(os.path.join(args.output_dir, f"checkpoint-{step}"), step)
     if args.keep_last and dist.get_rank() == 0:
         done = [d for d in os.listdir(args.output_dir) if re.fullmatch(r"checkpoint-\d+", d)]
         done.sort(key=lambda d: int(d.split("-")[1]))
         for old in done[: -args.keep_last]:
             shutil.rmtree(os.path.join(args.output_dir, old))
+
+
+def open_metrics(path: str, start: int):
+    """``metrics.jsonl`` for appending, without the rows past ``start`` (written by an attempt
+    that was interrupted after its checkpoint, or by an earlier run), so a resumed or restarted
+    run reads like an uninterrupted one."""
+    kept = []
+    if os.path.isfile(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    if json.loads(line)["step"] <= start:
+                        kept.append(line)
+                except ValueError:  # the last row of a killed process, cut short
+                    continue
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
+    return open(path, "a")
+
+
+def nonfinite(args, step: int, loss: float, norm: float, updated: bool) -> None:
+    """A non-finite loss or gradient norm at ``step`` (1-based): the same values on every rank,
+    so every rank stops (``--on-nonfinite stop``) or skips the step together (``updated``: the
+    engine updated the weights all the same)."""
+    what = "loss" if not math.isfinite(loss) else "gradient norm"
+    msg = f"rank {dist.get_rank()}: non-finite {what} at step {step} (loss {loss}, norm {norm})"
+    if args.on_nonfinite == "stop":
+        raise SystemExit(
+            f"{msg}: stopped, no checkpoint of this step; lower --lr, check the data, or pass "
+            "--on-nonfinite skip"
+        )
+    if updated:  # DeepSpeed, finite gradients of a non-finite loss
+        log.warning(f"{msg}: DeepSpeed updated the weights (finite gradients)")
+    else:
+        log.warning(f"{msg}: skipped (no update, the schedule does not advance)")
 
 
 def peak_memory_bytes() -> int:
@@ -244,14 +353,15 @@ def main(argv=None) -> None:
     if args.dist_timeout <= 0:
         raise SystemExit(f"--dist-timeout {args.dist_timeout}: give a positive number of seconds")
     timeout = timedelta(seconds=args.dist_timeout)
+    logging.basicConfig(
+        level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING,
+        format="%(message)s",
+        stream=sys.stdout,
+    )
+    warn_restarts(args)
     acc = Accelerator(
         cpu=not torch.cuda.is_available(),
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)],
-    )
-    logging.basicConfig(
-        level=logging.INFO if acc.is_main_process else logging.WARNING,
-        format="%(message)s",
-        stream=sys.stdout,
     )
     check_args(args, acc.num_processes)
     set_seed(args.seed)
@@ -277,13 +387,13 @@ def main(argv=None) -> None:
     )
 
     os.makedirs(args.output_dir, exist_ok=True)
-    metrics = (
-        open(os.path.join(args.output_dir, "metrics.jsonl"), "a") if acc.is_main_process else None
-    )
+    metrics_file = os.path.join(args.output_dir, "metrics.jsonl")
+    metrics = open_metrics(metrics_file, start) if acc.is_main_process else None
     bar = tqdm(range(start, args.max_steps), disable=not acc.is_main_process, desc="train")
     tokens_per_step = args.gradient_accumulation_steps * dp * args.micro_batch_size * args.seq_len
     eval_loss, activation_bytes = None, 0
     for step in bar:
+        maybe_kill(step + 1)
         t0 = time.perf_counter()
         losses = []
         for micro in range(args.gradient_accumulation_steps):
@@ -292,21 +402,30 @@ def main(argv=None) -> None:
             with SavedTensorBytes(ignore=model.parameters()) as saved:
                 out = engine.forward_model(**batch)
             activation_bytes = saved.nbytes
-            engine.backward(out.loss)
-            norm = engine.step(last_micro=micro == args.gradient_accumulation_steps - 1)
-            losses.append(out.loss.detach())
+            micro_loss = maybe_poison(out.loss, step + 1)
+            engine.backward(micro_loss)
+            losses.append(micro_loss.detach())
+            if micro < args.gradient_accumulation_steps - 1:
+                engine.step(last_micro=False)
+        # the mean over dp (TSP ranks hold the same loss), on every rank before the update
         loss = torch.stack(losses).mean().double().reshape(1)
-        dist.all_reduce(loss, group=mesh["dp"].get_group())
-        loss = loss.item() / dp
+        dist.all_reduce(loss)
+        loss = loss.item() / dist.get_world_size()
+        norm = engine.step(last_micro=True, skip=not math.isfinite(loss))
+        finite = math.isfinite(loss) and math.isfinite(norm)
+        if not finite:
+            nonfinite(args, step + 1, loss, norm, engine.updated)
         tps = tokens_per_step / (time.perf_counter() - t0)
         row = {
             "step": step + 1,
-            "loss": loss,
-            "grad_norm": norm,
+            "loss": loss if finite else None,
+            "grad_norm": norm if finite else None,
             "tokens_per_s": tps,
             "lr": engine.scheduler.get_last_lr()[0],
             "peak_mem_bytes": peak_memory_bytes(),
         }
+        if not engine.updated:
+            row["skipped"] = True
         if (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps:
             row["eval_loss"] = eval_loss = evaluate(engine, eval_blocks, mesh, acc.device)
         if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.max_steps:

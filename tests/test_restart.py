@@ -1,0 +1,139 @@
+"""Faults in the fine-tuning recipe (2 CPU processes): a killed worker restarted by the launcher
+resumes from the newest complete checkpoint (``--resume-from auto``) and ends exactly where an
+uninterrupted run ends; a NaN loss on one rank is detected by every rank at the same step."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_recipe import ACCELERATE, CONFIG, RECIPE, ROOT, TINY, metrics
+
+from tsp_ext.testing.launch import free_port
+
+pytestmark = pytest.mark.multiproc
+
+AUTO = [*TINY, "--save-every", "2", "--resume-from", "auto"]
+
+
+def launch(*args: str, env=None, timeout: float = 400) -> subprocess.CompletedProcess:
+    cmd = [ACCELERATE, "launch", "--config_file", CONFIG, "--main_process_port", str(free_port())]
+    return run([*cmd, RECIPE, *args], env, timeout)
+
+
+def torchrun(*args: str, env=None, timeout: float = 400) -> subprocess.CompletedProcess:
+    """The documented restartable launch: c10d rendezvous on a free port, a store per attempt."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2"]
+    cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
+    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})}
+    return run([*cmd, "--max-restarts", "1", RECIPE, *args], env, timeout)
+
+
+def run(cmd: list[str], env, timeout: float) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def weights(out: str) -> dict[str, torch.Tensor]:
+    return load_file(os.path.join(out, "final", "model.safetensors"))
+
+
+@functools.cache
+def uninterrupted(tmp: str) -> str:
+    """4 steps, checkpoints at 2 and 4; ``auto`` finds nothing in the new directory."""
+    out = os.path.join(tmp, "straight")
+    res = launch(*AUTO, "--output-dir", out)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "--resume-from auto: no complete checkpoint, a fresh start" in res.stdout
+    return out
+
+
+@functools.cache
+def killed(tmp: str) -> tuple[str, subprocess.CompletedProcess]:
+    """The same run, rank 1 SIGKILLed at the start of step 4 (rows 1-3 written, checkpoint 2),
+    restarted once by torchrun (docs/faults.md)."""
+    out = os.path.join(tmp, "killed")
+    res = torchrun(*AUTO, "--output-dir", out, env={"TSP_EXT_FAULT_KILL_STEP": "4"})
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return out, res
+
+
+def test_killed_worker_restarts_and_ends_like_an_uninterrupted_run(tmp):
+    straight = uninterrupted(tmp)
+    out, res = killed(tmp)
+    assert "exitcode: -9" in res.stderr  # the worker was killed, and the job restarted
+    assert f"--resume-from auto: {os.path.join(out, 'checkpoint-2')}" in res.stdout
+    rows, expected = metrics(out), metrics(straight)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # step 3 of the killed attempt dropped
+    for a, b in zip(rows, expected):
+        assert (a["loss"], a["grad_norm"], a["lr"]) == (b["loss"], b["grad_norm"], b["lr"])
+    a, b = weights(out), weights(straight)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_auto_skips_damaged_and_interrupted_checkpoints(tmp):
+    out, _ = killed(tmp)
+    with open(os.path.join(out, "checkpoint-4", "trainer_state.json"), "r+") as f:
+        f.truncate(10)
+    os.makedirs(os.path.join(out, ".checkpoint-6.incomplete"))
+    state = os.path.join(out, "checkpoint-4", "trainer_state.json")
+    named = [*TINY, "--resume-from", os.path.join(out, "checkpoint-4"), "--output-dir", out]
+    bad = launch(*named)  # named explicitly: refused before any step, naming the file
+    assert bad.returncode != 0
+    assert f"{state} is truncated or corrupt" in bad.stderr, bad.stderr[-3000:]
+    assert "resume from another checkpoint" in bad.stderr and "train:" not in bad.stderr
+    res = launch(*AUTO, "--output-dir", out)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    log = res.stdout
+    assert f"skipping {os.path.join(out, '.checkpoint-6.incomplete')}: an interrupted save" in log
+    assert f"skipping {state} is truncated or corrupt" in log
+    assert f"--resume-from auto: {os.path.join(out, 'checkpoint-2')}" in log
+    rows, expected = metrics(out), metrics(uninterrupted(tmp))
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # rows 3, 4 rewritten, not appended
+    assert [r["loss"] for r in rows] == [r["loss"] for r in expected]
+
+
+@pytest.mark.parametrize(
+    "engine, mode", [("ddp", "skip"), ("deepspeed", "skip"), ("fsdp2", "stop")]
+)
+def test_nan_loss_on_one_rank_is_detected_on_every_rank(engine, mode, tmp):
+    out = os.path.join(tmp, f"nan-{engine}")
+    res = launch(
+        *TINY, "--max-steps", "3", "--save-every", "1", "--dp-engine", engine,
+        "--on-nonfinite", mode, "--output-dir", out,
+        env={"TSP_EXT_FAULT_NAN_STEP": "2"},  # rank 1's loss at step 2
+    )  # fmt: skip
+    log = res.stdout + res.stderr
+    for rank in (0, 1):
+        assert f"rank {rank}: non-finite loss at step 2" in log, log[-3000:]
+    saved = sorted(d for d in os.listdir(out) if d.startswith("checkpoint-"))
+    if mode == "stop":
+        assert res.returncode != 0
+        assert "stopped, no checkpoint of this step" in log
+        assert saved == ["checkpoint-1"]
+        return
+    assert res.returncode == 0, log[-3000:]
+    rows = metrics(out)
+    assert rows[1]["skipped"] and rows[1]["loss"] is None
+    assert rows[1]["lr"] == rows[0]["lr"] != rows[2]["lr"]  # the schedule waited one step
+    assert all(torch.isfinite(w).all() for w in weights(out).values())
+    assert saved == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+
+
+def test_metrics_keep_the_rows_up_to_the_resumed_step(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "recipes"))
+    from finetune_long_llama import open_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    rows = [json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in (1, 2, 3)]
+    path.write_text("".join(rows) + '{"step": 4, "lo')  # the last row of a killed process
+    with open_metrics(str(path), start=2) as f:
+        f.write(json.dumps({"step": 3, "loss": 0.5}) + "\n")
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
+    assert json.loads(path.read_text().splitlines()[-1])["loss"] == 0.5
