@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import importlib
 
+from .dp import guard
+
+guard.install()  # a "tsp" block or a TSP model given to plain deepspeed.initialize is refused
+
 # public name -> module that defines it (relative to this package)
 _EXPORTS = {
     "AttentionSpec": ".engine.attention",
