@@ -42,6 +42,8 @@ _EXPORTS = {
     "full_state_dict": ".checkpoint.state",
     "TSPVocabEmbedding": ".hf.vocab",
     "TSPVocabLMHead": ".hf.vocab",
+    "TSPTrainer": ".hf.trainer",
+    "TSPTrainerMixin": ".hf.trainer",
 }
 
 __all__ = sorted(_EXPORTS)
