@@ -28,14 +28,13 @@ def rows(seed: int, n: int) -> list[dict]:
     ]
 
 
-def trainer_run(rank, world, tsp, out_dir, data_parallel="ddp"):
-    """STEPS steps of 2 sequences x 2 accumulation steps per replica, AdamW with clipping; then
-    the eval loss on 4 held-out sequences and (TSP) the exported checkpoint."""
+def make_trainer(tsp, out_dir, data_parallel="ddp", **overrides):
+    """2 sequences x 2 accumulation steps per replica and step, AdamW with clipping."""
     from transformers import Trainer, TrainingArguments, default_data_collator
 
     from tsp_ext import TSPTrainer
 
-    args = TrainingArguments(
+    settings = dict(
         output_dir=out_dir,
         per_device_train_batch_size=2,
         per_device_eval_batch_size=4,
@@ -54,46 +53,93 @@ def trainer_run(rank, world, tsp, out_dir, data_parallel="ddp"):
     )
     kw = dict(
         model=build("llama", torch.float32),
-        args=args,
+        args=TrainingArguments(**{**settings, **overrides}),
         train_dataset=rows(1, ROWS),
         eval_dataset=rows(2, 4),
         data_collator=default_data_collator,
     )
-    trainer = TSPTrainer(**kw, tsp=tsp, data_parallel=data_parallel) if tsp else Trainer(**kw)
-    trainer.train()
+    return TSPTrainer(**kw, tsp=tsp, data_parallel=data_parallel) if tsp else Trainer(**kw)
+
+
+def curve(trainer) -> dict:
     logs = [h for h in trainer.state.log_history if "loss" in h]
-    out = {
-        "loss": [h["loss"] for h in logs],
-        "grad_norm": [h["grad_norm"] for h in logs],
-        "eval_loss": trainer.evaluate()["eval_loss"],
-    }
-    if tsp:
-        trainer.save_model(os.path.join(out_dir, "hf"))
+    return {"loss": [h["loss"] for h in logs], "grad_norm": [h["grad_norm"] for h in logs]}
+
+
+def trainer_run(rank, world, tsp, out_dir, data_parallel="ddp"):
+    """The loss curve and the eval loss on 4 held-out sequences."""
+    trainer = make_trainer(tsp, out_dir, data_parallel)
+    trainer.train()
+    return {**curve(trainer), "eval_loss": trainer.evaluate()["eval_loss"]}
+
+
+def tsp_runs_worker(rank, world, out_dir):
+    """D=2: train saving a checkpoint at step 2, export into the (occupied) output dir, then
+    resume a fresh trainer from the checkpoint."""
+    trainer = make_trainer(2, out_dir, save_strategy="steps", save_steps=2)
+    trainer.train()
+    out = {**curve(trainer), "eval_loss": trainer.evaluate()["eval_loss"]}
+    trainer.save_model()
+    resumed = make_trainer(2, out_dir, save_strategy="no")
+    resumed.train(resume_from_checkpoint=os.path.join(out_dir, "checkpoint-2"))
+    out["resumed"] = curve(resumed)
     return out
+
+
+def dp2_worker(rank, world, out_dir):
+    """dp=2 x tsp=2 with DDP and with FSDP2 on the dp axis."""
+    return {dp: trainer_run(rank, world, 2, f"{out_dir}/{dp}", dp) for dp in ("ddp", "fsdp2")}
 
 
 @functools.cache
 def runs(tmp: str) -> dict:
     return {
         "one_process": run_processes(trainer_run, 1, 0, f"{tmp}/one", timeout=300)[0],
-        "tsp2": run_processes(trainer_run, 2, 2, f"{tmp}/tsp2", timeout=300)[0],
+        "tsp2": run_processes(tsp_runs_worker, 2, f"{tmp}/tsp2", timeout=300)[0],
     }
+
+
+@functools.cache
+def dp2_runs(tmp: str) -> dict:
+    return {
+        "ddp": run_processes(trainer_run, 2, 0, f"{tmp}/ddp", timeout=300)[0],
+        "tsp": run_processes(dp2_worker, 4, f"{tmp}/dp2", timeout=600)[0],
+    }
+
+
+def assert_same_curve(got: dict, ref: dict) -> None:
+    assert len(got["loss"]) == STEPS
+    for key in ("loss", "grad_norm"):
+        assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-6), key
 
 
 def test_trainer_loss_curve_matches_one_process(tmp):
     got, ref = runs(tmp)["tsp2"], runs(tmp)["one_process"]
-    assert len(got["loss"]) == STEPS
-    for key in ("loss", "grad_norm"):
-        assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-6), key
+    assert_same_curve(got, ref)
     assert got["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5)
+
+
+def test_trainer_resumes_from_checkpoint(tmp):
+    got = runs(tmp)["tsp2"]
+    resumed = got["resumed"]  # the log history of steps 1-2 comes back from the checkpoint
+    assert resumed["loss"][:2] == got["loss"][:2]
+    assert resumed["loss"][2:] == pytest.approx(got["loss"][2:], rel=1e-6)
 
 
 def test_trainer_export_reloads_in_one_process(tmp):
     from transformers import AutoModelForCausalLM, default_data_collator
 
     got = runs(tmp)["tsp2"]
-    model = AutoModelForCausalLM.from_pretrained(f"{tmp}/tsp2/hf", dtype=torch.float32)
+    assert os.path.isdir(f"{tmp}/tsp2/checkpoint-2/tsp_state")  # kept by save_model()
+    model = AutoModelForCausalLM.from_pretrained(f"{tmp}/tsp2", dtype=torch.float32)
     data = default_data_collator(rows(2, 4))
     with torch.no_grad():
         loss = causal_lm_loss(model, data)
     assert loss.item() == pytest.approx(got["eval_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("data_parallel", ["ddp", "fsdp2"])
+def test_trainer_dp2_matches_plain_ddp(tmp, data_parallel):
+    got, ref = dp2_runs(tmp)["tsp"][data_parallel], dp2_runs(tmp)["ddp"]
+    assert_same_curve(got, ref)
+    assert got["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5)

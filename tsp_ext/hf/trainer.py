@@ -148,13 +148,23 @@ class TSPTrainerMixin:
     # -- saving ----------------------------------------------------------------------------
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """A plain Hugging Face checkpoint (``tsp_ext.save_pretrained``; collective)."""
+        """A plain Hugging Face checkpoint (``tsp_ext.save_pretrained``; collective). Into a
+        directory that holds other files (``output_dir`` with its ``checkpoint-*``), the export
+        is staged beside them and its files moved in, replacing only same-named ones."""
         from ..checkpoint.export import save_pretrained
 
         output_dir = output_dir or self.args.output_dir
-        save_pretrained(self.model, output_dir, self.processing_class)
-        if self.args.should_save:
+        occupied = os.path.isdir(output_dir) and bool(os.listdir(output_dir))
+        dist.barrier()  # every rank looked before the writer changes anything
+        target = os.path.join(output_dir, ".tsp_export") if occupied else output_dir
+        save_pretrained(self.model, target, self.processing_class)
+        if dist.get_rank() == 0:
+            if occupied:
+                for name in os.listdir(target):
+                    os.replace(os.path.join(target, name), os.path.join(output_dir, name))
+                os.rmdir(target)
             torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+        dist.barrier()
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         from .. import checkpoint
@@ -168,7 +178,8 @@ class TSPTrainerMixin:
         if not os.path.isdir(os.path.join(resume_from_checkpoint, STATE_DIR)):
             raise ValueError(
                 f"{resume_from_checkpoint} has no {STATE_DIR}/: it was not written by a "
-                "TSPTrainer; start from its weights with tsp_ext.load_pretrained instead"
+                "TSPTrainer with the optimizer state (save_only_model=False); start from its "
+                "weights with tsp_ext.load_pretrained instead"
             )
 
     def _load_optimizer_and_scheduler(self, checkpoint_dir: str | None) -> None:
