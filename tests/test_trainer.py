@@ -143,3 +143,57 @@ def test_trainer_dp2_matches_plain_ddp(tmp, data_parallel):
     got, ref = dp2_runs(tmp)["tsp"][data_parallel], dp2_runs(tmp)["ddp"]
     assert_same_curve(got, ref)
     assert got["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = [os.path.join(ROOT, "recipes", "sft_trainer.py")]
+TINY = ["--seq-len", "512", "--vocab-size", "512", "--max-steps", "4", "--eval-every", "2"]
+TINY += ["--warmup-steps", "1", "--tsp-size", "2", "--packing", "documents"]
+
+
+def launch_recipe(*args: str) -> None:
+    import subprocess
+    import sys
+
+    from tsp_ext.testing.launch import free_port
+
+    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    config = os.path.join(ROOT, "recipes", "configs", "cpu_2proc.yaml")
+    port = ["--main_process_port", str(free_port())]
+    cmd = [accelerate, "launch", "--config_file", config, *port, *RECIPE, *TINY, *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def read_metrics(out_dir: str) -> list[dict]:
+    import json
+
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_sft_recipe_trl_equals_trainer_and_export_reloads(tmp):
+    """TRL's SFTTrainer and transformers' Trainer with TSP (D=2, packed documents): the same
+    curve; the export reloads in one plain process with the recipe's eval loss."""
+    import json
+    import subprocess
+    import sys
+
+    launch_recipe("--trainer", "sft", "--output-dir", f"{tmp}/sft")
+    launch_recipe("--trainer", "hf", "--output-dir", f"{tmp}/hf")
+    sft, hf = read_metrics(f"{tmp}/sft"), read_metrics(f"{tmp}/hf")
+    assert [r["step"] for r in sft] == [1, 2, 3, 4]
+    assert [r["step"] for r in sft if "eval_loss" in r] == [2, 4]
+    for key in ("loss", "grad_norm", "eval_loss"):
+        got, ref = ([r[key] for r in rows if key in r] for rows in (sft, hf))
+        assert got == pytest.approx(ref, rel=1e-6), key
+    with open(f"{tmp}/sft/final_eval.json") as f:
+        final = json.load(f)
+    evaluate = [sys.executable, os.path.join(ROOT, "recipes", "eval_checkpoint.py"), "--json"]
+    evaluate += ["--checkpoint", final["checkpoint"], "--seq-len", "512"]
+    evaluate += ["--packing", "documents"]
+    out = subprocess.run(evaluate, capture_output=True, text=True, check=True, timeout=300)
+    assert json.loads(out.stdout.strip().splitlines()[-1])["eval_loss"] == pytest.approx(
+        final["eval_loss"], rel=1e-5
+    )
