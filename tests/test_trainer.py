@@ -197,3 +197,36 @@ def test_sft_recipe_trl_equals_trainer_and_export_reloads(tmp):
     assert json.loads(out.stdout.strip().splitlines()[-1])["eval_loss"] == pytest.approx(
         final["eval_loss"], rel=1e-5
     )
+
+
+def test_deepspeed_configs_are_honoured_or_refused(tmp_path, monkeypatch):
+    """A DeepSpeed config from `accelerate launch` reaches the recipe's DeepSpeed engine with
+    its "tsp" size, and is refused where it would be dropped (TSPTrainer, --dp-engine ddp)."""
+    import json
+    import sys
+
+    from transformers import TrainingArguments
+
+    from tsp_ext import TSPTrainer
+
+    sys.path.insert(0, os.path.join(ROOT, "recipes"))
+    import finetune_long_llama as recipe
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}, "tsp": {"size": 2}}))
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(path))
+
+    honoured = recipe.parse_args(["--dp-engine", "deepspeed"])
+    recipe.resolve_ds_config(honoured)
+    assert (honoured.ds_config, honoured.tsp_size) == (str(path), 2)
+    with pytest.raises(SystemExit, match="pass --dp-engine deepspeed"):
+        recipe.resolve_ds_config(recipe.parse_args([]))
+    with pytest.raises(SystemExit, match='--tsp-size 4 disagrees with the "tsp" block'):
+        recipe.resolve_ds_config(recipe.parse_args(["--dp-engine", "deepspeed", "--tsp-size", "4"]))
+    with pytest.raises(ValueError, match="TSPTrainer runs DDP or FSDP2 over the dp axis"):
+        TSPTrainer(model=build("llama"), args=args, tsp=2)
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")
+    with pytest.raises(ValueError, match="data_parallel='zero3': choose one of"):
+        TSPTrainer(model=build("llama"), args=args, tsp=2, data_parallel="zero3")

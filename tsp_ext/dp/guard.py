@@ -48,6 +48,16 @@ def check_initialize(kwargs: dict[str, Any]) -> None:
         )
 
 
+def accelerate_deepspeed_config() -> str | None:
+    """The DeepSpeed config file ``accelerate launch`` was given (its config's
+    ``deepspeed_config_file``; ``""`` for a DeepSpeed plugin without one), or None. Accelerate
+    hands it to plain ``deepspeed.initialize`` on a GPU and drops it on CPU, so the entry points
+    that drive DeepSpeed themselves read it, and the others refuse it."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+        return None
+    return os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "")
+
+
 def _config(kwargs: dict[str, Any]) -> Any:
     """The config as ``deepspeed.initialize`` picks it: ``config``, ``config_params`` or
     ``args.deepspeed_config``; a JSON path is read, anything else returned as given."""

@@ -33,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer, TrainingArguments
 
 from ..config import TSPConfig
+from ..dp.guard import accelerate_deepspeed_config
 from ..engine.layout import IGNORE_INDEX
 from ..mesh import init_tsp_mesh
 from .apply import apply_tsp
@@ -246,12 +247,12 @@ def _apply(model: nn.Module, tsp: int | TSPConfig | None):
 def _check_args(args: TrainingArguments, data_parallel: str) -> None:
     if data_parallel not in DATA_PARALLEL:
         raise ValueError(f"data_parallel={data_parallel!r}: choose one of {DATA_PARALLEL}")
-    if args.deepspeed:
+    if args.deepspeed or accelerate_deepspeed_config() is not None:
         raise ValueError(
             "TSPTrainer runs DDP or FSDP2 over the dp axis (data_parallel='ddp' / 'fsdp2'), not "
-            "DeepSpeed: drop --deepspeed, or train with tsp_ext.deepspeed.initialize "
-            "(recipes/finetune_long_llama.py --dp-engine deepspeed), which honours the "
-            '"tsp" block'
+            "DeepSpeed: drop --deepspeed (or the Accelerate config's DeepSpeed plugin), or train "
+            "with tsp_ext.deepspeed.initialize (recipes/finetune_long_llama.py --dp-engine "
+            'deepspeed), which honours the "tsp" block'
         )
     if args.fsdp or args.fsdp_config and args.fsdp_config.get("fsdp_version"):
         raise ValueError(
