@@ -230,3 +230,33 @@ def test_deepspeed_configs_are_honoured_or_refused(tmp_path, monkeypatch):
     monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")
     with pytest.raises(ValueError, match="data_parallel='zero3': choose one of"):
         TSPTrainer(model=build("llama"), args=args, tsp=2, data_parallel="zero3")
+
+
+def test_docs_script_runs_as_written(tmp):
+    """docs/trainer.md's script under accelerate launch, then its export in one process."""
+    import re
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    from tsp_ext.testing.launch import free_port
+
+    with open(os.path.join(ROOT, "docs", "trainer.md")) as f:
+        script = re.findall(r"```python\n(.*?)```", f.read(), re.S)[0]
+    work = os.path.join(tmp, "docs_script")
+    os.makedirs(work)
+    with open(os.path.join(work, "train_tsp.py"), "w") as f:
+        f.write(script)
+    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    config = os.path.join(ROOT, "recipes", "configs", "cpu_2proc.yaml")
+    cmd = [accelerate, "launch", "--config_file", config, "--main_process_port", str(free_port())]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    done = subprocess.run(
+        [*cmd, "train_tsp.py"], capture_output=True, text=True, timeout=400, env=env, cwd=work
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses = [float(x) for x in re.findall(r"'loss': '([0-9.]+)'", done.stdout + done.stderr)]
+    assert len(losses) >= 10 and min(losses) > 5  # ~ln(512): random tokens
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(work, "outputs", "trainer", "hf"))
+    assert model.config.vocab_size == 512

@@ -67,6 +67,12 @@ class TSPTrainerMixin:
         _check_args(args, data_parallel)
         args.device  # noqa: B018  Accelerate sets up the process group (gloo / nccl)
         self.tsp_mesh = _apply(model, tsp)
+        if args.world_size != dist.get_world_size():
+            raise ValueError(
+                f"TrainingArguments sees {args.world_size} process(es) but the process group has "
+                f"{dist.get_world_size()}: Trainer would not run data-parallel (on CPU pass "
+                "use_cpu=True to TrainingArguments)"
+            )
         self.data_parallel = data_parallel
         if data_parallel == "fsdp2":
             from ..dp.fsdp import shard_model
