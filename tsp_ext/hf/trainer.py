@@ -161,8 +161,12 @@ class TSPTrainerMixin:
         from ..checkpoint.export import save_pretrained
 
         output_dir = output_dir or self.args.output_dir
-        occupied = os.path.isdir(output_dir) and bool(os.listdir(output_dir))
-        dist.barrier()  # every rank looked before the writer changes anything
+        # the writer's view, on every rank (other nodes may not share its file system)
+        occupied = [
+            dist.get_rank() == 0 and os.path.isdir(output_dir) and bool(os.listdir(output_dir))
+        ]
+        dist.broadcast_object_list(occupied, src=0)
+        occupied = occupied[0]
         target = os.path.join(output_dir, ".tsp_export") if occupied else output_dir
         save_pretrained(self.model, target, self.processing_class)
         if dist.get_rank() == 0:
