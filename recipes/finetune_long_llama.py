@@ -41,9 +41,11 @@ from transformers import (
 
 from tsp_ext import init_tsp_mesh, load_pretrained, shard_batch
 from tsp_ext.checkpoint import inspect
+from tsp_ext.dp.guard import accelerate_deepspeed_config
 from tsp_ext.memory import SavedTensorBytes
 
 log = logging.getLogger("finetune_long_llama")
+DEFAULT_DS_CONFIG = os.path.join(os.path.dirname(__file__), "configs", "ds_zero2.json")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -72,7 +74,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--dp-engine", choices=("ddp", "deepspeed", "fsdp2"), default="ddp")
     p.add_argument(
-        "--ds-config", default=os.path.join(os.path.dirname(__file__), "configs", "ds_zero2.json")
+        "--ds-config",
+        default=None,
+        help="default: the accelerate launch config's deepspeed_config_file, else "
+        "configs/ds_zero2.json",
     )
     p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per TSP group")
     p.add_argument("--gradient-accumulation-steps", type=int, default=1)
@@ -108,8 +113,36 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def resolve_ds_config(args) -> None:
+    """``--ds-config``: given, else the ``accelerate launch`` config's DeepSpeed file, else
+    ``configs/ds_zero2.json``; a size in its ``"tsp"`` block is the default ``--tsp-size`` and
+    must agree with one given."""
+    launched_with = accelerate_deepspeed_config()
+    if launched_with is not None and args.dp_engine != "deepspeed":
+        raise SystemExit(
+            f"accelerate launch has a DeepSpeed config ({launched_with or 'plugin settings'}) but "
+            f"--dp-engine is {args.dp_engine}: pass --dp-engine deepspeed (its "
+            'deepspeed_config_file is then the --ds-config, "tsp" block included), or launch '
+            "without DeepSpeed"
+        )
+    args.ds_config = args.ds_config or launched_with or DEFAULT_DS_CONFIG
+    if args.dp_engine != "deepspeed":
+        return
+    if not os.path.isfile(args.ds_config):
+        raise SystemExit(f"--ds-config {args.ds_config} does not exist")
+    with open(args.ds_config) as f:
+        size = (json.load(f).get("tsp") or {}).get("size")
+    if size is not None and args.tsp_size is not None and size != args.tsp_size:
+        raise SystemExit(
+            f'--tsp-size {args.tsp_size} disagrees with the "tsp" block of {args.ds_config} '
+            f"(size {size}): make them agree, or drop --tsp-size"
+        )
+    args.tsp_size = args.tsp_size or size
+
+
 def check_args(args, world: int) -> None:
     """Fail before any work with a message saying what to change."""
+    resolve_ds_config(args)
     args.tsp_size = args.tsp_size or world
     if args.tsp_size < 1 or world % args.tsp_size:
         raise SystemExit(f"--tsp-size {args.tsp_size} does not divide the {world} processes")
@@ -119,8 +152,6 @@ def check_args(args, world: int) -> None:
         )
     if args.model not in PRESETS:
         check_context(args.seq_len, AutoConfig.from_pretrained(args.model), args.model)
-    if args.dp_engine == "deepspeed" and not os.path.isfile(args.ds_config):
-        raise SystemExit(f"--ds-config {args.ds_config} does not exist")
     if args.keep_last < 0:
         raise SystemExit(f"--keep-last {args.keep_last}: give 0 (keep all) or a positive count")
     if args.resume_from == "auto":

@@ -238,3 +238,51 @@ def test_zero2_uneven_layout_matches_reference():
         tols = {"loss": 1e-7, "norm": 1e-6, "params": 1e-4, "params_l2": 1e-6}
         for key, tol in tols.items():
             assert res[key] < tol, (rank, key, res)
+
+
+def plain_initialize_worker(rank, world, tmp):
+    """What HF Trainer --deepspeed / Accelerate's plugin do: plain deepspeed.initialize."""
+    import json
+
+    import deepspeed
+
+    config = {"train_micro_batch_size_per_gpu": 1, "tsp": {"size": 1}}
+    path = f"{tmp}/ds.json"
+    with open(path, "w") as f:
+        json.dump(config, f)
+    plain = {"train_micro_batch_size_per_gpu": 1}
+    tsp_model = apply_tsp(build("llama", torch.float32), init_tsp_mesh(1))
+
+    def init(model, **kw):
+        return deepspeed.initialize(model=model, optimizer=adamw(model.parameters()), **kw)
+
+    engine, *_ = init(build("llama", torch.float32), config=plain)  # no TSP at all: untouched
+    engine.destroy()
+    return {
+        "dict": error_message(lambda: init(build("llama", torch.float32), config=config)),
+        "path": error_message(lambda: init(build("llama", torch.float32), config_params=path)),
+        "tsp_model": error_message(lambda: init(tsp_model, config=plain)),
+        "positional": error_message(
+            lambda: deepspeed.initialize(
+                None, tsp_model, adamw(tsp_model.parameters()), config=plain
+            )
+        ),
+    }
+
+
+def test_plain_deepspeed_initialize_refuses_tsp(tmp_path):
+    got = run_processes(plain_initialize_worker, 1, str(tmp_path), timeout=300)[0]
+    ignored = "got a DeepSpeed config with a \"tsp\" block ({'size': 1}), which plain DeepSpeed"
+    assert ignored in got["dict"] and ignored in got["path"]
+    assert "call tsp_ext.deepspeed.initialize instead" in got["dict"]
+    for case in ("tsp_model", "positional"):
+        assert "got a TSP model without tsp_ext's data-parallel groups" in got[case]
+
+
+def test_guard_installed_when_deepspeed_is_imported_after_tsp_ext():
+    import subprocess
+    import sys
+
+    code = "import tsp_ext, deepspeed; print(deepspeed.initialize.__tsp_checked__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().endswith("True")

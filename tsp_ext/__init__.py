@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import importlib
 
+from .dp import guard
+
+guard.install()  # a "tsp" block or a TSP model given to plain deepspeed.initialize is refused
+
 # public name -> module that defines it (relative to this package)
 _EXPORTS = {
     "AttentionSpec": ".engine.attention",
@@ -38,6 +42,8 @@ _EXPORTS = {
     "full_state_dict": ".checkpoint.state",
     "TSPVocabEmbedding": ".hf.vocab",
     "TSPVocabLMHead": ".hf.vocab",
+    "TSPTrainer": ".hf.trainer",
+    "TSPTrainerMixin": ".hf.trainer",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -52,7 +52,25 @@ def shard_batch(
     else:  # the padding continues the last document
         tail = docs[:, -1:] + torch.arange(1, lay.seq_len - S + 1, device=docs.device)
         out["position_ids"] = lay.shard(torch.cat([docs, tail], dim=1), p)
-    labels, mask = batch.get("labels"), batch.get("attention_mask")
+    shifted = _shifted_labels(batch, docs)
+    if shifted is not None:
+        local = lay.shard(pad_sequence(shifted, D, IGNORE_INDEX), p)
+        out.update(labels=local, shift_labels=local)
+    return out
+
+
+def shifted_labels(batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """The targets ``[B, S]`` that ``shard_batch`` shards (before padding to 2·D), or None
+    without ``labels``: ``labels`` shifted left, ``-100`` where the predicted token is padding
+    (``attention_mask``) or the first token of the next document (``position_ids``). Counting
+    their non-ignored entries gives the number of tokens the TSP loss averages over."""
+    ids = batch["input_ids"]
+    return _shifted_labels(batch, _document_positions(batch.get("position_ids"), *ids.shape))
+
+
+def _shifted_labels(batch: dict[str, torch.Tensor], docs: torch.Tensor | None):
+    ids, labels, mask = batch["input_ids"], batch.get("labels"), batch.get("attention_mask")
+    B, S = ids.shape
     if mask is not None:
         if mask.shape != ids.shape:
             raise ValueError(f"attention_mask {tuple(mask.shape)} must match input_ids {(B, S)}")
@@ -61,19 +79,18 @@ def shard_batch(
                 "attention_mask has padding before real tokens: TSP supports right padding only "
                 "(pad at the end, or pack sequences)"
             )
-    if labels is not None:
-        if labels.shape != ids.shape:
-            raise ValueError(f"labels {tuple(labels.shape)} must match input_ids {(B, S)}")
-        shifted = torch.cat([labels[:, 1:], labels.new_full((B, 1), IGNORE_INDEX)], dim=1)
-        if mask is not None:
-            next_is_pad = torch.cat([mask[:, 1:], mask.new_zeros(B, 1)], dim=1) == 0
-            shifted = shifted.masked_fill(next_is_pad, IGNORE_INDEX)
-        if docs is not None:  # the last token of a document does not predict the next one
-            next_starts = torch.cat([docs[:, 1:] == 0, docs.new_zeros(B, 1, dtype=bool)], dim=1)
-            shifted = shifted.masked_fill(next_starts.to(shifted.device), IGNORE_INDEX)
-        local = lay.shard(pad_sequence(shifted, D, IGNORE_INDEX), p)
-        out.update(labels=local, shift_labels=local)
-    return out
+    if labels is None:
+        return None
+    if labels.shape != ids.shape:
+        raise ValueError(f"labels {tuple(labels.shape)} must match input_ids {(B, S)}")
+    shifted = torch.cat([labels[:, 1:], labels.new_full((B, 1), IGNORE_INDEX)], dim=1)
+    if mask is not None:
+        next_is_pad = torch.cat([mask[:, 1:], mask.new_zeros(B, 1)], dim=1) == 0
+        shifted = shifted.masked_fill(next_is_pad, IGNORE_INDEX)
+    if docs is not None:  # the last token of a document does not predict the next one
+        next_starts = torch.cat([docs[:, 1:] == 0, docs.new_zeros(B, 1, dtype=bool)], dim=1)
+        shifted = shifted.masked_fill(next_starts.to(shifted.device), IGNORE_INDEX)
+    return shifted
 
 
 def _document_positions(pos: torch.Tensor | None, B: int, S: int) -> torch.Tensor | None:

@@ -1,0 +1,234 @@
+"""Long-context SFT with TRL's SFTTrainer (or transformers.Trainer) and TSP.
+
+    accelerate launch --config_file recipes/configs/cpu_2proc.yaml recipes/sft_trainer.py \
+        --tsp-size 2 --seq-len 4096 --max-steps 30
+
+The same offline data, packing, ``metrics.jsonl`` and Hugging Face export as
+``finetune_long_llama.py``, through a normal Trainer script: the only TSP lines are the trainer
+class (``TSPTrainerMixin`` in front of ``SFTTrainer``) and its ``tsp=`` argument. See
+docs/trainer.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from _data import SHAKESPEARE, load_texts
+from _presets import PRESETS
+from accelerate import Accelerator
+from datasets import Dataset
+from finetune_long_llama import build_tokenizer, load_blocks, peak_memory_bytes
+from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
+
+from tsp_ext import TSPConfig, TSPTrainer, TSPTrainerMixin, init_tsp_mesh, load_pretrained
+
+log = logging.getLogger("sft_trainer")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--trainer", choices=("sft", "hf"), default="sft", help="TRL or transformers")
+    p.add_argument("--model", default="tiny-llama", help=f"{list(PRESETS)} or a local path")
+    p.add_argument("--tokenizer", default=None, help="path (default: BPE on the data)")
+    p.add_argument("--vocab-size", type=int, default=2048, help="for the trained BPE")
+    p.add_argument("--dataset", default=SHAKESPEARE, help="shakespeare, text:<glob> or json:<glob>")
+    p.add_argument("--text-column", default="text")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--packing", choices=("stream", "documents"), default="stream")
+    p.add_argument("--tsp-size", type=int, default=None, help="default: all processes")
+    p.add_argument("--data-parallel", choices=("ddp", "fsdp2"), default="ddp")
+    p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per TSP group")
+    p.add_argument("--gradient-accumulation-steps", type=int, default=1)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup-steps", type=int, default=5)
+    p.add_argument("--max-steps", type=int, default=30)
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--eval-blocks", type=int, default=2, help="held-out blocks")
+    p.add_argument("--save-every", type=int, default=0, help="Trainer checkpoints (0: none)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-dir", default="outputs/sft")
+    p.add_argument("--resume-from", default=None, help="a checkpoint-<step> directory")
+    return p.parse_args(argv)
+
+
+class Collator:
+    """Stacks packed rows; the targets are the inputs, ``-100`` on row-end padding."""
+
+    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        batch = {k: torch.tensor([r[k] for r in rows]) for k in rows[0]}
+        labels = batch["input_ids"].clone()
+        if "attention_mask" in batch:
+            labels[batch["attention_mask"] == 0] = -100
+        return {**batch, "labels": labels}
+
+
+class Metrics(TrainerCallback):
+    """One ``metrics.jsonl`` row per step, as ``finetune_long_llama.py`` writes them."""
+
+    def __init__(self, path: str, tokens_per_step: int) -> None:
+        self.path, self.tokens_per_step = path, tokens_per_step
+        self.row: dict | None = None
+        self.t0 = 0.0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.flush()
+        self.t0 = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.tokens_per_s = self.tokens_per_step / (time.perf_counter() - self.t0)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs:
+            return
+        if "loss" in logs:
+            self.flush()
+            self.row = {
+                "step": state.global_step,
+                "loss": logs["loss"],
+                "grad_norm": logs.get("grad_norm"),
+                "tokens_per_s": self.tokens_per_s,
+                "lr": logs.get("learning_rate"),
+                "peak_mem_bytes": peak_memory_bytes(),
+            }
+        elif "eval_loss" in logs and self.row is not None:
+            self.row["eval_loss"] = logs["eval_loss"]
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.flush()
+
+    def flush(self) -> None:
+        if self.row is not None:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(self.row) + "\n")
+            self.row = None
+
+
+def trainer_class(kind: str):
+    if kind == "hf":
+        return TSPTrainer
+    try:
+        from trl import SFTTrainer
+    except ImportError:
+        raise SystemExit(
+            "--trainer sft needs TRL: pip install -e '.[trl]' (or --trainer hf)"
+        ) from None
+
+    class TSPSFTTrainer(TSPTrainerMixin, SFTTrainer):
+        pass
+
+    return TSPSFTTrainer
+
+
+def training_args(args, kind: str):
+    settings = dict(
+        output_dir=args.output_dir,
+        per_device_train_batch_size=args.micro_batch_size,
+        per_device_eval_batch_size=1,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        max_steps=args.max_steps,
+        learning_rate=args.lr,
+        warmup_steps=args.warmup_steps,
+        lr_scheduler_type="cosine",
+        weight_decay=0.0,
+        max_grad_norm=args.max_grad_norm,
+        bf16=args.bf16,
+        logging_steps=1,
+        eval_strategy="steps",
+        eval_steps=args.eval_every,
+        save_strategy="steps" if args.save_every else "no",
+        save_steps=args.save_every or 500,
+        report_to=[],
+        seed=args.seed,
+        use_cpu=not torch.cuda.is_available(),
+        remove_unused_columns=False,
+        disable_tqdm=True,
+    )
+    if kind == "hf":
+        from transformers import TrainingArguments
+
+        return TrainingArguments(**settings)
+    from trl import SFTConfig
+
+    # the rows are tokenized and packed already (the same blocks as finetune_long_llama.py)
+    return SFTConfig(**settings, dataset_kwargs={"skip_prepare_dataset": True}, max_length=None)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    acc = Accelerator(cpu=not torch.cuda.is_available())
+    logging.basicConfig(
+        level=logging.INFO if acc.is_main_process else logging.WARNING,
+        format="%(message)s",
+        stream=sys.stdout,
+    )
+    args.tsp_size = args.tsp_size or acc.num_processes
+    if acc.num_processes % args.tsp_size:
+        raise SystemExit(f"--tsp-size {args.tsp_size} does not divide {acc.num_processes}")
+    texts = load_texts(args.dataset, args.text_column)
+    tokenizer = build_tokenizer(args, texts, acc)
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    blocks = {k: v.tolist() for k, v in load_blocks(args, texts, tokenizer).items()}
+    n_eval = min(args.eval_blocks, len(blocks["input_ids"]) - 1)
+    train = Dataset.from_dict({k: v[:-n_eval] for k, v in blocks.items()})
+    held_out = Dataset.from_dict({k: v[-n_eval:] for k, v in blocks.items()})
+
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    if args.model in PRESETS:
+        cfg = LlamaConfig(
+            **PRESETS[args.model],
+            vocab_size=len(tokenizer),
+            max_position_embeddings=max(args.seq_len, 4096),
+        )
+        torch.manual_seed(args.seed)  # the same weights on every rank
+        model, tsp = LlamaForCausalLM(cfg).to(dtype), args.tsp_size
+    else:  # each rank reads only its slices
+        mesh = init_tsp_mesh(args.tsp_size)
+        model = load_pretrained(args.model, mesh, TSPConfig(tsp_size=args.tsp_size), dtype=dtype)
+        tsp = None
+    os.makedirs(args.output_dir, exist_ok=True)
+    dp = acc.num_processes // args.tsp_size
+    tokens = args.micro_batch_size * args.gradient_accumulation_steps * dp * args.seq_len
+    trainer = trainer_class(args.trainer)(
+        model=model,
+        args=training_args(args, args.trainer),
+        train_dataset=train,
+        eval_dataset=held_out,
+        data_collator=Collator(),
+        processing_class=tokenizer,
+        callbacks=[Metrics(os.path.join(args.output_dir, "metrics.jsonl"), tokens)],
+        tsp=tsp,
+        data_parallel=args.data_parallel,
+    )
+    log.info(
+        f"{args.model}: {len(train)} training blocks of {args.seq_len} tokens ({args.packing} "
+        f"packing); dp={dp} x tsp={args.tsp_size} with {args.data_parallel}, "
+        f"{type(trainer).__name__}"
+    )
+    trainer.train(resume_from_checkpoint=args.resume_from)
+    eval_loss = trainer.evaluate()["eval_loss"]
+    final = os.path.join(args.output_dir, "final")
+    trainer.save_model(final)
+    log.info(f"final eval loss {eval_loss:.4f}; Hugging Face checkpoint: {final}")
+    if acc.is_main_process:
+        with open(os.path.join(args.output_dir, "final_eval.json"), "w") as f:
+            json.dump({"eval_loss": eval_loss, "checkpoint": final}, f)
+    acc.wait_for_everyone()
+    acc.free_memory()
+    gc.collect()
+    acc.end_training()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,262 @@
+"""TSPTrainer (transformers.Trainer with TSP) vs the same Trainer script without TSP."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+from models import batch, build, causal_lm_loss
+
+from tsp_ext.testing.launch import run_processes
+
+pytestmark = pytest.mark.multiproc
+
+STEPS, SEQ, ROWS, LR = 3, 24, 16, 1e-2
+
+
+def rows(seed: int, n: int) -> list[dict]:
+    """``n`` sequences, every other one right-padded (labels -100 on the padding)."""
+    data = batch(96, n, SEQ, seed=seed, pad_last=0)
+    mask = torch.ones(n, SEQ, dtype=torch.long)
+    mask[1::2, SEQ - 5 :] = 0
+    labels = data["input_ids"].masked_fill(mask == 0, -100)
+    return [
+        {"input_ids": data["input_ids"][i], "attention_mask": mask[i], "labels": labels[i]}
+        for i in range(n)
+    ]
+
+
+def make_trainer(tsp, out_dir, data_parallel="ddp", **overrides):
+    """2 sequences x 2 accumulation steps per replica and step, AdamW with clipping."""
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    from tsp_ext import TSPTrainer
+
+    settings = dict(
+        output_dir=out_dir,
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=4,
+        gradient_accumulation_steps=2,
+        max_steps=STEPS,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        adam_epsilon=1e-6,
+        max_grad_norm=0.5,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        use_cpu=True,
+        seed=0,
+    )
+    kw = dict(
+        model=build("llama", torch.float32),
+        args=TrainingArguments(**{**settings, **overrides}),
+        train_dataset=rows(1, ROWS),
+        eval_dataset=rows(2, 4),
+        data_collator=default_data_collator,
+    )
+    return TSPTrainer(**kw, tsp=tsp, data_parallel=data_parallel) if tsp else Trainer(**kw)
+
+
+def curve(trainer) -> dict:
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return {"loss": [h["loss"] for h in logs], "grad_norm": [h["grad_norm"] for h in logs]}
+
+
+def trainer_run(rank, world, tsp, out_dir, data_parallel="ddp"):
+    """The loss curve and the eval loss on 4 held-out sequences."""
+    trainer = make_trainer(tsp, out_dir, data_parallel)
+    trainer.train()
+    return {**curve(trainer), "eval_loss": trainer.evaluate()["eval_loss"]}
+
+
+def tsp_runs_worker(rank, world, out_dir):
+    """D=2: train saving a checkpoint at step 2, export into the (occupied) output dir, then
+    resume a fresh trainer from the checkpoint."""
+    trainer = make_trainer(2, out_dir, save_strategy="steps", save_steps=2)
+    trainer.train()
+    out = {**curve(trainer), "eval_loss": trainer.evaluate()["eval_loss"]}
+    trainer.save_model()
+    resumed = make_trainer(2, out_dir, save_strategy="no")
+    resumed.train(resume_from_checkpoint=os.path.join(out_dir, "checkpoint-2"))
+    out["resumed"] = curve(resumed)
+    return out
+
+
+def dp2_worker(rank, world, out_dir):
+    """dp=2 x tsp=2 with DDP and with FSDP2 on the dp axis."""
+    return {dp: trainer_run(rank, world, 2, f"{out_dir}/{dp}", dp) for dp in ("ddp", "fsdp2")}
+
+
+@functools.cache
+def runs(tmp: str) -> dict:
+    return {
+        "one_process": run_processes(trainer_run, 1, 0, f"{tmp}/one", timeout=300)[0],
+        "tsp2": run_processes(tsp_runs_worker, 2, f"{tmp}/tsp2", timeout=300)[0],
+    }
+
+
+@functools.cache
+def dp2_runs(tmp: str) -> dict:
+    return {
+        "ddp": run_processes(trainer_run, 2, 0, f"{tmp}/ddp", timeout=300)[0],
+        "tsp": run_processes(dp2_worker, 4, f"{tmp}/dp2", timeout=600)[0],
+    }
+
+
+def assert_same_curve(got: dict, ref: dict) -> None:
+    assert len(got["loss"]) == STEPS
+    for key in ("loss", "grad_norm"):
+        assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-6), key
+
+
+def test_trainer_loss_curve_matches_one_process(tmp):
+    got, ref = runs(tmp)["tsp2"], runs(tmp)["one_process"]
+    assert_same_curve(got, ref)
+    assert got["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5)
+
+
+def test_trainer_resumes_from_checkpoint(tmp):
+    got = runs(tmp)["tsp2"]
+    resumed = got["resumed"]  # the log history of steps 1-2 comes back from the checkpoint
+    assert resumed["loss"][:2] == got["loss"][:2]
+    assert resumed["loss"][2:] == pytest.approx(got["loss"][2:], rel=1e-6)
+
+
+def test_trainer_export_reloads_in_one_process(tmp):
+    from transformers import AutoModelForCausalLM, default_data_collator
+
+    got = runs(tmp)["tsp2"]
+    assert os.path.isdir(f"{tmp}/tsp2/checkpoint-2/tsp_state")  # kept by save_model()
+    model = AutoModelForCausalLM.from_pretrained(f"{tmp}/tsp2", dtype=torch.float32)
+    data = default_data_collator(rows(2, 4))
+    with torch.no_grad():
+        loss = causal_lm_loss(model, data)
+    assert loss.item() == pytest.approx(got["eval_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("data_parallel", ["ddp", "fsdp2"])
+def test_trainer_dp2_matches_plain_ddp(tmp, data_parallel):
+    got, ref = dp2_runs(tmp)["tsp"][data_parallel], dp2_runs(tmp)["ddp"]
+    assert_same_curve(got, ref)
+    assert got["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = [os.path.join(ROOT, "recipes", "sft_trainer.py")]
+TINY = ["--seq-len", "512", "--vocab-size", "512", "--max-steps", "4", "--eval-every", "2"]
+TINY += ["--warmup-steps", "1", "--tsp-size", "2", "--packing", "documents"]
+
+
+def launch_recipe(*args: str) -> None:
+    import subprocess
+    import sys
+
+    from tsp_ext.testing.launch import free_port
+
+    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    config = os.path.join(ROOT, "recipes", "configs", "cpu_2proc.yaml")
+    port = ["--main_process_port", str(free_port())]
+    cmd = [accelerate, "launch", "--config_file", config, *port, *RECIPE, *TINY, *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def read_metrics(out_dir: str) -> list[dict]:
+    import json
+
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_sft_recipe_trl_equals_trainer_and_export_reloads(tmp):
+    """TRL's SFTTrainer and transformers' Trainer with TSP (D=2, packed documents): the same
+    curve; the export reloads in one plain process with the recipe's eval loss."""
+    import json
+    import subprocess
+    import sys
+
+    launch_recipe("--trainer", "sft", "--output-dir", f"{tmp}/sft")
+    launch_recipe("--trainer", "hf", "--output-dir", f"{tmp}/hf")
+    sft, hf = read_metrics(f"{tmp}/sft"), read_metrics(f"{tmp}/hf")
+    assert [r["step"] for r in sft] == [1, 2, 3, 4]
+    assert [r["step"] for r in sft if "eval_loss" in r] == [2, 4]
+    for key in ("loss", "grad_norm", "eval_loss"):
+        got, ref = ([r[key] for r in rows if key in r] for rows in (sft, hf))
+        assert got == pytest.approx(ref, rel=1e-6), key
+    with open(f"{tmp}/sft/final_eval.json") as f:
+        final = json.load(f)
+    evaluate = [sys.executable, os.path.join(ROOT, "recipes", "eval_checkpoint.py"), "--json"]
+    evaluate += ["--checkpoint", final["checkpoint"], "--seq-len", "512"]
+    evaluate += ["--packing", "documents"]
+    out = subprocess.run(evaluate, capture_output=True, text=True, check=True, timeout=300)
+    assert json.loads(out.stdout.strip().splitlines()[-1])["eval_loss"] == pytest.approx(
+        final["eval_loss"], rel=1e-5
+    )
+
+
+def test_deepspeed_configs_are_honoured_or_refused(tmp_path, monkeypatch):
+    """A DeepSpeed config from `accelerate launch` reaches the recipe's DeepSpeed engine with
+    its "tsp" size, and is refused where it would be dropped (TSPTrainer, --dp-engine ddp)."""
+    import json
+    import sys
+
+    from transformers import TrainingArguments
+
+    from tsp_ext import TSPTrainer
+
+    sys.path.insert(0, os.path.join(ROOT, "recipes"))
+    import finetune_long_llama as recipe
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}, "tsp": {"size": 2}}))
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(path))
+
+    honoured = recipe.parse_args(["--dp-engine", "deepspeed"])
+    recipe.resolve_ds_config(honoured)
+    assert (honoured.ds_config, honoured.tsp_size) == (str(path), 2)
+    with pytest.raises(SystemExit, match="pass --dp-engine deepspeed"):
+        recipe.resolve_ds_config(recipe.parse_args([]))
+    with pytest.raises(SystemExit, match='--tsp-size 4 disagrees with the "tsp" block'):
+        recipe.resolve_ds_config(recipe.parse_args(["--dp-engine", "deepspeed", "--tsp-size", "4"]))
+    with pytest.raises(ValueError, match="TSPTrainer runs DDP or FSDP2 over the dp axis"):
+        TSPTrainer(model=build("llama"), args=args, tsp=2)
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")
+    with pytest.raises(ValueError, match="data_parallel='zero3': choose one of"):
+        TSPTrainer(model=build("llama"), args=args, tsp=2, data_parallel="zero3")
+
+
+def test_docs_script_runs_as_written(tmp):
+    """docs/trainer.md's script under accelerate launch, then its export in one process."""
+    import re
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    from tsp_ext.testing.launch import free_port
+
+    with open(os.path.join(ROOT, "docs", "trainer.md")) as f:
+        script = re.findall(r"```python\n(.*?)```", f.read(), re.S)[0]
+    work = os.path.join(tmp, "docs_script")
+    os.makedirs(work)
+    with open(os.path.join(work, "train_tsp.py"), "w") as f:
+        f.write(script)
+    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    config = os.path.join(ROOT, "recipes", "configs", "cpu_2proc.yaml")
+    cmd = [accelerate, "launch", "--config_file", config, "--main_process_port", str(free_port())]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    done = subprocess.run(
+        [*cmd, "train_tsp.py"], capture_output=True, text=True, timeout=400, env=env, cwd=work
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses = [float(x) for x in re.findall(r"'loss': '([0-9.]+)'", done.stdout + done.stderr)]
+    assert len(losses) >= 10 and min(losses) > 5  # ~ln(512): random tokens
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(work, "outputs", "trainer", "hf"))
+    assert model.config.vocab_size == 512
