@@ -36,6 +36,20 @@ def _add_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         out += a @ b
 
 
+def swiglu_pointwise_backward(dm: torch.Tensor, hid: torch.Tensor):
+    """The elementwise part of the SwiGLU backward: from ``dM = dY·Dn`` ``[B, T, f]`` (overwritten)
+    and the gate/up pre-activations ``hid = [hg | hu]`` ``[B, T, 2f]``, returns their gradients
+    ``[dhg | dhu]`` ``[B, T, 2f]`` (one buffer, so that both weight gradients are one GEMM) and the
+    forward's activation ``silu(hg) ⊙ hu`` ``[B, T, f]``, the input of Dn."""
+    f = dm.shape[-1]
+    hg, hu = hid.chunk(2, dim=-1)
+    act = F.silu(hg)
+    dh = torch.empty_like(hid)
+    torch.mul(dm, act, out=dh[..., f:])
+    torch.ops.aten.silu_backward.grad_input(dm.mul_(hu), hg, grad_input=dh[..., :f])
+    return dh, act.mul_(hu)
+
+
 def _swiglu_backward(x, dy, gu, dn, out, dx, hidden=None) -> None:
     """Backward of one shard's ``(silu(X·Gᵀ) ⊙ (X·Uᵀ))·Dnᵀ`` with ``gu = [G; U]`` (``[2f, h]``):
     adds ``dX`` into ``dx [B·T, h]`` and writes ``[dG; dU]`` (``[2f, h]``) and ``dDn`` (``[h, f]``)
@@ -46,13 +60,7 @@ def _swiglu_backward(x, dy, gu, dn, out, dx, hidden=None) -> None:
     two_f, h = gu.shape
     f = two_f // 2
     hid = F.linear(x, gu) if hidden is None else hidden  # [B, T, 2f]: one GEMM for gate and up
-    hg, hu = hid.chunk(2, dim=-1)
-    dm = dy @ dn  # [B, T, f]
-    act = F.silu(hg)
-    dh = torch.empty_like(hid)  # [dhg | dhu], so that both weight gradients are one GEMM
-    torch.mul(dm, act, out=dh[..., f:])
-    torch.ops.aten.silu_backward.grad_input(dm.mul_(hu), hg, grad_input=dh[..., :f])
-    act.mul_(hu)  # the forward's activation, input of Dn
+    dh, act = swiglu_pointwise_backward(dy @ dn, hid)
     x2, dy2, dh2 = x.reshape(-1, h), dy.reshape(-1, h), dh.view(-1, two_f)
     acc = out.dtype
     torch.mm(dh2.t().to(acc), x2.to(acc), out=out[: two_f * h].view(two_f, h))
