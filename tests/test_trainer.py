@@ -14,7 +14,7 @@ from tsp_ext.testing.launch import run_processes
 pytestmark = pytest.mark.multiproc
 
 STEPS, SEQ, ROWS, LR = 3, 24, 16, 1e-2
-# DeepSpeed ZeRO-2 the Hugging Face way: TrainingArguments(deepspeed=...), "auto" from the arguments
+# DeepSpeed the Hugging Face way: TrainingArguments(deepspeed=...), "auto" from the arguments
 ZERO2 = {
     "zero_optimization": {"stage": 2},
     "train_batch_size": "auto",
@@ -39,7 +39,7 @@ def rows(seed: int, n: int) -> list[dict]:
 
 def make_trainer(tsp, out_dir, data_parallel="ddp", **overrides):
     """2 sequences x 2 accumulation steps per replica and step, AdamW with clipping;
-    ``data_parallel="zero2"``: ``TrainingArguments(deepspeed=ZERO2)``."""
+    ``data_parallel="zero2"`` / ``"zero3"``: ``TrainingArguments(deepspeed=ZERO2)`` / stage 3."""
     from transformers import Trainer, TrainingArguments, default_data_collator
 
     from tsp_ext import TSPTrainer
@@ -61,8 +61,9 @@ def make_trainer(tsp, out_dir, data_parallel="ddp", **overrides):
         use_cpu=True,
         seed=0,
     )
-    if data_parallel == "zero2":
-        settings["deepspeed"], data_parallel = ZERO2, None
+    if data_parallel.startswith("zero"):
+        stage = {"zero_optimization": {"stage": int(data_parallel[-1])}}
+        settings["deepspeed"], data_parallel = {**ZERO2, **stage}, None
     kw = dict(
         model=build("llama", torch.float32),
         args=TrainingArguments(**{**settings, **overrides}),
@@ -99,10 +100,13 @@ def tsp_runs_worker(rank, world, out_dir, data_parallel="ddp"):
 
 
 def dp2_worker(rank, world, out_dir):
-    """dp=2 x tsp=2 with DDP, FSDP2 and DeepSpeed ZeRO-2 on the dp axis."""
-    return {
+    """dp=2 x tsp=2 with DDP, FSDP2, DeepSpeed ZeRO-2 and ZeRO-3 (checkpoint, export and resume)
+    on the dp axis."""
+    out = {
         dp: trainer_run(rank, world, 2, f"{out_dir}/{dp}", dp) for dp in ("ddp", "fsdp2", "zero2")
     }
+    out["zero3"] = tsp_runs_worker(rank, world, f"{out_dir}/zero3", "zero3")
+    return out
 
 
 @functools.cache
@@ -128,39 +132,47 @@ def assert_same_curve(got: dict, ref: dict) -> None:
         assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-6), key
 
 
-ENGINES = ["tsp2", "zero2"]  # D=2 with DDP (dp=1), with DeepSpeed ZeRO-2
+def checkpointed(tmp: str, run: str) -> tuple[dict, str]:
+    """A run that saved a checkpoint, exported and resumed, and its output dir: D=2 (dp=1) with
+    DDP or DeepSpeed ZeRO-2, dp=2 x D=2 with ZeRO-3."""
+    if run == "dp2_zero3":
+        return dp2_runs(tmp)["tsp"]["zero3"], f"{tmp}/dp2/zero3"
+    return runs(tmp)[run], f"{tmp}/{run}"
 
 
-@pytest.mark.parametrize("run", ENGINES)
+CHECKPOINTED = ["tsp2", "zero2", "dp2_zero3"]
+
+
+@pytest.mark.parametrize("run", ["tsp2", "zero2"])
 def test_trainer_loss_curve_matches_one_process(tmp, run):
     got, ref = runs(tmp)[run], runs(tmp)["one_process"]
     assert_same_curve(got, ref)
     assert got["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5)
 
 
-@pytest.mark.parametrize("run", ENGINES)
+@pytest.mark.parametrize("run", CHECKPOINTED)
 def test_trainer_resumes_from_checkpoint(tmp, run):
-    got = runs(tmp)[run]
+    got = checkpointed(tmp, run)[0]
     resumed = got["resumed"]  # the log history of steps 1-2 comes back from the checkpoint
     assert resumed["loss"][:2] == got["loss"][:2]
     assert resumed["loss"][2:] == pytest.approx(got["loss"][2:], rel=1e-6)
     assert resumed["grad_norm"][2:] == pytest.approx(got["grad_norm"][2:], rel=1e-6)
 
 
-@pytest.mark.parametrize("run", ENGINES)
+@pytest.mark.parametrize("run", CHECKPOINTED)
 def test_trainer_export_reloads_in_one_process(tmp, run):
     from transformers import AutoModelForCausalLM, default_data_collator
 
-    got = runs(tmp)[run]
-    assert os.path.isdir(f"{tmp}/{run}/checkpoint-2/tsp_state")  # kept by save_model()
-    model = AutoModelForCausalLM.from_pretrained(f"{tmp}/{run}", dtype=torch.float32)
+    got, out_dir = checkpointed(tmp, run)
+    assert os.path.isdir(f"{out_dir}/checkpoint-2/tsp_state")  # kept by save_model()
+    model = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
     data = default_data_collator(rows(2, 4))
     with torch.no_grad():
         loss = causal_lm_loss(model, data)
     assert loss.item() == pytest.approx(got["eval_loss"], rel=1e-5)
 
 
-@pytest.mark.parametrize("data_parallel", ["ddp", "fsdp2", "zero2"])
+@pytest.mark.parametrize("data_parallel", ["ddp", "fsdp2", "zero2", "zero3"])
 def test_trainer_dp2_matches_plain_ddp(tmp, data_parallel):
     got, ref = dp2_runs(tmp)["tsp"][data_parallel], dp2_runs(tmp)["ddp"]
     assert_same_curve(got, ref)
@@ -267,8 +279,13 @@ def test_deepspeed_configs_are_honoured_or_refused(tmp_path, monkeypatch):
         TSPTrainer(model=build("llama"), args=ds_args(), data_parallel="fsdp2")
 
 
-def test_docs_script_runs_as_written(tmp):
-    """docs/trainer.md's script under accelerate launch, then its export in one process."""
+@pytest.mark.parametrize(
+    "script, out_dir",
+    [("train_tsp.py", "outputs/trainer"), ("train_tsp_zero2.py", "outputs/trainer_zero2")],
+)
+def test_docs_script_runs_as_written(tmp, script, out_dir):
+    """docs/trainer.md's scripts (DDP; DeepSpeed ZeRO-2 with a "tsp" block) under accelerate
+    launch, then the export in one process."""
     import re
     import subprocess
     import sys
@@ -278,20 +295,22 @@ def test_docs_script_runs_as_written(tmp):
     from tsp_ext.testing.launch import free_port
 
     with open(os.path.join(ROOT, "docs", "trainer.md")) as f:
-        script = re.findall(r"```python\n(.*?)```", f.read(), re.S)[0]
-    work = os.path.join(tmp, "docs_script")
+        text = f.read()
+    [code] = [c for c in re.findall(r"```python\n(.*?)```", text, re.S) if f'"{out_dir}"' in c]
+    assert f"`{script}`" in text
+    work = os.path.join(tmp, "docs_" + script.removesuffix(".py"))
     os.makedirs(work)
-    with open(os.path.join(work, "train_tsp.py"), "w") as f:
-        f.write(script)
+    with open(os.path.join(work, script), "w") as f:
+        f.write(code)
     accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
     config = os.path.join(ROOT, "recipes", "configs", "cpu_2proc.yaml")
     cmd = [accelerate, "launch", "--config_file", config, "--main_process_port", str(free_port())]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     done = subprocess.run(
-        [*cmd, "train_tsp.py"], capture_output=True, text=True, timeout=400, env=env, cwd=work
+        [*cmd, script], capture_output=True, text=True, timeout=400, env=env, cwd=work
     )
     assert done.returncode == 0, done.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"'loss': '([0-9.]+)'", done.stdout + done.stderr)]
     assert len(losses) >= 10 and min(losses) > 5  # ~ln(512): random tokens
-    model = AutoModelForCausalLM.from_pretrained(os.path.join(work, "outputs", "trainer", "hf"))
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(work, out_dir, "hf"))
     assert model.config.vocab_size == 512

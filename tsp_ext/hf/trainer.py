@@ -91,7 +91,8 @@ class TSPTrainerMixin:
         elif data_parallel == "deepspeed":
             _finish_ds_config(self.ds_config, args, model, self.tsp_mesh)
         super().__init__(model, args, *trainer_args, **kwargs)
-        if data_parallel == "deepspeed":  # no DDP no_sync: ZeRO-2/3 reduce in every backward
+        if data_parallel == "deepspeed":  # Trainer's no_sync would enter the engine's (ZeRO-2/3
+            # refuse it: they reduce in every backward)
             self.accelerator.gradient_state.plugin_kwargs["sync_each_batch"] = True
 
     # -- data: the same batches on every rank of a TSP group -------------------------------
@@ -378,9 +379,16 @@ def _take_deepspeed(args: TrainingArguments, model: nn.Module, tsp: int | TSPCon
 
 
 def _finish_ds_config(hf_config, args: TrainingArguments, model: nn.Module, mesh) -> None:
-    """Fill the remaining ``"auto"`` values; batch sizes count dp replicas, not processes; a
-    config without a ``"tsp"`` block gets the model's TSP options."""
+    """Fill the ``"auto"`` values from ``args`` (absent batch sizes, accumulation and clipping
+    count as ``"auto"``); batch sizes count dp replicas, not processes; a config without a
+    ``"tsp"`` block gets the model's TSP options."""
     config = hf_config.config
+    for key in (
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+        "gradient_clipping",
+    ):
+        config.setdefault(key, "auto")
     batch = config.pop("train_batch_size", "auto")
     hf_config.trainer_config_process(args)  # would count every process as a replica
     hf_config.trainer_config_finalize(args, model, 0)  # no "scheduler" block: no step counts
