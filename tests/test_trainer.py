@@ -14,6 +14,15 @@ from tsp_ext.testing.launch import run_processes
 pytestmark = pytest.mark.multiproc
 
 STEPS, SEQ, ROWS, LR = 3, 24, 16, 1e-2
+# DeepSpeed the Hugging Face way: TrainingArguments(deepspeed=...), "auto" from the arguments
+ZERO2 = {
+    "zero_optimization": {"stage": 2},
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "tsp": {"size": 2},
+}
 
 
 def rows(seed: int, n: int) -> list[dict]:
@@ -29,7 +38,8 @@ def rows(seed: int, n: int) -> list[dict]:
 
 
 def make_trainer(tsp, out_dir, data_parallel="ddp", **overrides):
-    """2 sequences x 2 accumulation steps per replica and step, AdamW with clipping."""
+    """2 sequences x 2 accumulation steps per replica and step, AdamW with clipping;
+    ``data_parallel="zero2"`` / ``"zero3"``: ``TrainingArguments(deepspeed=ZERO2)`` / stage 3."""
     from transformers import Trainer, TrainingArguments, default_data_collator
 
     from tsp_ext import TSPTrainer
@@ -51,6 +61,9 @@ def make_trainer(tsp, out_dir, data_parallel="ddp", **overrides):
         use_cpu=True,
         seed=0,
     )
+    if data_parallel.startswith("zero"):
+        stage = {"zero_optimization": {"stage": int(data_parallel[-1])}}
+        settings["deepspeed"], data_parallel = {**ZERO2, **stage}, None
     kw = dict(
         model=build("llama", torch.float32),
         args=TrainingArguments(**{**settings, **overrides}),
@@ -73,22 +86,27 @@ def trainer_run(rank, world, tsp, out_dir, data_parallel="ddp"):
     return {**curve(trainer), "eval_loss": trainer.evaluate()["eval_loss"]}
 
 
-def tsp_runs_worker(rank, world, out_dir):
+def tsp_runs_worker(rank, world, out_dir, data_parallel="ddp"):
     """D=2: train saving a checkpoint at step 2, export into the (occupied) output dir, then
     resume a fresh trainer from the checkpoint."""
-    trainer = make_trainer(2, out_dir, save_strategy="steps", save_steps=2)
+    trainer = make_trainer(2, out_dir, data_parallel, save_strategy="steps", save_steps=2)
     trainer.train()
     out = {**curve(trainer), "eval_loss": trainer.evaluate()["eval_loss"]}
     trainer.save_model()
-    resumed = make_trainer(2, out_dir, save_strategy="no")
+    resumed = make_trainer(2, out_dir, data_parallel, save_strategy="no")
     resumed.train(resume_from_checkpoint=os.path.join(out_dir, "checkpoint-2"))
     out["resumed"] = curve(resumed)
     return out
 
 
 def dp2_worker(rank, world, out_dir):
-    """dp=2 x tsp=2 with DDP and with FSDP2 on the dp axis."""
-    return {dp: trainer_run(rank, world, 2, f"{out_dir}/{dp}", dp) for dp in ("ddp", "fsdp2")}
+    """dp=2 x tsp=2 with DDP, FSDP2, DeepSpeed ZeRO-2 and ZeRO-3 (checkpoint, export and resume)
+    on the dp axis."""
+    out = {
+        dp: trainer_run(rank, world, 2, f"{out_dir}/{dp}", dp) for dp in ("ddp", "fsdp2", "zero2")
+    }
+    out["zero3"] = tsp_runs_worker(rank, world, f"{out_dir}/zero3", "zero3")
+    return out
 
 
 @functools.cache
@@ -96,6 +114,7 @@ def runs(tmp: str) -> dict:
     return {
         "one_process": run_processes(trainer_run, 1, 0, f"{tmp}/one", timeout=300)[0],
         "tsp2": run_processes(tsp_runs_worker, 2, f"{tmp}/tsp2", timeout=300)[0],
+        "zero2": run_processes(tsp_runs_worker, 2, f"{tmp}/zero2", "zero2", timeout=300)[0],
     }
 
 
@@ -113,32 +132,47 @@ def assert_same_curve(got: dict, ref: dict) -> None:
         assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-6), key
 
 
-def test_trainer_loss_curve_matches_one_process(tmp):
-    got, ref = runs(tmp)["tsp2"], runs(tmp)["one_process"]
+def checkpointed(tmp: str, run: str) -> tuple[dict, str]:
+    """A run that saved a checkpoint, exported and resumed, and its output dir: D=2 (dp=1) with
+    DDP or DeepSpeed ZeRO-2, dp=2 x D=2 with ZeRO-3."""
+    if run == "dp2_zero3":
+        return dp2_runs(tmp)["tsp"]["zero3"], f"{tmp}/dp2/zero3"
+    return runs(tmp)[run], f"{tmp}/{run}"
+
+
+CHECKPOINTED = ["tsp2", "zero2", "dp2_zero3"]
+
+
+@pytest.mark.parametrize("run", ["tsp2", "zero2"])
+def test_trainer_loss_curve_matches_one_process(tmp, run):
+    got, ref = runs(tmp)[run], runs(tmp)["one_process"]
     assert_same_curve(got, ref)
     assert got["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5)
 
 
-def test_trainer_resumes_from_checkpoint(tmp):
-    got = runs(tmp)["tsp2"]
+@pytest.mark.parametrize("run", CHECKPOINTED)
+def test_trainer_resumes_from_checkpoint(tmp, run):
+    got = checkpointed(tmp, run)[0]
     resumed = got["resumed"]  # the log history of steps 1-2 comes back from the checkpoint
     assert resumed["loss"][:2] == got["loss"][:2]
     assert resumed["loss"][2:] == pytest.approx(got["loss"][2:], rel=1e-6)
+    assert resumed["grad_norm"][2:] == pytest.approx(got["grad_norm"][2:], rel=1e-6)
 
 
-def test_trainer_export_reloads_in_one_process(tmp):
+@pytest.mark.parametrize("run", CHECKPOINTED)
+def test_trainer_export_reloads_in_one_process(tmp, run):
     from transformers import AutoModelForCausalLM, default_data_collator
 
-    got = runs(tmp)["tsp2"]
-    assert os.path.isdir(f"{tmp}/tsp2/checkpoint-2/tsp_state")  # kept by save_model()
-    model = AutoModelForCausalLM.from_pretrained(f"{tmp}/tsp2", dtype=torch.float32)
+    got, out_dir = checkpointed(tmp, run)
+    assert os.path.isdir(f"{out_dir}/checkpoint-2/tsp_state")  # kept by save_model()
+    model = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
     data = default_data_collator(rows(2, 4))
     with torch.no_grad():
         loss = causal_lm_loss(model, data)
     assert loss.item() == pytest.approx(got["eval_loss"], rel=1e-5)
 
 
-@pytest.mark.parametrize("data_parallel", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("data_parallel", ["ddp", "fsdp2", "zero2", "zero3"])
 def test_trainer_dp2_matches_plain_ddp(tmp, data_parallel):
     got, ref = dp2_runs(tmp)["tsp"][data_parallel], dp2_runs(tmp)["ddp"]
     assert_same_curve(got, ref)
@@ -201,7 +235,8 @@ def test_sft_recipe_trl_equals_trainer_and_export_reloads(tmp):
 
 def test_deepspeed_configs_are_honoured_or_refused(tmp_path, monkeypatch):
     """A DeepSpeed config from `accelerate launch` reaches the recipe's DeepSpeed engine with
-    its "tsp" size, and is refused where it would be dropped (TSPTrainer, --dp-engine ddp)."""
+    its "tsp" size, and is refused where it would be dropped (TSPTrainer, --dp-engine ddp);
+    TSPTrainer's own DeepSpeed config refuses what it cannot honour."""
     import json
     import sys
 
@@ -225,15 +260,32 @@ def test_deepspeed_configs_are_honoured_or_refused(tmp_path, monkeypatch):
         recipe.resolve_ds_config(recipe.parse_args([]))
     with pytest.raises(SystemExit, match='--tsp-size 4 disagrees with the "tsp" block'):
         recipe.resolve_ds_config(recipe.parse_args(["--dp-engine", "deepspeed", "--tsp-size", "4"]))
-    with pytest.raises(ValueError, match="TSPTrainer runs DDP or FSDP2 over the dp axis"):
+    with pytest.raises(ValueError, match="pass its config file as TrainingArguments"):
         TSPTrainer(model=build("llama"), args=args, tsp=2)
     monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")
     with pytest.raises(ValueError, match="data_parallel='zero3': choose one of"):
         TSPTrainer(model=build("llama"), args=args, tsp=2, data_parallel="zero3")
 
+    def ds_args(**config):
+        return TrainingArguments(
+            output_dir=str(tmp_path), use_cpu=True, report_to=[], deepspeed={**ZERO2, **config}
+        )
 
-def test_docs_script_runs_as_written(tmp):
-    """docs/trainer.md's script under accelerate launch, then its export in one process."""
+    with pytest.raises(ValueError, match='"tsp" block has size 2 but the TSP size is 4'):
+        TSPTrainer(model=build("llama"), args=ds_args(), tsp=4)
+    with pytest.raises(ValueError, match='remove the "optimizer" block'):
+        TSPTrainer(model=build("llama"), args=ds_args(optimizer={"type": "AdamW"}), tsp=2)
+    with pytest.raises(ValueError, match="DeepSpeed runs when TrainingArguments has a deepspeed"):
+        TSPTrainer(model=build("llama"), args=ds_args(), data_parallel="fsdp2")
+
+
+@pytest.mark.parametrize(
+    "script, out_dir",
+    [("train_tsp.py", "outputs/trainer"), ("train_tsp_zero2.py", "outputs/trainer_zero2")],
+)
+def test_docs_script_runs_as_written(tmp, script, out_dir):
+    """docs/trainer.md's scripts (DDP; DeepSpeed ZeRO-2 with a "tsp" block) under accelerate
+    launch, then the export in one process."""
     import re
     import subprocess
     import sys
@@ -243,20 +295,22 @@ def test_docs_script_runs_as_written(tmp):
     from tsp_ext.testing.launch import free_port
 
     with open(os.path.join(ROOT, "docs", "trainer.md")) as f:
-        script = re.findall(r"```python\n(.*?)```", f.read(), re.S)[0]
-    work = os.path.join(tmp, "docs_script")
+        text = f.read()
+    [code] = [c for c in re.findall(r"```python\n(.*?)```", text, re.S) if f'"{out_dir}"' in c]
+    assert f"`{script}`" in text
+    work = os.path.join(tmp, "docs_" + script.removesuffix(".py"))
     os.makedirs(work)
-    with open(os.path.join(work, "train_tsp.py"), "w") as f:
-        f.write(script)
+    with open(os.path.join(work, script), "w") as f:
+        f.write(code)
     accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
     config = os.path.join(ROOT, "recipes", "configs", "cpu_2proc.yaml")
     cmd = [accelerate, "launch", "--config_file", config, "--main_process_port", str(free_port())]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     done = subprocess.run(
-        [*cmd, "train_tsp.py"], capture_output=True, text=True, timeout=400, env=env, cwd=work
+        [*cmd, script], capture_output=True, text=True, timeout=400, env=env, cwd=work
     )
     assert done.returncode == 0, done.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"'loss': '([0-9.]+)'", done.stdout + done.stderr)]
     assert len(losses) >= 10 and min(losses) > 5  # ~ln(512): random tokens
-    model = AutoModelForCausalLM.from_pretrained(os.path.join(work, "outputs", "trainer", "hf"))
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(work, out_dir, "hf"))
     assert model.config.vocab_size == 512

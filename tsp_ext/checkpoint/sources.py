@@ -43,7 +43,14 @@ def prepare_restore(engine, keys: set[str]) -> None:
         state = opt.optimizer.state[flat]
         for key in keys - set(state):
             state[key] = torch.zeros(()) if key == STEP else torch.zeros_like(flat)
-    if hasattr(opt, "_lazy_init_hp_params_optimizer_state"):  # ZeRO-1/2 fragment views
+    _link_fragments(opt)
+
+
+def _link_fragments(opt) -> None:
+    """(Re)link ZeRO-1/2's per-parameter views of the optimizer state. DeepSpeed links them once,
+    right after stepping its first parameter group: the views of later groups (e.g. Trainer's
+    no-weight-decay group) would stay empty."""
+    if hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
         opt._hp_optimizer_states_linked = False
         opt._lazy_init_hp_params_optimizer_state()
 
@@ -62,6 +69,7 @@ def local_state(
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
         base = _ds_base_state(engine)
+        _link_fragments(engine.optimizer)
         keys = [k for k, v in base.items() if torch.is_tensor(v) and v.dim() > 0]
         for name, p in _named(model, names):
             yield name, PARAM, safe_get_full_fp32_param(p).view(local_shape(p)), p

@@ -7,15 +7,19 @@
 What changes against a plain ``Trainer``:
 
 - the model is made a TSP model (``apply_tsp``) on a ``(dp, tsp)`` mesh, and data parallelism runs
-  over ``dp`` only: DDP on the dp group, or FSDP2 on ``mesh["dp"]`` (``data_parallel="fsdp2"``,
-  ``tsp_ext.fsdp.shard_model``); Accelerate's own DDP would average across the TSP shards;
+  over ``dp`` only: DDP on the dp group, FSDP2 on ``mesh["dp"]`` (``data_parallel="fsdp2"``,
+  ``tsp_ext.fsdp.shard_model``), or DeepSpeed ZeRO with ``TrainingArguments(deepspeed=...)``
+  (``tsp_ext.deepspeed.initialize``; the config's ``"tsp"`` block may give the TSP size);
+  Accelerate's own DDP / DeepSpeed would average or partition across the TSP shards;
 - every rank of a TSP group reads the same batches (the sampler splits the data over dp, not over
   the world), and ``shard_batch`` gives each rank its zigzag tokens in ``compute_loss``;
 - ``num_items_in_batch`` counts the targets the TSP loss averages over (``shifted_labels``), once
   per TSP group, summed over dp; the loss is scaled by dp, not the world size;
-- the gradient norm is ``tsp_ext.clip_grad_norm_`` (every shard once, replicas once);
+- the gradient norm is ``tsp_ext.clip_grad_norm_`` (every shard once, replicas once), with
+  DeepSpeed the engine's (which counts shards the same way);
 - ``save_model`` writes ``tsp_ext.save_pretrained``; checkpoints keep the training state with
-  ``tsp_ext.checkpoint`` (model, optimizer, scheduler), so ``resume_from_checkpoint`` works.
+  ``tsp_ext.checkpoint`` (model, optimizer, scheduler; with DeepSpeed the engine's fp32 masters
+  and ZeRO optimizer state), so ``resume_from_checkpoint`` works.
 
 The loss is always the TSP model's own global-mean loss: with TRL, ``SFTTrainer``'s fused LM head
 (and its entropy / token-accuracy metrics) is not used.
@@ -23,6 +27,7 @@ The loss is always the TSP model's own global-mean loss: with TRL, ``SFTTrainer`
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -42,7 +47,7 @@ from .batch import shard_batch, shifted_labels
 # varlen metadata of padding-free collators (flash attention): position_ids carry the same
 # document boundaries, which is what shard_batch and the TSP attention use
 VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
-DATA_PARALLEL = ("ddp", "fsdp2")
+DATA_PARALLEL = ("ddp", "fsdp2", "deepspeed")
 STATE_DIR = "tsp_state"  # tsp_ext.checkpoint training state inside a Trainer checkpoint
 
 
@@ -52,7 +57,9 @@ class TSPTrainerMixin:
         class TSPSFTTrainer(TSPTrainerMixin, trl.SFTTrainer): ...
 
     Extra keyword arguments: ``tsp`` (the TSP size or a ``TSPConfig``; None: the model is
-    already a TSP model) and ``data_parallel`` (``"ddp"`` or ``"fsdp2"``).
+    already a TSP model, or the DeepSpeed config's ``"tsp"`` block gives it) and
+    ``data_parallel`` (``"ddp"`` or ``"fsdp2"``; ``"deepspeed"``, the default with
+    ``args.deepspeed``).
     """
 
     def __init__(
@@ -61,11 +68,14 @@ class TSPTrainerMixin:
         args: TrainingArguments,
         *trainer_args,
         tsp: int | TSPConfig | None = None,
-        data_parallel: str = "ddp",
+        data_parallel: str | None = None,
         **kwargs,
     ) -> None:
-        _check_args(args, data_parallel)
+        data_parallel = _check_args(args, data_parallel)
         args.device  # noqa: B018  Accelerate sets up the process group (gloo / nccl)
+        self.ds_config = self.ds_engine = None
+        if data_parallel == "deepspeed":
+            self.ds_config, tsp = _take_deepspeed(args, model, tsp)
         self.tsp_mesh = _apply(model, tsp)
         if args.world_size != dist.get_world_size():
             raise ValueError(
@@ -78,7 +88,12 @@ class TSPTrainerMixin:
             from ..dp.fsdp import shard_model
 
             shard_model(model, self.tsp_mesh)
+        elif data_parallel == "deepspeed":
+            _finish_ds_config(self.ds_config, args, model, self.tsp_mesh)
         super().__init__(model, args, *trainer_args, **kwargs)
+        if data_parallel == "deepspeed":  # Trainer's no_sync would enter the engine's (ZeRO-2/3
+            # refuse it: they reduce in every backward)
+            self.accelerator.gradient_state.plugin_kwargs["sync_each_batch"] = True
 
     # -- data: the same batches on every rank of a TSP group -------------------------------
 
@@ -138,15 +153,55 @@ class TSPTrainerMixin:
             return model
         if self.data_parallel == "fsdp2":  # already sharded; keeps Accelerate from wrapping it
             return _Unwrapped(model)
+        if self.data_parallel == "deepspeed":
+            return self._deepspeed_engine()
         return DistributedDataParallel(model, process_group=self.tsp_mesh["dp"].get_group())
 
+    def _deepspeed_engine(self):
+        """``tsp_ext.deepspeed.initialize`` with Trainer's optimizer; Trainer keeps stepping its
+        schedule, and its optimizer becomes Accelerate's no-op DeepSpeed wrapper (the engine
+        steps at the accumulation boundary, in ``training_step``)."""
+        from accelerate.utils import DeepSpeedOptimizerWrapper
+
+        from ..dp.deepspeed import initialize
+
+        if self.ds_engine is None:
+            self.ds_engine, optimizer, _, _ = initialize(
+                self.model, self.ds_config.config, optimizer=self.optimizer
+            )
+            self.optimizer = DeepSpeedOptimizerWrapper(optimizer)
+            self.optimizer._is_accelerate_prepared = True  # Trainer's prepare() keeps it as is
+        return self.ds_engine
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if self.ds_engine is None or model is not self.ds_engine:
+            return super().training_step(model, inputs, num_items_in_batch)
+        self.accelerator.backward = self._engine_backward
+        try:
+            return super().training_step(model, inputs, num_items_in_batch)
+        finally:
+            del self.accelerator.backward
+
+    def _engine_backward(self, loss: torch.Tensor, **kwargs) -> None:
+        """``engine.backward`` (the loss is already scaled for accumulation), and
+        ``engine.step`` (clip, update) after the last micro batch of a step."""
+        engine, boundary = self.ds_engine, self.accelerator.sync_gradients
+        engine.set_gradient_accumulation_boundary(boundary)
+        engine.backward(loss, scale_wrt_gas=False)
+        if boundary:
+            engine.step()
+
     def _clip_grad_norm(self, model):
+        if self.ds_engine is not None:  # clipped in engine.step; the norm before clipping
+            return self._get_grad_norm(model)
         from ..dp.grad_norm import clip_grad_norm_
 
         return clip_grad_norm_(self.model, self.args.max_grad_norm)
 
     def _get_grad_norm(self, model, grad_norm=None):
-        if grad_norm is None:
+        if grad_norm is None and self.ds_engine is not None:
+            grad_norm = self.ds_engine.get_global_grad_norm()
+        elif grad_norm is None:
             from ..dp.grad_norm import clip_grad_norm_
 
             grad_norm = clip_grad_norm_(self.model, float("inf"))
@@ -182,7 +237,9 @@ class TSPTrainerMixin:
 
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # AcceleratedOptimizer
         path = os.path.join(output_dir, STATE_DIR)
-        checkpoint.save(path, self.model, optimizer, scheduler=self.lr_scheduler)
+        checkpoint.save(
+            path, self.model, optimizer, scheduler=self.lr_scheduler, engine=self.ds_engine
+        )
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         """The weights come back with the optimizer state (``_load_optimizer_and_scheduler``)."""
@@ -200,7 +257,9 @@ class TSPTrainerMixin:
 
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
         path = os.path.join(checkpoint_dir, STATE_DIR)
-        checkpoint.load(path, self.model, optimizer, scheduler=self.lr_scheduler)
+        checkpoint.load(
+            path, self.model, optimizer, scheduler=self.lr_scheduler, engine=self.ds_engine
+        )
 
 
 class TSPTrainer(TSPTrainerMixin, Trainer):
@@ -209,7 +268,8 @@ class TSPTrainer(TSPTrainerMixin, Trainer):
     Args (besides ``Trainer``'s):
         tsp: the TSP size or a ``TSPConfig``: the model is made a TSP model on a ``(dp, tsp)``
             mesh. None: ``model`` already is one (``apply_tsp`` / ``load_pretrained``).
-        data_parallel: ``"ddp"`` (default) or ``"fsdp2"``, over the dp axis.
+        data_parallel: ``"ddp"`` (default) or ``"fsdp2"`` over the dp axis; ``"deepspeed"``
+            (the default with ``TrainingArguments(deepspeed=...)``): DeepSpeed ZeRO over dp.
     """
 
 
@@ -240,8 +300,8 @@ def _apply(model: nn.Module, tsp: int | TSPConfig | None):
         mesh = state.mesh
     elif tsp is None:
         raise ValueError(
-            "TSPTrainer needs tsp=<size> (or a TSPConfig), or a model made a TSP model already "
-            "(apply_tsp / load_pretrained)"
+            "TSPTrainer needs tsp=<size> (or a TSPConfig), a model made a TSP model already "
+            '(apply_tsp / load_pretrained), or a DeepSpeed config with a "tsp" block'
         )
     else:
         config = tsp if isinstance(tsp, TSPConfig) else TSPConfig(tsp_size=tsp)
@@ -254,15 +314,23 @@ def _apply(model: nn.Module, tsp: int | TSPConfig | None):
     return mesh
 
 
-def _check_args(args: TrainingArguments, data_parallel: str) -> None:
+def _check_args(args: TrainingArguments, data_parallel: str | None) -> str:
+    """The data-parallel engine: ``data_parallel``, or DeepSpeed with ``args.deepspeed``."""
+    if data_parallel is None:
+        data_parallel = "deepspeed" if args.deepspeed else "ddp"
     if data_parallel not in DATA_PARALLEL:
         raise ValueError(f"data_parallel={data_parallel!r}: choose one of {DATA_PARALLEL}")
-    if args.deepspeed or accelerate_deepspeed_config() is not None:
+    if bool(args.deepspeed) != (data_parallel == "deepspeed"):
         raise ValueError(
-            "TSPTrainer runs DDP or FSDP2 over the dp axis (data_parallel='ddp' / 'fsdp2'), not "
-            "DeepSpeed: drop --deepspeed (or the Accelerate config's DeepSpeed plugin), or train "
-            "with tsp_ext.deepspeed.initialize (recipes/finetune_long_llama.py --dp-engine "
-            'deepspeed), which honours the "tsp" block'
+            f"data_parallel={data_parallel!r} with TrainingArguments(deepspeed="
+            f"{args.deepspeed!r}): DeepSpeed runs when TrainingArguments has a deepspeed config "
+            "(leave data_parallel unset or 'deepspeed'), DDP / FSDP2 when it has none"
+        )
+    if accelerate_deepspeed_config() is not None:
+        raise ValueError(
+            "TSPTrainer drives DeepSpeed itself (tsp_ext.deepspeed.initialize): drop the "
+            "Accelerate config's DeepSpeed plugin and pass its config file as "
+            'TrainingArguments(deepspeed=...) (it may carry the "tsp" block)'
         )
     if args.fsdp or args.fsdp_config and args.fsdp_config.get("fsdp_version"):
         raise ValueError(
@@ -271,3 +339,74 @@ def _check_args(args: TrainingArguments, data_parallel: str) -> None:
         )
     if getattr(args, "parallelism_config", None) is not None:
         raise ValueError("TSPTrainer builds the (dp, tsp) mesh itself: drop parallelism_config")
+    return data_parallel
+
+
+def _take_deepspeed(args: TrainingArguments, model: nn.Module, tsp: int | TSPConfig | None):
+    """The DeepSpeed config of ``args`` (``HfTrainerDeepSpeedConfig``: ``"auto"`` values from the
+    arguments), hidden from Accelerate, and the TSP options to apply: the ``"tsp"`` block's,
+    whose size must agree with ``tsp`` / the model's."""
+    from accelerate.utils import DistributedType
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    from ..dp.deepspeed import tsp_config_from_ds
+
+    hf_config = HfTrainerDeepSpeedConfig(args.deepspeed)
+    for key in ("optimizer", "scheduler"):
+        if key in hf_config.config:
+            raise ValueError(
+                f'TSPTrainer trains with Trainer\'s optimizer and schedule: remove the "{key}" '
+                "block from the DeepSpeed config (set args.optim, learning_rate, "
+                "lr_scheduler_type, ... instead)"
+            )
+    # Accelerate would hand the model to plain deepspeed.initialize; on GPUs TrainingArguments
+    # already set its process state up for DeepSpeed
+    args.deepspeed_plugin = None
+    if args.distributed_state.distributed_type == DistributedType.DEEPSPEED:
+        args.distributed_state.distributed_type = DistributedType.MULTI_GPU
+    if "tsp" not in hf_config.config:
+        return hf_config, tsp
+    block = tsp_config_from_ds(hf_config.config)
+    state = getattr(model, "tsp", None)
+    given = tsp.tsp_size if isinstance(tsp, TSPConfig) else tsp
+    given = state.size if given is None and state is not None else given
+    if given is not None and given != block.tsp_size:
+        raise ValueError(
+            f'the DeepSpeed config\'s "tsp" block has size {block.tsp_size} but the TSP size is '
+            f"{given} (tsp= or the TSP model): make them agree, or leave one out"
+        )
+    return hf_config, (block if state is None and not isinstance(tsp, TSPConfig) else tsp)
+
+
+def _finish_ds_config(hf_config, args: TrainingArguments, model: nn.Module, mesh) -> None:
+    """Fill the ``"auto"`` values from ``args`` (absent batch sizes, accumulation and clipping
+    count as ``"auto"``); batch sizes count dp replicas, not processes; a config without a
+    ``"tsp"`` block gets the model's TSP options."""
+    config = hf_config.config
+    for key in (
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+        "gradient_clipping",
+    ):
+        config.setdefault(key, "auto")
+    batch = config.pop("train_batch_size", "auto")
+    hf_config.trainer_config_process(args)  # would count every process as a replica
+    hf_config.trainer_config_finalize(args, model, 0)  # no "scheduler" block: no step counts
+    replicas = mesh["dp"].size() * args.gradient_accumulation_steps
+    expected = replicas * config["train_micro_batch_size_per_gpu"]
+    if batch not in ("auto", expected):
+        raise ValueError(
+            f"DeepSpeed train_batch_size={batch}, but micro batch x accumulation x dp replicas "
+            f'is {expected} (dp = processes / TSP size): set it to {expected} or "auto"'
+        )
+    config["train_batch_size"] = expected
+    config.setdefault("zero_allow_untested_optimizer", True)  # any Trainer optimizer, as HF does
+    if "tsp" not in config:
+        state = model.tsp
+        options = dataclasses.replace(state.config, tsp_size=state.size)
+        config["tsp"] = {"size": state.size}
+        config["tsp"].update(
+            (f.name, getattr(options, f.name))
+            for f in dataclasses.fields(options)
+            if f.name != "tsp_size"
+        )
