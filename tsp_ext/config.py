@@ -20,7 +20,8 @@ class TSPConfig:
             ring steps (float32 keeps bf16 models exact to fp32 rounding; float64 inputs always
             accumulate in float64).
         overlap: prefetch the next weight shard (broadcast / ring) while computing the current
-            one. Off makes every transfer synchronous (debugging, profiling).
+            one, and post the next head group's K/V all-gather before the current group
+            attends. Off makes every transfer synchronous (debugging, profiling).
         attn_backend: attention kernel: ``"auto"`` (fused where the device and dtype allow:
             ``cpu_flash`` on CPU, ``flash_attn`` / ``cuda_flash`` for bf16/fp16 and
             ``cuda_efficient`` for fp32 on CUDA, else ``blockwise``) or one of those names
