@@ -10,7 +10,6 @@ processes (world / tsp) are data-parallel replicas. See docs/recipes.md for ever
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import logging
 import math
@@ -27,6 +26,7 @@ import torch.distributed as dist
 from _data import SHAKESPEARE, load_texts, pack, pack_documents, train_tokenizer
 from _engines import Engine, tsp_config
 from _faults import maybe_kill, maybe_poison
+from _finish import finish
 from _presets import PRESETS
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, set_seed
@@ -478,14 +478,7 @@ def main(argv=None) -> None:
     log.info(f"final eval loss {eval_loss:.4f}; Hugging Face checkpoint: {final}")
     if metrics:
         metrics.close()
-        with open(os.path.join(args.output_dir, "final_eval.json"), "w") as f:
-            json.dump({"eval_loss": eval_loss, "checkpoint": final}, f)
-    acc.wait_for_everyone()
-    acc.free_memory()
-    gc.collect()
-    acc.end_training()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    finish(acc, args.output_dir, eval_loss, final)
 
 
 def report_memory(model, full_params: int, activation_bytes: int, args, device) -> None:

@@ -12,7 +12,6 @@ docs/trainer.md.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import logging
 import os
@@ -20,8 +19,8 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
 from _data import SHAKESPEARE, load_texts
+from _finish import finish
 from _presets import PRESETS
 from accelerate import Accelerator
 from datasets import Dataset
@@ -219,15 +218,7 @@ def main(argv=None) -> None:
     final = os.path.join(args.output_dir, "final")
     trainer.save_model(final)
     log.info(f"final eval loss {eval_loss:.4f}; Hugging Face checkpoint: {final}")
-    if acc.is_main_process:
-        with open(os.path.join(args.output_dir, "final_eval.json"), "w") as f:
-            json.dump({"eval_loss": eval_loss, "checkpoint": final}, f)
-    acc.wait_for_everyone()
-    acc.free_memory()
-    gc.collect()
-    acc.end_training()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    finish(acc, args.output_dir, eval_loss, final)
 
 
 if __name__ == "__main__":
