@@ -275,11 +275,14 @@ def tsp_attention_backward(sched: _Schedule, dy, x, cos, sin, own, q_norm, k_nor
     """Backward schedule. Returns ``dX_p``, the fully reduced gradients of this rank's own shards
     (dict like ``own``) and this rank's partial gradients of the replicated q/k norm weights.
 
+    Per group r: dA_r = dY_p · Wo_r, the attention backward, then the dK/dV reduce-scatter is
+    started and the q path's gradients computed. The k/v path of group r (it needs the reduced
+    dK/dV) runs after group r+1's attention, so the reduce-scatter flies behind a whole kernel.
     Each group's gradients are reduced to their owner; then the rows of each KV head shared by
     several groups (``spec.shared_kv``) are summed among its users only (``comm.sum_among``), so
     every copy gets the sum over all of its users and no buffer exceeds a group's own rows."""
     B, T, _ = x.shape
-    D, p, spec, acc = sched.D, sched.p, sched.spec, sched.acc
+    p, spec, acc = sched.p, sched.spec, sched.acc
     names = list(own)
     q_names = [n for n in names if n in _Q]  # leaves of the q path; the rest (but wo): k/v path
     kv_names = [n for n in names if n not in _Q and n != "wo"]
@@ -287,7 +290,7 @@ def tsp_attention_backward(sched: _Schedule, dy, x, cos, sin, own, q_norm, k_nor
     dx = torch.zeros(B, T, x.shape[-1], dtype=acc, device=x.device)
     d_norm = None
     d_own: dict[str, torch.Tensor] = {}
-    pending: list[tuple[int, torch.Tensor, comm.Pending]] = []
+    reductions: list[tuple[int, torch.Tensor, comm.Pending]] = []
 
     def recompute(w):
         """Q, K, V of group r from the saved X_p, with the graph back to X_p and the shards."""
@@ -298,6 +301,30 @@ def tsp_attention_backward(sched: _Schedule, dy, x, cos, sin, own, q_norm, k_nor
             q, k, v = sched.project(xg, leaves, cos, sin, *(norms or (None, None)))
         return q, k, v, xg, leaves, norms
 
+    def finish_kv(r, k, v, xg, leaves, norms, q_grads, dwo, dkv, handle):
+        """Group r's k/v path once its dK/dV arrived; post dW_r's reduction to its owner r."""
+        nonlocal d_norm
+        handle.wait()
+        dk, dv = dkv.to(k.dtype).split(k.shape[2], dim=2)
+        kv_in = [xg, *(leaves[n] for n in kv_names), *norms[1:]]
+        kv_grads = torch.autograd.grad((k, v), kv_in, (dk, dv))
+        dx.add_(q_grads[0]).add_(kv_grads[0])
+        g = {**dict(zip(q_names, q_grads[1:])), **dict(zip(kv_names, kv_grads[1:])), "wo": dwo}
+        if norms:  # (d q_norm, d k_norm): the last gradient of each path
+            gn = torch.stack([q_grads[-1].to(acc), kv_grads[-1].to(acc)])
+            d_norm = gn if d_norm is None else d_norm + gn
+        buf = comm.pack([g[n] for n in names], acc)
+        reductions.append((r, buf, comm.reduce(buf, r, sched.group, async_op=True)))
+
+    def collect(keep: int) -> None:
+        """Wait for all but the last ``keep`` reductions; keep this rank's own sum."""
+        while len(reductions) > keep:
+            r0, buf0, handle = reductions.pop(0)
+            handle.wait()
+            if r0 == p:
+                d_own.update(zip(names, comm.unpack(buf0, [own[n].shape for n in names])))
+
+    waiting_kv = None  # the previous group's k/v path, run after this group's attention
     for group in sched.projected_groups(own, recompute):
         r, w = group.r, group.w
         q, k, v, xg, leaves, norms = group.projected
@@ -324,25 +351,14 @@ def tsp_attention_backward(sched: _Schedule, dy, x, cos, sin, own, q_norm, k_nor
         dk_all, dv_all = (fold_kv(t, spec.kv_map(r), hk) for t in (dk_all, dv_all))
         dkv, handle = comm.reduce_scatter_seq(sched.rank_major(dk_all, dv_all), sched.group, True)
         del dk_all, dv_all
-        # while dK/dV travel: the q path (dX and the q weights' gradients)
+        # while dK/dV travel: the q path (dX and the q weights' gradients), the previous k/v path
         q_grads = torch.autograd.grad(q, [xg, *(leaves[n] for n in q_names), *norms[:1]], dq)
-        handle.wait()
-        dk, dv = dkv.to(k.dtype).split(hk, dim=2)
-        kv_in = [xg, *(leaves[n] for n in kv_names), *norms[1:]]
-        kv_grads = torch.autograd.grad((k, v), kv_in, (dk, dv))
-        dx += q_grads[0] + kv_grads[0]
-        g = {**dict(zip(q_names, q_grads[1:])), **dict(zip(kv_names, kv_grads[1:])), "wo": dwo}
-        if norms:  # (d q_norm, d k_norm): the last gradient of each path
-            gn = torch.stack([q_grads[-1].to(acc), kv_grads[-1].to(acc)])
-            d_norm = gn if d_norm is None else d_norm + gn
-        # reduce(dW_r, dst=r): the owner gets the sum over all ranks' tokens
-        buf = comm.pack([g[n] for n in names], acc)
-        pending.append((r, buf, comm.reduce(buf, r, sched.group, async_op=True)))
-        while len(pending) > 1 or (r == D - 1 and pending):
-            r0, buf0, h = pending.pop(0)
-            h.wait()
-            if r0 == p:
-                d_own.update(zip(names, comm.unpack(buf0, [own[n].shape for n in names])))
+        if waiting_kv is not None:
+            finish_kv(*waiting_kv)
+            collect(keep=1)
+        waiting_kv = (r, k, v, xg, leaves, norms, q_grads, dwo, dkv, handle)
+    finish_kv(*waiting_kv)
+    collect(keep=0)
     share_kv(d_own, spec, p, sched.group)
     d_own = {n: d_own[n].to(own[n].dtype) for n in names}
     if d_norm is not None:
