@@ -5,7 +5,7 @@ heads they use, the matching columns of o_proj; ``engine.heads``) and the tokens
 shard p. Forward, for r = 0..D-1:
 
     W_r = broadcast(Wq_r, Wk_r, Wv_r, Wo_r, src=r)        # prefetched two groups ahead
-    Q, K, V = rope(X_p · W_r)                              # local tokens, global positions
+    Q, K, V = rope(X_p · [Wq_r; Wk_r; Wv_r]ᵀ)              # local tokens, global positions
     K_all, V_all = all_gather_seq(K, V)                    # only the real KV heads of group r
     A_r, lse_r = causal_attention(Q, K_all, V_all)         # by global position
     Y_p += A_r · Wo_rᵀ                                     # no all-reduce
@@ -39,26 +39,10 @@ from .attention_kernels import (
 from .heads import AttentionSpec
 from .layout import RowSpans, Span, ZigzagLayout
 from .masked_attention import masked_chunked_attention
-from .pointwise import rms_norm, rope
+from .qkv import project_qkv, project_qkv_backward, stacked_weights
 
-# Names of the sharded tensors of one head group: the k/v part (summed among the users of a shared
-# KV head) and the leaves of the q projection (its backward runs while dK/dV travel).
+# Names of the k/v part of one head group's shards (summed among the users of a shared KV head).
 _KV = ("wk", "wv", "bk", "bv")
-_Q = ("wq", "bq")
-
-
-def project_qkv(x, w, cos, sin, q_norm, k_norm, spec: AttentionSpec):
-    """Q ``[B, T, n_q(r), d]`` and K, V ``[B, T, n_kv(r), d]`` of the tokens ``x [B, T, h]`` for the
-    head group whose shards are ``w`` (RoPE by ``cos, sin [B, T, d]``, then Qwen3 q/k norms)."""
-    B, T, _ = x.shape
-    d = spec.head_dim
-    q = F.linear(x, w["wq"], w.get("bq")).view(B, T, -1, d)
-    k = F.linear(x, w["wk"], w.get("bk")).view(B, T, -1, d)
-    v = F.linear(x, w["wv"], w.get("bv")).view(B, T, -1, d)
-    if q_norm is not None:
-        q = rms_norm(q, q_norm, spec.qk_norm_eps)
-        k = rms_norm(k, k_norm, spec.qk_norm_eps)
-    return rope(q, cos, sin), rope(k, cos, sin), v
 
 
 class _Schedule:
@@ -130,10 +114,6 @@ class _Schedule:
             yield cur
             if r + 1 < self.D and not self.config.overlap:
                 nxt = start(next(stream))
-
-    def project(self, x, w, cos, sin, q_norm, k_norm):
-        """Local Q ``[B, T, n_q(r), d]`` and K, V ``[B, T, n_kv(r), d]`` of head group r."""
-        return project_qkv(x, w, cos, sin, q_norm, k_norm, self.spec)
 
     def gather_kv(self, k: torch.Tensor, v: torch.Tensor):
         """Start the all-gather of one group's K/V: ``[B, T, hk, d]`` each ->
@@ -231,11 +211,11 @@ def tsp_attention_forward(
     lse_all = None
 
     def project(w):
-        return sched.project(x, w, cos, sin, q_norm, k_norm)
+        return project_qkv(x, w, cos, sin, q_norm, k_norm, spec)
 
     for group in sched.projected_groups(own, project):
         r, w = group.r, group.w
-        q = heads_major(group.projected[0])
+        q = group.projected[0]  # heads-major already
         k_all, v_all = group.kv()
         del group
         if kv_sink is not None:
@@ -276,16 +256,14 @@ def tsp_attention_backward(sched: _Schedule, dy, x, cos, sin, own, q_norm, k_nor
     (dict like ``own``) and this rank's partial gradients of the replicated q/k norm weights.
 
     Per group r: dA_r = dY_p · Wo_r, the attention backward, then the dK/dV reduce-scatter is
-    started and the q path's gradients computed. The k/v path of group r (it needs the reduced
-    dK/dV) runs after group r+1's attention, so the reduce-scatter flies behind a whole kernel.
-    Each group's gradients are reduced to their owner; then the rows of each KV head shared by
-    several groups (``spec.shared_kv``) are summed among its users only (``comm.sum_among``), so
-    every copy gets the sum over all of its users and no buffer exceeds a group's own rows."""
+    started; group r's projection backward (it needs the reduced dK/dV) runs after group r+1's
+    attention, so the reduce-scatter flies behind a whole kernel. Each group's gradients are
+    reduced to their owner; then the rows of each KV head shared by several groups
+    (``spec.shared_kv``) are summed among its users only (``comm.sum_among``), so every copy gets
+    the sum over all of its users and no buffer exceeds a group's own rows."""
     B, T, _ = x.shape
     p, spec, acc = sched.p, sched.spec, sched.acc
     names = list(own)
-    q_names = [n for n in names if n in _Q]  # leaves of the q path; the rest (but wo): k/v path
-    kv_names = [n for n in names if n not in _Q and n != "wo"]
     dy = dy.contiguous()
     dx = torch.zeros(B, T, x.shape[-1], dtype=acc, device=x.device)
     d_norm = None
@@ -293,27 +271,21 @@ def tsp_attention_backward(sched: _Schedule, dy, x, cos, sin, own, q_norm, k_nor
     reductions: list[tuple[int, torch.Tensor, comm.Pending]] = []
 
     def recompute(w):
-        """Q, K, V of group r from the saved X_p, with the graph back to X_p and the shards."""
-        with torch.enable_grad():
-            xg = x.detach().requires_grad_()
-            leaves = {n: w[n].detach().requires_grad_() for n in names if n != "wo"}
-            norms = [t.detach().requires_grad_() for t in (q_norm, k_norm) if t is not None]
-            q, k, v = sched.project(xg, leaves, cos, sin, *(norms or (None, None)))
-        return q, k, v, xg, leaves, norms
+        """Q, K, V of group r from the saved X_p (plus its projection and stacked weights)."""
+        weight = stacked_weights(w)
+        return *project_qkv(x, w, cos, sin, q_norm, k_norm, spec, weight), weight
 
-    def finish_kv(r, k, v, xg, leaves, norms, q_grads, dwo, dkv, handle):
-        """Group r's k/v path once its dK/dV arrived; post dW_r's reduction to its owner r."""
+    def finish(r, w, weight, lin, dq, dkv, handle, dwo):
+        """Group r's projection backward once its dK/dV arrived; post dW_r's reduction to r."""
         nonlocal d_norm
         handle.wait()
-        dk, dv = dkv.to(k.dtype).split(k.shape[2], dim=2)
-        kv_in = [xg, *(leaves[n] for n in kv_names), *norms[1:]]
-        kv_grads = torch.autograd.grad((k, v), kv_in, (dk, dv))
-        dx.add_(q_grads[0]).add_(kv_grads[0])
-        g = {**dict(zip(q_names, q_grads[1:])), **dict(zip(kv_names, kv_grads[1:])), "wo": dwo}
-        if norms:  # (d q_norm, d k_norm): the last gradient of each path
-            gn = torch.stack([q_grads[-1].to(acc), kv_grads[-1].to(acc)])
-            d_norm = gn if d_norm is None else d_norm + gn
-        buf = comm.pack([g[n] for n in names], acc)
+        dk, dv = dkv.to(x.dtype).chunk(2, dim=2)
+        g, gn = project_qkv_backward(
+            dq, dk, dv, x, w, weight, lin, cos, sin, q_norm, k_norm, spec, dx, acc
+        )
+        if gn is not None:
+            d_norm = gn if d_norm is None else [a + b for a, b in zip(d_norm, gn)]
+        buf = comm.pack([dwo if n == "wo" else g[n] for n in names], acc)
         reductions.append((r, buf, comm.reduce(buf, r, sched.group, async_op=True)))
 
     def collect(keep: int) -> None:
@@ -324,10 +296,10 @@ def tsp_attention_backward(sched: _Schedule, dy, x, cos, sin, own, q_norm, k_nor
             if r0 == p:
                 d_own.update(zip(names, comm.unpack(buf0, [own[n].shape for n in names])))
 
-    waiting_kv = None  # the previous group's k/v path, run after this group's attention
+    waiting = None  # the previous group's projection backward, run after this group's attention
     for group in sched.projected_groups(own, recompute):
         r, w = group.r, group.w
-        q, k, v, xg, leaves, norms = group.projected
+        q, k, _, lin, weight = group.projected
         # while K/V travel: dA = dY_p · Wo_r ;  dWo_r (partial) = dY_pᵀ · A_r
         heads = spec.q_heads(r)
         a = a_all[:, heads].transpose(1, 2)  # [B, T, n_q(r), d]
@@ -336,28 +308,18 @@ def tsp_attention_backward(sched: _Schedule, dy, x, cos, sin, own, q_norm, k_nor
         k_all, v_all = expand_kv(*group.kv(), spec.kv_map(r))
         del group
         dq, dk_all, dv_all = chunked_attention_backward(
-            sched.kernel,
-            da,
-            heads_major(q.detach()),
-            sched.q_spans,
-            k_all,
-            v_all,
-            a,
-            lse_all[:, heads],
-            spec.scaling,
+            sched.kernel, da, q, sched.q_spans, k_all, v_all, a, lse_all[:, heads], spec.scaling
         )
         del k_all, v_all
         hk = k.shape[2]
         dk_all, dv_all = (fold_kv(t, spec.kv_map(r), hk) for t in (dk_all, dv_all))
         dkv, handle = comm.reduce_scatter_seq(sched.rank_major(dk_all, dv_all), sched.group, True)
         del dk_all, dv_all
-        # while dK/dV travel: the q path (dX and the q weights' gradients), the previous k/v path
-        q_grads = torch.autograd.grad(q, [xg, *(leaves[n] for n in q_names), *norms[:1]], dq)
-        if waiting_kv is not None:
-            finish_kv(*waiting_kv)
+        if waiting is not None:
+            finish(*waiting)
             collect(keep=1)
-        waiting_kv = (r, k, v, xg, leaves, norms, q_grads, dwo, dkv, handle)
-    finish_kv(*waiting_kv)
+        waiting = (r, w, weight, lin, dq, dkv, handle, dwo)
+    finish(*waiting)
     collect(keep=0)
     share_kv(d_own, spec, p, sched.group)
     d_own = {n: d_own[n].to(own[n].dtype) for n in names}

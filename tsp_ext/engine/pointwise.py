@@ -12,8 +12,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of ``x [B, T, H, d]`` with ``cos, sin [B, T, d]``."""
-    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out=None) -> torch.Tensor:
+    """Rotary embedding ``x·cos + rotate_half(x)·sin`` of ``x [B, T, H, d]`` with ``cos, sin
+    [B, T, d]`` (Hugging Face's, halves written separately: no temporaries), into ``out`` (any
+    strides) if given. Not differentiable: ``rope_backward`` is its adjoint."""
+    out = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out
+    (x1, x2), (c1, c2), (s1, s2), (y1, y2) = (_halves(t) for t in (x, cos, sin, out))
+    torch.mul(x1, c1, out=y1).addcmul_(x2, s1, value=-1)
+    torch.mul(x2, c2, out=y2).addcmul_(x1, s2)
+    return out
+
+
+def rope_backward(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out=None) -> torch.Tensor:
+    """Adjoint of ``rope``: the gradient w.r.t. ``x`` of ``rope(x)`` given ``g [B, T, H, d]``."""
+    out = torch.empty_like(g, memory_format=torch.contiguous_format) if out is None else out
+    (g1, g2), (c1, c2), (s1, s2), (y1, y2) = (_halves(t) for t in (g, cos, sin, out))
+    torch.mul(g1, c1, out=y1).addcmul_(g2, s2)
+    torch.mul(g2, c2, out=y2).addcmul_(g1, s1, value=-1)
+    return out
+
+
+def _halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two halves of the last dim; ``[B, T, d]`` tables gain a head dim to broadcast."""
+    if t.dim() == 3:
+        t = t.unsqueeze(2)
+    return t.chunk(2, dim=-1)

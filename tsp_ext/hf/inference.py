@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..engine import comm
-from ..engine.attention import _Schedule, project_qkv, tsp_attention_forward
+from ..engine.attention import _Schedule, tsp_attention_forward
 from ..engine.decode import (
     decode_attention,
     decode_mlp,
@@ -29,6 +29,7 @@ from ..engine.decode import (
     vocab_embedding,
 )
 from ..engine.layout import ZigzagLayout, pad_sequence, padded_length
+from ..engine.qkv import project_qkv
 from .attention import TSPAttention
 from .cache import TSPCache, TSPCacheLayer
 from .vocab import TSPVocabEmbedding, TSPVocabLMHead
@@ -76,7 +77,7 @@ def _decode_attention(attn: TSPAttention, x, cos, sin, layer: TSPCacheLayer, q_i
     """TP attention of the replicated step tokens ``x [B, Tq, h]`` at global indices
     ``q_index [Tq]``; ``valid [B, L + Tq]`` (bool) or None marks the non-padding tokens."""
     spec, own = attn.spec, attn._own()
-    q, k, v = project_qkv(x, own, cos, sin, *_qk_norms(attn), spec)
+    q, k, v, _ = project_qkv(x, own, cos, sin, *_qk_norms(attn), spec)
     keys, values = layer.update(k.transpose(1, 2), v.transpose(1, 2), q_index)
     index = layer.token_index
     allowed = (index[None, :] <= q_index[:, None])[None]  # [1, Tq, L_p]
