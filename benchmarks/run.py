@@ -5,6 +5,7 @@
     python -m benchmarks.run --devices 4 --seq-lens 4096 16384 --layouts single tsp tp \\
         --json out.json --markdown out.md --plots plots/
     python -m benchmarks.run --device cuda         # NCCL, one GPU per rank
+    python -m benchmarks.run --devices 2 --seq-lens 4096 --layouts single tsp ulysses --rounds 3
 
 Writes the rows as JSON (``--json``), a markdown table (``--markdown``, also printed) and PNG plots
 (``--plots``). A layout that cannot run a device count (tpxsp below 4) is skipped; a layout found
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import statistics
 import sys
 import time
 
@@ -35,34 +37,61 @@ def sweep(
     devices: list[int],
     seq_lens: list[int],
     model_cfg: dict | None = None,
+    rounds: int = 1,
     **kwargs,
 ) -> list[dict]:
     """Rows of ``measure`` for every (sequence length, device count, layout); ``single`` once per
-    length. ``kwargs`` go to ``measure``."""
+    length. With ``rounds > 1`` the layouts of one (length, device count) run in turn, ``rounds``
+    times over, and each row holds the medians (``combine_rounds``): a drift of the machine
+    between runs then touches every layout alike. ``kwargs`` go to ``measure``."""
     rows, dead = [], {}
     for S in seq_lens:
         for D in devices:
-            for layout in layouts:
-                if layout == "single" and D != devices[0]:
-                    continue
-                try:
-                    tp_sp_split(layout, D)
-                except ValueError as e:
-                    log.info("skip %s at D=%d: %s", layout, D, e)
-                    continue
-                key = (layout, 1 if layout == "single" else D)
-                if key in dead:
-                    log.info("skip %s D=%d S=%d: %s at a shorter length", layout, D, S, dead[key])
-                    continue
-                t0 = time.monotonic()
-                row = measure(layout, D, S, model_cfg, **kwargs)
-                log.info(
-                    "%s D=%d S=%d: %s (%.0f s)", layout, D, S, row["status"], time.monotonic() - t0
-                )
-                if row["status"] != "ok":
-                    dead[key] = row["status"]
-                rows.append(row)
+            runs: dict[str, list[dict]] = {}
+            for _ in range(rounds):
+                for layout in layouts:
+                    if layout == "single" and D != devices[0]:
+                        continue
+                    try:
+                        tp_sp_split(layout, D)
+                    except ValueError as e:
+                        log.info("skip %s at D=%d: %s", layout, D, e)
+                        continue
+                    key = (layout, 1 if layout == "single" else D)
+                    if key in dead:
+                        log.info("skip %s D=%d S=%d: %s earlier", layout, D, S, dead[key])
+                        continue
+                    t0 = time.monotonic()
+                    row = measure(layout, D, S, model_cfg, **kwargs)
+                    log.info(
+                        "%s D=%d S=%d: %s (%.0f s)",
+                        layout,
+                        D,
+                        S,
+                        row["status"],
+                        time.monotonic() - t0,
+                    )
+                    if row["status"] != "ok":
+                        dead[key] = row["status"]
+                    runs.setdefault(layout, []).append(row)
+            rows.extend(combine_rounds(r) for r in runs.values())
     return add_loss_check(rows)
+
+
+def combine_rounds(rows: list[dict]) -> dict:
+    """One row from the rounds of one layout: the median step time and memory peaks, every
+    round's step time in ``step_seconds_rounds``; a failed round's row if any failed."""
+    failed = [r for r in rows if r["status"] != "ok"]
+    if failed or len(rows) == 1:
+        return failed[0] if failed else rows[0]
+    row = dict(rows[0])
+    row["step_seconds_rounds"] = [r["step_seconds"] for r in rows]
+    row["step_seconds"] = statistics.median(row["step_seconds_rounds"])
+    row["tokens_per_s"] = row["micro_batch"] * row["seq_len"] / row["step_seconds"]
+    row["memory_bytes"] = {
+        k: statistics.median(r["memory_bytes"][k] for r in rows) for k in row["memory_bytes"]
+    }
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
     ap.add_argument("--steps", type=int, default=5, help="timed steps (median)")
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument(
+        "--rounds", type=int, default=1, help="run the layouts in turn this many times (medians)"
+    )
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
     ap.add_argument(
@@ -97,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         sorted(args.devices),
         list(seq_lens),
         model,
+        rounds=args.rounds,
         micro_batch=args.micro_batch,
         steps=args.steps,
         warmup=args.warmup,

@@ -86,3 +86,23 @@ def test_tsp_model_state_is_sharded(rows):
         rows["tsp"]["memory_bytes"]["activations"] < rows["single"]["memory_bytes"]["activations"]
     )
     assert rows["tp"]["comm_bytes"]["all_reduce"] > 0  # TP's activation all-reduces were counted
+
+
+def test_combine_rounds_takes_medians_and_keeps_failures():
+    from benchmarks.run import combine_rounds
+
+    def row(step, peak, status="ok"):
+        return {
+            "status": status,
+            "micro_batch": 1,
+            "seq_len": 100,
+            "step_seconds": step,
+            "tokens_per_s": 100 / step,
+            "memory_bytes": {"peak": peak, "activations": 7},
+        }
+
+    out = combine_rounds([row(2.0, 30), row(1.0, 10), row(4.0, 20)])
+    assert out["step_seconds"] == 2.0 and out["step_seconds_rounds"] == [2.0, 1.0, 4.0]
+    assert out["tokens_per_s"] == 50.0
+    assert out["memory_bytes"] == {"peak": 20, "activations": 7}
+    assert combine_rounds([row(1.0, 1), row(1.0, 1, status="oom")])["status"] == "oom"
