@@ -90,6 +90,13 @@ class TSPConfig:
             kw["accum_dtype"] = dtype
         return cls(**kw)
 
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-style options ``from_dict`` reads back: ``size`` for the TSP size, dtypes by
+        name (e.g. a DeepSpeed ``"tsp"`` block)."""
+        options = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "tsp_size"}
+        options["accum_dtype"] = str(self.accum_dtype).removeprefix("torch.")
+        return {"size": self.tsp_size, **options}
+
     def differences(self, other: TSPConfig) -> dict[str, tuple[Any, Any]]:
         """``{field: (self's value, other's value)}`` for every field that differs."""
         return {

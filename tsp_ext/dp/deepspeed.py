@@ -194,8 +194,7 @@ def initialize(
         apply_tsp(model, mesh, config=tsp_cfg)
     else:
         mesh = state.mesh
-        applied = dataclasses.replace(state.config, tsp_size=state.size)
-        diff = applied.differences(tsp_cfg)
+        diff = state.config.differences(tsp_cfg)
         if diff:
             said = ", ".join(f"{k}={v[1]!r} (model: {v[0]!r})" for k, v in diff.items())
             raise ValueError(

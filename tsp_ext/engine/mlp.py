@@ -25,15 +25,8 @@ import torch.nn.functional as F
 
 from ..config import TSPConfig
 from . import comm
+from .pointwise import add_matmul
 from .weight_ring import GradientRing, circulate
-
-
-def _add_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``out += a @ b`` for 2-D views; in place when ``out`` has the operands' dtype."""
-    if out.dtype == a.dtype:
-        out.addmm_(a, b)
-    else:
-        out += a @ b
 
 
 def swiglu_pointwise_backward(dm: torch.Tensor, hid: torch.Tensor):
@@ -65,7 +58,7 @@ def _swiglu_backward(x, dy, gu, dn, out, dx, hidden=None) -> None:
     acc = out.dtype
     torch.mm(dh2.t().to(acc), x2.to(acc), out=out[: two_f * h].view(two_f, h))
     torch.mm(dy2.t().to(acc), act.view(-1, f).to(acc), out=out[two_f * h : 3 * f * h].view(h, f))
-    _add_matmul(dx, dh2, gu)
+    add_matmul(dx, dh2, gu)
 
 
 class _RingSchedule:
@@ -100,7 +93,7 @@ def tsp_mlp_forward(sched: _RingSchedule, x: torch.Tensor, weights, keep_hidden:
             hidden.append(hid)
         hg, hu = hid.chunk(2, dim=-1)
         act = F.silu(hg).mul_(hu)
-        _add_matmul(y.view(-1, sched.h), act.view(-1, act.shape[-1]), dn.t())
+        add_matmul(y.view(-1, sched.h), act.view(-1, act.shape[-1]), dn.t())
     return y.to(x.dtype), hidden
 
 

@@ -1,8 +1,18 @@
-"""Token-local maths shared by the schedules and the modules: RMSNorm and rotary embeddings."""
+"""Local maths shared by the schedules and the modules: RMSNorm, rotary embeddings, and the
+accumulating matmul."""
 
 from __future__ import annotations
 
 import torch
+
+
+def add_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out += a @ b`` for 2-D views; in place when ``out`` has the operands' dtype (else the
+    product is formed in theirs, e.g. bf16 operands into a float32 accumulator)."""
+    if out.dtype == a.dtype:
+        out.addmm_(a, b)
+    else:
+        out += a @ b
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .heads import AttentionSpec
-from .pointwise import rms_norm, rope, rope_backward
+from .pointwise import add_matmul, rms_norm, rope, rope_backward
 
 _W = ("wq", "wk", "wv")
 _B = ("bq", "bk", "bv")
@@ -85,10 +85,7 @@ def project_qkv_backward(dq, dk, dv, x, w, weight, lin, cos, sin, q_norm, k_norm
             out.copy_(d_pre)
             d_norms.append(d_w.to(acc))
     d2, x2 = d_lin.view(-1, W.shape[0]), x.reshape(-1, h)
-    if dx.dtype == d2.dtype:
-        dx.view(-1, h).addmm_(d2, W)
-    else:
-        dx.view(-1, h).add_(d2 @ W)
+    add_matmul(dx.view(-1, h), d2, W)
     sizes = [w[n].shape[0] for n in _W]
     grads = dict(zip(_W, (d2.t().to(acc) @ x2.to(acc)).split(sizes)))
     if b is not None:

@@ -53,7 +53,7 @@ class TSPState:
 
     mesh: DeviceMesh
     group: dist.ProcessGroup
-    config: TSPConfig
+    config: TSPConfig  # as applied: ``tsp_size`` is the mesh's
     hf_config_values: dict  # config fields apply_tsp changed, as they were (for export)
     bucketed: tuple[str, ...] = ()  # replicated vectors whose gradients share one all-reduce
 
@@ -120,7 +120,7 @@ def apply_tsp(
     model.config._attn_implementation = ATTN_IMPLEMENTATION
     model.config.use_cache = False  # training calls keep no cache; generate passes a TSPCache
     model.loss_function = TSPCausalLMLoss(group)
-    model.tsp = TSPState(mesh, group, config, changed)
+    model.tsp = TSPState(mesh, group, replace(config, tsp_size=D), changed)
     model.tsp = replace(model.tsp, bucketed=replicated_vectors(model))
     model.forward = types.MethodType(tsp_forward, model)
     model.generate = types.MethodType(tsp_generate, model)

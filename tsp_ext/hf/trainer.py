@@ -27,7 +27,6 @@ The loss is always the TSP model's own global-mean loss: with TRL, ``SFTTrainer`
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import torch
@@ -401,12 +400,4 @@ def _finish_ds_config(hf_config, args: TrainingArguments, model: nn.Module, mesh
         )
     config["train_batch_size"] = expected
     config.setdefault("zero_allow_untested_optimizer", True)  # any Trainer optimizer, as HF does
-    if "tsp" not in config:
-        state = model.tsp
-        options = dataclasses.replace(state.config, tsp_size=state.size)
-        config["tsp"] = {"size": state.size}
-        config["tsp"].update(
-            (f.name, getattr(options, f.name))
-            for f in dataclasses.fields(options)
-            if f.name != "tsp_size"
-        )
+    config.setdefault("tsp", model.tsp.config.to_dict())
