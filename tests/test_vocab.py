@@ -10,6 +10,7 @@ import functools
 
 import pytest
 import torch
+from conftest import rel_err
 from models import lm_loss
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -111,8 +112,10 @@ def test_loss_transient_is_bounded_by_the_chunk_not_the_logits(world):
             bound = F32 * (4 * CHUNK * rows + 8 * rows * HIDDEN + 3 * tokens * HIDDEN)
             assert m[f"peak_seq={seq}"] < bound, (rank, seq, m, bound)
             assert m[f"peak_seq={seq}"] < reference_logits_bytes(tokens) / 2, (rank, seq, m)
-            # saved for backward: the labels and one log-sum-exp per token, nothing [N, V/D]
-            assert m[f"saved_seq={seq}"] <= tokens * (8 + 8), (rank, seq, m)
+            # saved for backward: the labels and one log-sum-exp per token, and the last
+            # shard's gradient shares dH [N, h] and dW [V/D, h]; nothing [N, V/D]
+            shares = F32 * (tokens + rows) * HIDDEN
+            assert m[f"saved_seq={seq}"] <= tokens * (8 + 8) + shares, (rank, seq, m)
         # twice the tokens adds per-token vectors only, never a [tokens, V/D] block
         growth = m[f"peak_seq={2 * SEQ}"] - m[f"peak_seq={SEQ}"]
         assert growth < F32 * 4 * (SEQ // world) * HIDDEN, (rank, growth, m)
@@ -122,3 +125,53 @@ def test_loss_transient_is_bounded_by_the_chunk_not_the_logits(world):
 def test_requested_logits_have_exact_gradients(world):
     for rank, err in enumerate(run_processes(logits_path_worker, world)):
         assert err < 1e-5, (rank, err)
+
+
+def fused_loss_worker(rank, world):
+    """``ring_cross_entropy`` against ``F.cross_entropy`` of the full logits (float64, V = 37
+    split unevenly, 5-token blocks): the loss, and dH / dW for a backward scaled by 3.5, run
+    twice on a retained graph; under no_grad the same loss."""
+    from tsp_ext.engine.partition import split_offsets
+    from tsp_ext.engine.vocab import ring_cross_entropy
+
+    mesh = init_tsp_mesh(world)
+    group = mesh["tsp"].get_group()
+    V, H, N = 37, 6, 13
+    g = torch.Generator().manual_seed(0)
+    h_all = torch.randn(world, N, H, generator=g, dtype=torch.float64)
+    labels_all = torch.randint(0, V, (world, N), generator=g)
+    labels_all[:, ::4] = -100
+    w_full = torch.randn(V, H, generator=g, dtype=torch.float64)
+    offsets = split_offsets(V, world)
+    rows = slice(offsets[rank], offsets[rank + 1])
+
+    ref_h = h_all.clone().requires_grad_()
+    ref_w = w_full.clone().requires_grad_()
+    ref = torch.nn.functional.cross_entropy(
+        (ref_h @ ref_w.t()).flatten(0, 1), labels_all.flatten(), reduction="none"
+    ).view(world, N)
+    (ref.sum() * 3.5).backward()
+
+    h = h_all[rank].clone().requires_grad_()
+    w = w_full[rows].clone().requires_grad_()
+    cfg = TSPConfig(loss_chunk=5)
+    loss = ring_cross_entropy(h, labels_all[rank], w, offsets, group, cfg, -100)
+    (loss * 3.5).backward(retain_graph=True)
+    once = h.grad.clone(), w.grad.clone()
+    (loss * 3.5).backward()
+    with torch.no_grad():
+        eval_loss = ring_cross_entropy(h, labels_all[rank], w, offsets, group, cfg, -100)
+    return {
+        "loss": rel_err(loss.detach(), ref[rank].sum().detach()),
+        "eval_loss": rel_err(eval_loss, ref[rank].sum().detach()),
+        "dh": rel_err(once[0], ref_h.grad[rank]),
+        "dw": rel_err(once[1], ref_w.grad[rows]),
+        "dh_twice": rel_err(h.grad, 2 * ref_h.grad[rank]),
+        "dw_twice": rel_err(w.grad, 2 * ref_w.grad[rows]),
+    }
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_fused_loss_gradients_scale_and_retain(world):
+    for rank, errs in enumerate(run_processes(fused_loss_worker, world)):
+        assert max(errs.values()) < 1e-12, (rank, errs)

@@ -21,10 +21,15 @@ target's logit, in float32 at least::
     loss_p = Σ_valid (max + log sumexp - z_target)
 
 Backward makes a second pass of the ring, recomputing z block by block: dZ = softmax(z) - onehot,
-dH_c += dZ · W_q, and W_q's gradient share travels a gradient ring to its owner. Saved per rank:
-H_p, the labels and one log-sum-exp per token. Shards of unequal size travel in buffers of the
-largest one; only the owner's real rows ever make logits, so padding never reaches the loss and
-gets no gradient.
+dH_c += dZ · W_q, and W_q's gradient share travels a gradient ring to its owner. The last shard
+of the forward ring (t = D-1) is the exception: when its block is folded in, those tokens'
+log-sum-exp is final, so a loss that will be differentiated takes that shard's dZ there and then
+(unscaled; backward multiplies by the incoming gradient) and backward's ring visits only D-1
+shards: 1/D of the logits are never recomputed and the weights make one hop fewer. Saved per
+rank: H_p, the labels, one log-sum-exp per token and the last shard's shares ``dH [N, h]`` and
+``dW [V/D, h]`` (float32 at least; backward would allocate the same accumulators first thing).
+Shards of unequal size travel in buffers of the largest one; only the owner's real rows ever make
+logits, so padding never reaches the loss and gets no gradient.
 """
 
 from __future__ import annotations
@@ -93,13 +98,16 @@ class _HeadRing:
         self.max_rows = max(b - a for a, b in zip(offsets, offsets[1:]))
         self.acc = config.accum_for(h.dtype)
 
-    def shards(self, weight: torch.Tensor) -> Iterator[tuple[int, int, torch.Tensor]]:
-        """Yield ``(t, first vocabulary row, shard [V_q, h])`` of owner q = p - t."""
+    def shards(
+        self, weight: torch.Tensor, steps: int | None = None
+    ) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """Yield ``(t, first vocabulary row, shard [V_q, h])`` of owner q = p - t, for the first
+        ``steps`` steps (default: all D)."""
         D, p = self.ring.size, self.ring.rank
         w = weight.detach()
         if w.shape[0] < self.max_rows:  # a padded copy: every ring buffer has V_max rows
             w = torch.cat([w, w.new_zeros(self.max_rows - w.shape[0], w.shape[1])])
-        for t, buf in circulate(self.ring, w, self.config.overlap):
+        for t, buf in circulate(self.ring, w, self.config.overlap, steps=steps):
             q = (p - t) % D
             yield t, self.offsets[q], buf[: self.offsets[q + 1] - self.offsets[q]]
 
@@ -115,18 +123,32 @@ class _HeadRing:
         hit = valid & (col >= 0) & (col < rows)
         return col.clamp(0, rows - 1).unsqueeze(1), hit
 
-    def backward(self, h: torch.Tensor, weight: torch.Tensor, block_grad: Callable):
+    def zeros(self, rows: int, h: torch.Tensor) -> torch.Tensor:
+        """A zeroed ``[rows, h]`` gradient accumulator in the accumulation dtype."""
+        return torch.zeros(rows, h.shape[1], dtype=self.acc, device=h.device)
+
+    @staticmethod
+    def accumulate(dh, dw, h: torch.Tensor, c: slice, dz: torch.Tensor, w: torch.Tensor) -> None:
+        """Add the logits-block gradient ``dz [c, V_q]`` (``h``'s dtype) of tokens ``c`` against
+        shard ``w [V_q, h]`` into ``dh [N, h]`` and the first V_q rows of ``dw``."""
+        dh[c] += (dz @ w).to(dh.dtype)
+        dw[: w.shape[0]].addmm_(dz.t().to(dw.dtype), h[c].to(dw.dtype))
+
+    def backward(self, h: torch.Tensor, weight: torch.Tensor, block_grad: Callable, last=None):
         """Second ring pass: ``(dH [N, h], dW [V_p, h])`` given ``block_grad(first, c, W_q)``,
-        the gradient of the logits block ``[c, first : first + V_q]``, in ``h``'s dtype."""
-        dh = torch.zeros(h.shape, dtype=self.acc, device=h.device)
+        the gradient of the logits block ``[c, first : first + V_q]``, in ``h``'s dtype.
+        ``last = (dH, dW, scale)``: the last shard's shares, taken in forward, times ``scale``;
+        the pass then visits the first D-1 shards only."""
+        D = self.ring.size
+        dh = self.zeros(h.shape[0], h) if last is None else last[0] * last[2]
         owner_grads = GradientRing(self.ring)
-        for t, first, w in self.shards(weight):
-            dw = torch.zeros(self.max_rows, w.shape[1], dtype=self.acc, device=w.device)
+        for t, first, w in self.shards(weight, D if last is None else D - 1):
+            dw = self.zeros(self.max_rows, h)
             for c in self.blocks(h.shape[0]):
-                dz = block_grad(first, c, w)
-                dh[c] += (dz @ w).to(self.acc)
-                dw[: w.shape[0]].addmm_(dz.t().to(self.acc), h[c].to(self.acc))
+                self.accumulate(dh, dw, h, c, block_grad(first, c, w), w)
             owner_grads.add(t, dw)
+        if last is not None:
+            owner_grads.add(D - 1, last[1], scale=last[2])
         dw = owner_grads.result()[: weight.shape[0]]  # padded rows: never any gradient
         return dh.to(h.dtype), dw.to(weight.dtype)
 
@@ -135,30 +157,39 @@ class _RingCrossEntropy(torch.autograd.Function):
     """``H [N, h]``, ``labels [N]`` -> sum of the cross-entropy of the valid local tokens."""
 
     @staticmethod
-    def forward(ctx, h, labels, weight, offsets, group, config, ignore_index):
+    def forward(ctx, h, labels, weight, offsets, group, config, ignore_index, differentiated):
         sched = _HeadRing(group, config, h, offsets)
         valid = labels != ignore_index
         n = h.shape[0]
         run_max = torch.full((n,), float("-inf"), dtype=sched.acc, device=h.device)
         run_sum = torch.zeros(n, dtype=sched.acc, device=h.device)
         target = torch.zeros(n, dtype=sched.acc, device=h.device)
-        for _, first, w in sched.shards(weight):
+        last = ()
+        for t, first, w in sched.shards(weight):
             col, hit = sched.targets(labels, first, w.shape[0], valid)
+            final = differentiated and t == sched.ring.size - 1
+            if final:  # the last shard's gradient shares, unscaled
+                last = (sched.zeros(n, h), sched.zeros(sched.max_rows, h))
             for c in sched.blocks(n):
                 z = F.linear(h[c], w).to(sched.acc)
                 target[c] += torch.where(hit[c], z.gather(1, col[c]).squeeze(1), 0)
                 new_max = torch.maximum(run_max[c], z.amax(-1))
                 rescale = torch.exp(run_max[c] - new_max)
-                run_sum[c] = run_sum[c] * rescale + z.sub_(new_max[:, None]).exp_().sum(-1)
+                e = z.sub_(new_max[:, None]).exp_()
+                run_sum[c] = run_sum[c] * rescale + e.sum(-1)
                 run_max[c] = new_max
+                if final:  # these tokens' log-sum-exp is final: dZ = softmax - onehot, in place
+                    dz = e.div_(run_sum[c, None]).mul_(valid[c, None])
+                    dz.scatter_add_(1, col[c], -hit[c, None].to(dz.dtype))
+                    sched.accumulate(*last, h, c, dz.to(h.dtype), w)
         lse = run_max + torch.log(run_sum)
-        ctx.save_for_backward(h, labels, lse, weight)
+        ctx.save_for_backward(h, labels, lse, weight, *last)
         ctx.sched, ctx.ignore_index = sched, ignore_index
         return torch.where(valid, lse - target, 0).sum()
 
     @staticmethod
     def backward(ctx, grad):
-        h, labels, lse, weight = ctx.saved_tensors
+        h, labels, lse, weight, *last = ctx.saved_tensors
         sched = ctx.sched
         valid = labels != ctx.ignore_index
         coef = torch.where(valid, grad.to(sched.acc), 0)  # d loss / d (lse - z_target), per token
@@ -170,8 +201,8 @@ class _RingCrossEntropy(torch.autograd.Function):
             dz.scatter_add_(1, col, -(coef[c] * hit)[:, None])  # - onehot(target) · coef
             return dz.to(h.dtype)
 
-        dh, dw = sched.backward(h, weight, block_grad)
-        return dh, None, dw, None, None, None, None
+        dh, dw = sched.backward(h, weight, block_grad, (*last, grad) if last else None)
+        return dh, None, dw, None, None, None, None, None
 
 
 class _RingLogits(torch.autograd.Function):
@@ -218,7 +249,10 @@ def ring_cross_entropy(
     """Sum over the labelled local tokens of ``-log softmax(h·Wᵀ)[label]``: ``h [N, h]``,
     ``labels [N]`` (already shifted), LM-head rows ``weight [V_p, h]`` (``offsets`` as for
     ``embedding_exchange``); no full logits."""
-    return _RingCrossEntropy.apply(h, labels, weight, offsets, group, config, ignore_index)
+    differentiated = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+    return _RingCrossEntropy.apply(
+        h, labels, weight, offsets, group, config, ignore_index, differentiated
+    )
 
 
 def ring_logits(

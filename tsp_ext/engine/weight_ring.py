@@ -22,17 +22,23 @@ from .comm import Ring
 
 
 def circulate(
-    ring: Ring, shard: torch.Tensor, overlap: bool = True, reuse: bool = False
+    ring: Ring,
+    shard: torch.Tensor,
+    overlap: bool = True,
+    reuse: bool = False,
+    steps: int | None = None,
 ) -> Iterator[tuple[int, torch.Tensor]]:
-    """Yield ``(t, shard of owner p - t)`` for t = 0..D-1; the next shard arrives while the
-    caller works on the current one (``overlap=False``: it arrives before).
+    """Yield ``(t, shard of owner p - t)`` for t = 0..steps-1 (default D steps, every shard);
+    the next shard arrives while the caller works on the current one (``overlap=False``: it
+    arrives before).
 
     The yielded tensor is only valid until the next step. ``shard`` is never written unless
     ``reuse`` (then it serves as a receive buffer, saving one shard-sized allocation).
     """
+    steps = ring.size if steps is None else steps
     cur, spare = shard.contiguous(), None
-    for t in range(ring.size):
-        if t == ring.size - 1:
+    for t in range(steps):
+        if t == steps - 1:
             yield t, cur
             return
         nxt = spare if spare is not None else torch.empty_like(cur)
@@ -49,7 +55,7 @@ class GradientRing:
     """Accumulates shard gradients around the ring so that each lands, fully summed, at its owner.
 
     Call ``add(t, share)`` once per step, in step order, with this rank's gradient share of the
-    shard it saw at step t (``share`` is consumed: it becomes the accumulator sent on).
+    shard it saw at step t (``share`` is consumed: it may become the accumulator sent on).
     """
 
     def __init__(self, ring: Ring) -> None:
@@ -57,16 +63,22 @@ class GradientRing:
         self._own: torch.Tensor | None = None
         self._in_flight = None  # (accumulator being sent, buffer receiving rank p-1's, handle)
 
-    def add(self, t: int, share: torch.Tensor) -> None:
-        if t == 0:
-            self._own = share  # the owner's own share joins its accumulator at the very end
+    def add(self, t: int, share: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+        """``scale`` (0-dim): add ``share · scale`` instead, leaving ``share`` unwritten."""
+        if t == 0:  # the owner's own share joins its accumulator at the very end
+            self._own = share if scale is None else share * scale
             return
-        if self._in_flight is not None:
-            _, received, handle = self._in_flight
+        if self._in_flight is None:
+            acc = share if scale is None else share * scale
+        else:  # the accumulator of shard p - t, from rank p-1's step t-1
+            _, acc, handle = self._in_flight
             handle.wait()
-            share += received  # accumulator of shard p - t, from rank p-1's step t-1
-        received = torch.empty_like(share)
-        self._in_flight = (share, received, self.ring.shift(share, received))
+            if scale is None:
+                acc.add_(share)
+            else:
+                acc.addcmul_(share, scale)
+        received = torch.empty_like(acc)
+        self._in_flight = (acc, received, self.ring.shift(acc, received))
 
     def result(self) -> torch.Tensor:
         """This rank's shard gradient, with every rank's share (waits for the last hop)."""

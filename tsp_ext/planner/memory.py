@@ -88,8 +88,10 @@ def tsp_memory(m: ModelShape, w: Workload, lay: Layout) -> Memory:
     T = _tsp_seq(w, D) / D
     vocab = -(-m.vocab_size // D) if w.shard_vocab else m.vocab_size
     params = m.num_layers * _tsp_shard_params(m, D) + _vocab_params(m, vocab, vocab)
-    if w.shard_vocab:  # fused loss: float32 log-sum-exp per token, the owned ids' list
+    if w.shard_vocab:  # fused loss: float32 log-sum-exp per token, the owned ids' list, and
+        # the last LM-head shard's gradient shares (dH, dW), taken in forward
         head = _head_saved(m, w, T, 0) + B * T * w.acc + 8 * min(vocab, B * w.seq_len)
+        head += (B * T + vocab) * h * w.acc
     else:
         head = _head_saved(m, w, T, m.vocab_size)
     acts = m.num_layers * tsp_layer_saved(m, w, D) + head

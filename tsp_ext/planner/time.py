@@ -24,7 +24,9 @@ def step_flops(m: ModelShape, w: Workload, lay: Layout) -> tuple[float, float]:
         )
     if w.recompute == "full":
         layer += matmul + attn
-    head = 2 * B * S * m.vocab_size * h * (4 if lay.kind == "tsp" and w.shard_vocab else 3)
+    # TSP's fused loss recomputes the logits of all but the forward ring's last shard
+    fused = lay.kind == "tsp" and w.shard_vocab
+    head = 2 * B * S * m.vocab_size * h * (3 + (n - 1) / n if fused else 3)
     return layer / n, head / n
 
 
