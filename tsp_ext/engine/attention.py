@@ -27,7 +27,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from ..config import TSPConfig
 from . import comm
@@ -39,6 +38,7 @@ from .attention_kernels import (
 from .heads import AttentionSpec
 from .layout import RowSpans, Span, ZigzagLayout
 from .masked_attention import masked_chunked_attention
+from .pointwise import add_matmul
 from .qkv import project_qkv, project_qkv_backward, stacked_weights
 
 # Names of the k/v part of one head group's shards (summed among the users of a shared KV head).
@@ -234,7 +234,7 @@ def tsp_attention_forward(
                 lse_all = lse.new_empty(B, spec.n_heads, T)
             heads = spec.q_heads(r)
             a_all[:, heads], lse_all[:, heads] = a.transpose(1, 2), lse
-        y += F.linear(a.flatten(2), w["wo"])
+        add_matmul(y.view(-1, y.shape[-1]), a.reshape(B * T, -1), w["wo"].t())
     return y.to(x.dtype), a_all, lse_all
 
 
