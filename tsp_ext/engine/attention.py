@@ -276,17 +276,19 @@ def tsp_attention_backward(sched: _Schedule, dy, x, cos, sin, own, q_norm, k_nor
         return *project_qkv(x, w, cos, sin, q_norm, k_norm, spec, weight), weight
 
     def finish(r, w, weight, lin, dq, dkv, handle, dwo):
-        """Group r's projection backward once its dK/dV arrived; post dW_r's reduction to r."""
+        """Group r's projection backward once its dK/dV arrived: dW_r, whose reduction to r is
+        posted before the dX GEMM so that it flies behind it."""
         nonlocal d_norm
         handle.wait()
         dk, dv = dkv.to(x.dtype).chunk(2, dim=2)
-        g, gn = project_qkv_backward(
-            dq, dk, dv, x, w, weight, lin, cos, sin, q_norm, k_norm, spec, dx, acc
+        g, gn, d_lin = project_qkv_backward(
+            dq, dk, dv, x, w, weight, lin, cos, sin, q_norm, k_norm, spec, acc
         )
         if gn is not None:
             d_norm = gn if d_norm is None else [a + b for a, b in zip(d_norm, gn)]
         buf = comm.pack([dwo if n == "wo" else g[n] for n in names], acc)
         reductions.append((r, buf, comm.reduce(buf, r, sched.group, async_op=True)))
+        add_matmul(dx.view(-1, dx.shape[-1]), d_lin, weight[0])  # while dW_r travels
 
     def collect(keep: int) -> None:
         """Wait for all but the last ``keep`` reductions; keep this rank's own sum."""

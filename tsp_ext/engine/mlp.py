@@ -43,10 +43,11 @@ def swiglu_pointwise_backward(dm: torch.Tensor, hid: torch.Tensor):
     return dh, act.mul_(hu)
 
 
-def _swiglu_backward(x, dy, gu, dn, out, dx, hidden=None) -> None:
+def _swiglu_weight_grads(x, dy, gu, dn, out, hidden=None) -> torch.Tensor:
     """Backward of one shard's ``(silu(X·Gᵀ) ⊙ (X·Uᵀ))·Dnᵀ`` with ``gu = [G; U]`` (``[2f, h]``):
-    adds ``dX`` into ``dx [B·T, h]`` and writes ``[dG; dU]`` (``[2f, h]``) and ``dDn`` (``[h, f]``)
-    into ``out``, a flat buffer in the accumulation dtype laid out like the shard.
+    writes ``[dG; dU]`` (``[2f, h]``) and ``dDn`` (``[h, f]``) into ``out``, a flat buffer in the
+    accumulation dtype laid out like the shard, and returns ``dH [B·T, 2f]``, the gradient of the
+    gate/up pre-activations: the caller adds ``dX = dH · [G; U]`` once ``out`` is on its way.
 
     ``hidden``: the saved gate/up pre-activations ``[B, T, 2f]``; recomputed if None.
     """
@@ -58,7 +59,7 @@ def _swiglu_backward(x, dy, gu, dn, out, dx, hidden=None) -> None:
     acc = out.dtype
     torch.mm(dh2.t().to(acc), x2.to(acc), out=out[: two_f * h].view(two_f, h))
     torch.mm(dy2.t().to(acc), act.view(-1, f).to(acc), out=out[two_f * h : 3 * f * h].view(h, f))
-    add_matmul(dx, dh2, gu)
+    return dh2
 
 
 class _RingSchedule:
@@ -107,8 +108,9 @@ def tsp_mlp_backward(sched: _RingSchedule, dy: torch.Tensor, x: torch.Tensor, we
         share = torch.empty(sched.numel, dtype=sched.acc, device=x.device)
         share[dn.numel() * 3 :].zero_()  # a smaller shard's padding travels (and is summed) too
         h_t = hidden[t] if hidden is not None else None
-        _swiglu_backward(x, dy, gu, dn, share, dx.view(-1, sched.h), h_t)
-        owner_grads.add(t, share)
+        dh = _swiglu_weight_grads(x, dy, gu, dn, share, h_t)
+        owner_grads.add(t, share)  # on its way (the last hop too) while dX is computed
+        add_matmul(dx.view(-1, sched.h), dh, gu)
     f, h = sched.sizes[sched.p], sched.h
     shapes = [torch.Size((f, h))] * 2 + [torch.Size((h, f))]
     grads = comm.unpack(owner_grads.result(), shapes)

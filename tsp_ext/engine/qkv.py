@@ -8,7 +8,8 @@ Forward, for the local tokens ``X [B, T, h]`` and group r's shards::
     Q, K = rope(norm(Q)), rope(norm(K))    # norms only where the model has them
 
 Backward: ``dL = [rope⁻ᵀ(dQ) | rope⁻ᵀ(dK) | dV]`` (through the norms by autograd where present),
-``dX += dL · W``, ``dW = dLᵀ · X``, ``db = Σ dL``.
+``dW = dLᵀ · X``, ``db = Σ dL``, then the caller's ``dX += dL · W`` (after it has posted dW's
+reduction, which then flies behind that GEMM).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .heads import AttentionSpec
-from .pointwise import add_matmul, rms_norm, rope, rope_backward
+from .pointwise import rms_norm, rope, rope_backward
 
 _W = ("wq", "wk", "wv")
 _B = ("bq", "bk", "bv")
@@ -63,11 +64,13 @@ def _norm_backward(pre, grad, weight, eps):
     return torch.autograd.grad(out, [leaf, w], grad)
 
 
-def project_qkv_backward(dq, dk, dv, x, w, weight, lin, cos, sin, q_norm, k_norm, spec, dx, acc):
-    """Adjoint of ``project_qkv`` given ``dq [B, T, n_q, d]``, ``dk, dv [B, T, n_kv, d]``: adds dX
-    into ``dx [B, T, h]`` and returns the gradients of the shards ``{wq, wk, wv[, bq, bk, bv]}``
-    (in ``acc``) and of ``(q_norm, k_norm)`` (in ``acc``; None without norms). ``weight``: the
-    forward's ``stacked_weights(w)``; ``lin``: its projection (read only with norms)."""
+def project_qkv_backward(dq, dk, dv, x, w, weight, lin, cos, sin, q_norm, k_norm, spec, acc):
+    """Adjoint of ``project_qkv`` given ``dq [B, T, n_q, d]``, ``dk, dv [B, T, n_kv, d]``: returns
+    the gradients of the shards ``{wq, wk, wv[, bq, bk, bv]}`` (in ``acc``), of ``(q_norm,
+    k_norm)`` (in ``acc``; None without norms) and ``dL [B·T, rows]``, the projection's gradient:
+    the caller adds ``dX = dL · W`` (``add_matmul(dx, dL, W)``) once it has sent the weight
+    gradients on. ``weight``: the forward's ``stacked_weights(w)``; ``lin``: its projection (read
+    only with norms)."""
     B, T, h = x.shape
     d = spec.head_dim
     W, b = weight
@@ -86,9 +89,8 @@ def project_qkv_backward(dq, dk, dv, x, w, weight, lin, cos, sin, q_norm, k_norm
             out.copy_(d_pre)
             d_norms.append(d_w.to(acc))
     d2, x2 = d_lin.view(-1, W.shape[0]), x.reshape(-1, h)
-    add_matmul(dx.view(-1, h), d2, W)
     sizes = [w[n].shape[0] for n in _W]
     grads = dict(zip(_W, (d2.t().to(acc) @ x2.to(acc)).split(sizes)))
     if b is not None:
         grads.update(zip(_B, d2.sum(0, dtype=acc).split(sizes)))
-    return grads, d_norms
+    return grads, d_norms, d2
