@@ -22,6 +22,37 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+class _RMSNormKeepingInput(torch.autograd.Function):
+    """``rms_norm`` whose backward recomputes the normalised input: autograd keeps ``x`` and the
+    float32 reciprocal RMS ``[..., 1]`` only, where the taped version also keeps ``x̂`` (and, for
+    a half-precision ``x``, a float32 copy of it). The backward replays the taped one's
+    operations in its order, so the gradients are the same to the bit."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        r = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, r)
+        return weight * (x.float() * r).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, r = ctx.saved_tensors
+        xf = x.float()
+        xn = xf * r
+        dw = (dy * xn.to(x.dtype)).sum(tuple(range(dy.dim() - 1)))
+        g = (dy * weight).float()
+        dr = (g * xf).sum(-1, keepdim=True)
+        dmean = (-0.5 * dr) * r.pow(3) / x.shape[-1]  # rsqrt, then mean, backward
+        dx = g * r + dmean * (2 * xf)  # the x·r product's and the square's paths
+        return dx.to(x.dtype), dw.to(weight.dtype), None
+
+
+def rms_norm_keeping_input(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``rms_norm`` (same values) for training: saves ``x`` and one float32 per row, and
+    recomputes the normalised ``x`` in backward (one multiply)."""
+    return _RMSNormKeepingInput.apply(x, weight, eps)
+
+
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out=None) -> torch.Tensor:
     """Rotary embedding ``x·cos + rotate_half(x)·sin`` of ``x [B, T, H, d]`` with ``cos, sin
     [B, T, d]`` (Hugging Face's, halves written separately: no temporaries), into ``out`` (any

@@ -16,12 +16,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..engine.comm import bucketed_replicated, replicated
-from ..engine.pointwise import rms_norm
+from ..engine.pointwise import rms_norm_keeping_input
 from .sharding import Role, param_roles
 
 
 class TSPRMSNorm(nn.Module):
-    """Llama-family RMSNorm (``weight * normalize(x)``) with a replicated weight."""
+    """Llama-family RMSNorm (``weight * normalize(x)``) with a replicated weight; autograd keeps
+    only its input and one float32 per token (``rms_norm_keeping_input``)."""
 
     def __init__(self, weight: nn.Parameter, eps: float, group) -> None:
         super().__init__()
@@ -32,7 +33,8 @@ class TSPRMSNorm(nn.Module):
         return cls(norm.weight, norm.variance_epsilon, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, replicated(self.weight, self.group), self.variance_epsilon)
+        weight = replicated(self.weight, self.group)
+        return rms_norm_keeping_input(x, weight, self.variance_epsilon)
 
 
 class TSPEmbedding(nn.Module):

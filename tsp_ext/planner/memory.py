@@ -36,18 +36,22 @@ def _tsp_seq(w: Workload, D: int) -> int:
 
 
 def _norm_saved(w: Workload, tokens: float, width: int) -> float:
-    """RMSNorm (HF and TSP alike): float32 input (a copy unless float32), the normalised output
-    in the model dtype, and the float32 reciprocal RMS per token."""
+    """Hugging Face's RMSNorm: float32 input (a copy unless float32), the normalised output in
+    the model dtype, and the float32 reciprocal RMS per token."""
     return w.micro_batch * tokens * (width * (4 + w.beta) + 4)
 
 
-def _head_saved(m: ModelShape, w: Workload, tokens: float, vocab: float) -> float:
+def _tsp_norm_saved(w: Workload, tokens: float, width: int) -> float:
+    """TSP's RMSNorm (``rms_norm_keeping_input``): the input in the model dtype and the float32
+    reciprocal RMS per token; the normalised output is recomputed in backward."""
+    return w.micro_batch * tokens * (width * w.beta + 4)
+
+
+def _head_saved(m: ModelShape, w: Workload, tokens: float, vocab: float, norm=_norm_saved):
     """Final norm, LM-head input, float32 log-softmax ``[tokens, vocab]`` (vocab 0 for the
     fused loss), token ids and labels, and the rotary cos/sin that all layers share."""
     B, h = w.micro_batch, m.hidden_size
-    return _norm_saved(w, tokens, h) + B * tokens * (
-        h * w.beta + 4 * vocab + 16 + 2 * m.head_dim * w.beta
-    )
+    return norm(w, tokens, h) + B * tokens * (h * w.beta + 4 * vocab + 16 + 2 * m.head_dim * w.beta)
 
 
 def tsp_layer_saved(m: ModelShape, w: Workload, D: int) -> float:
@@ -61,7 +65,7 @@ def tsp_layer_saved(m: ModelShape, w: Workload, D: int) -> float:
     mlp = B * T * h * w.beta
     if w.recompute == "none":
         mlp += 2 * B * T * m.intermediate_size * w.beta
-    return 2 * _norm_saved(w, T, h) + attn + mlp
+    return 2 * _tsp_norm_saved(w, T, h) + attn + mlp
 
 
 def hf_layer_saved(m: ModelShape, w: Workload, tp: int, sp: int) -> float:
@@ -90,10 +94,10 @@ def tsp_memory(m: ModelShape, w: Workload, lay: Layout) -> Memory:
     params = m.num_layers * _tsp_shard_params(m, D) + _vocab_params(m, vocab, vocab)
     if w.shard_vocab:  # fused loss: float32 log-sum-exp per token, the owned ids' list, and
         # the last LM-head shard's gradient shares (dH, dW), taken in forward
-        head = _head_saved(m, w, T, 0) + B * T * w.acc + 8 * min(vocab, B * w.seq_len)
-        head += (B * T + vocab) * h * w.acc
+        head = _head_saved(m, w, T, 0, _tsp_norm_saved) + B * T * w.acc
+        head += 8 * min(vocab, B * w.seq_len) + (B * T + vocab) * h * w.acc
     else:
-        head = _head_saved(m, w, T, m.vocab_size)
+        head = _head_saved(m, w, T, m.vocab_size, _tsp_norm_saved)
     acts = m.num_layers * tsp_layer_saved(m, w, D) + head
     # transient: double-buffered weight shards and their float32 gradient accumulators, one
     # head group's gathered K/V with its float32 gradient, one MLP shard's intermediates

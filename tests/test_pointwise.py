@@ -1,0 +1,31 @@
+"""The engine's RMSNorm for training: the taped one's values and gradients, half its saved bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tsp_ext.engine.pointwise import rms_norm, rms_norm_keeping_input
+from tsp_ext.memory import SavedTensorBytes
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [16, 72])
+def test_rms_norm_keeping_input_matches_the_taped_norm_to_the_bit(dtype, width):
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, width, dtype=dtype, requires_grad=True)
+    w = torch.randn(width, dtype=dtype, requires_grad=True)
+    dy = torch.randn(2, 5, width, dtype=dtype)
+    with SavedTensorBytes(ignore=[w]) as taped_saved:
+        taped = rms_norm(x, w, 1e-6)
+    with SavedTensorBytes(ignore=[w]) as lean_saved:
+        lean = rms_norm_keeping_input(x, w, 1e-6)
+    assert torch.equal(lean, taped)
+    for got, want in zip(
+        torch.autograd.grad(lean, [x, w], dy), torch.autograd.grad(taped, [x, w], dy)
+    ):
+        assert torch.equal(got, want)
+    # kept: x and one float32 per row; the taped norm also keeps x̂ (and a float32 copy of a
+    # half-precision or float64 x)
+    assert lean_saved.nbytes == x.nbytes + 2 * 5 * 4
+    assert taped_saved.nbytes - lean_saved.nbytes >= x.numel() * min(x.element_size(), 4)
