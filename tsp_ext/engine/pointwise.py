@@ -30,9 +30,10 @@ class _RMSNormKeepingInput(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        r = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+        xf = x.float()
+        r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, r)
-        return weight * (x.float() * r).to(x.dtype)
+        return weight * (xf * r).to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
