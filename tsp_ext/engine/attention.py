@@ -288,7 +288,8 @@ def tsp_attention_backward(sched: _Schedule, dy, x, cos, sin, own, q_norm, k_nor
             d_norm = gn if d_norm is None else [a + b for a, b in zip(d_norm, gn)]
         buf = comm.pack([dwo if n == "wo" else g[n] for n in names], acc)
         reductions.append((r, buf, comm.reduce(buf, r, sched.group, async_op=True)))
-        add_matmul(dx.view(-1, dx.shape[-1]), d_lin, weight[0])  # while dW_r travels
+        stacked, _ = weight
+        add_matmul(dx.view(-1, dx.shape[-1]), d_lin, stacked)  # while dW_r travels
 
     def collect(keep: int) -> None:
         """Wait for all but the last ``keep`` reductions; keep this rank's own sum."""

@@ -15,37 +15,46 @@ def add_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         out += a @ b
 
 
+def inv_rms(xf: torch.Tensor, eps: float) -> torch.Tensor:
+    """The float32 reciprocal RMS ``[..., 1]`` of ``xf`` (``x.float()``) over its last dim."""
+    return torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim, statistics in float32, as Hugging Face's Llama family does."""
     xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    return weight * (xf * inv_rms(xf, eps)).to(x.dtype)
+
+
+def rms_norm_backward(x, weight, r, dy) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients ``(dx, dweight)`` of ``rms_norm(x, weight)`` given ``dy`` and ``r =
+    inv_rms(x.float())``: the taped norm's backward operations, in its order, so the result is
+    the same to the bit."""
+    xf = x.float()
+    xn = xf * r
+    dw = (dy * xn.to(x.dtype)).sum(tuple(range(dy.dim() - 1)))
+    g = (dy * weight).float()
+    dr = (g * xf).sum(-1, keepdim=True)
+    dmean = (-0.5 * dr) * r.pow(3) / x.shape[-1]  # rsqrt, then mean, backward
+    dx = g * r + dmean * (2 * xf)  # the x·r product's and the square's paths
+    return dx.to(x.dtype), dw.to(weight.dtype)
 
 
 class _RMSNormKeepingInput(torch.autograd.Function):
     """``rms_norm`` whose backward recomputes the normalised input: autograd keeps ``x`` and the
     float32 reciprocal RMS ``[..., 1]`` only, where the taped version also keeps ``x̂`` (and, for
-    a half-precision ``x``, a float32 copy of it). The backward replays the taped one's
-    operations in its order, so the gradients are the same to the bit."""
+    a half-precision ``x``, a float32 copy of it)."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
         xf = x.float()
-        r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        r = inv_rms(xf, eps)
         ctx.save_for_backward(x, weight, r)
         return weight * (xf * r).to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, r = ctx.saved_tensors
-        xf = x.float()
-        xn = xf * r
-        dw = (dy * xn.to(x.dtype)).sum(tuple(range(dy.dim() - 1)))
-        g = (dy * weight).float()
-        dr = (g * xf).sum(-1, keepdim=True)
-        dmean = (-0.5 * dr) * r.pow(3) / x.shape[-1]  # rsqrt, then mean, backward
-        dx = g * r + dmean * (2 * xf)  # the x·r product's and the square's paths
-        return dx.to(x.dtype), dw.to(weight.dtype), None
+        return *rms_norm_backward(*ctx.saved_tensors, dy), None
 
 
 def rms_norm_keeping_input(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -7,7 +7,7 @@ Forward, for the local tokens ``X [B, T, h]`` and group r's shards::
     Q, K, V = split(L)                     # per head: [B, T, n, d]
     Q, K = rope(norm(Q)), rope(norm(K))    # norms only where the model has them
 
-Backward: ``dL = [rope⁻ᵀ(dQ) | rope⁻ᵀ(dK) | dV]`` (through the norms by autograd where present),
+Backward: ``dL = [rope⁻ᵀ(dQ) | rope⁻ᵀ(dK) | dV]`` (through the norms where present),
 ``dW = dLᵀ · X``, ``db = Σ dL``, then the caller's ``dX += dL · W`` (after it has posted dW's
 reduction, which then flies behind that GEMM).
 """
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .heads import AttentionSpec
-from .pointwise import rms_norm, rope, rope_backward
+from .pointwise import inv_rms, rms_norm, rms_norm_backward, rope, rope_backward
 
 _W = ("wq", "wk", "wv")
 _B = ("bq", "bk", "bv")
@@ -56,14 +56,6 @@ def project_qkv(x, w, cos, sin, q_norm, k_norm, spec: AttentionSpec, weight=None
     return rope(q, cos, sin, out=q_out), rope(k, cos, sin, out=k_out), v, lin
 
 
-def _norm_backward(pre, grad, weight, eps):
-    """Gradients of ``rms_norm(pre, weight)`` w.r.t. ``pre`` and ``weight`` given ``grad``."""
-    with torch.enable_grad():
-        leaf, w = pre.detach().requires_grad_(), weight.detach().requires_grad_()
-        out = rms_norm(leaf, w, eps)
-    return torch.autograd.grad(out, [leaf, w], grad)
-
-
 def project_qkv_backward(dq, dk, dv, x, w, weight, lin, cos, sin, q_norm, k_norm, spec, acc):
     """Adjoint of ``project_qkv`` given ``dq [B, T, n_q, d]``, ``dk, dv [B, T, n_kv, d]``: returns
     the gradients of the shards ``{wq, wk, wv[, bq, bk, bv]}`` (in ``acc``), of ``(q_norm,
@@ -85,7 +77,8 @@ def project_qkv_backward(dq, dk, dv, x, w, weight, lin, cos, sin, q_norm, k_norm
         q_pre, k_pre, _ = _split(lin, w, d)
         d_norms = []
         for pre, g, nw, out in ((q_pre, dq, q_norm, dq_lin), (k_pre, dk, k_norm, dk_lin)):
-            d_pre, d_w = _norm_backward(pre, rope_backward(g, cos, sin), nw, spec.qk_norm_eps)
+            r = inv_rms(pre.float(), spec.qk_norm_eps)
+            d_pre, d_w = rms_norm_backward(pre, nw, r, rope_backward(g, cos, sin))
             out.copy_(d_pre)
             d_norms.append(d_w.to(acc))
     d2, x2 = d_lin.view(-1, W.shape[0]), x.reshape(-1, h)

@@ -140,15 +140,19 @@ class _HeadRing:
         ``last = (dH, dW, scale)``: the last shard's shares, taken in forward, times ``scale``;
         the pass then visits the first D-1 shards only."""
         D = self.ring.size
-        dh = self.zeros(h.shape[0], h) if last is None else last[0] * last[2]
+        if last is None:
+            dh, steps = self.zeros(h.shape[0], h), D
+        else:
+            dh_last, dw_last, scale = last
+            dh, steps = dh_last * scale, D - 1
         owner_grads = GradientRing(self.ring)
-        for t, first, w in self.shards(weight, D if last is None else D - 1):
+        for t, first, w in self.shards(weight, steps):
             dw = self.zeros(self.max_rows, h)
             for c in self.blocks(h.shape[0]):
                 self.accumulate(dh, dw, h, c, block_grad(first, c, w), w)
             owner_grads.add(t, dw)
         if last is not None:
-            owner_grads.add(D - 1, last[1], scale=last[2])
+            owner_grads.add(D - 1, dw_last, scale=scale)
         dw = owner_grads.result()[: weight.shape[0]]  # padded rows: never any gradient
         return dh.to(h.dtype), dw.to(weight.dtype)
 
