@@ -30,17 +30,19 @@ from .weight_ring import GradientRing, circulate
 
 
 def swiglu_pointwise_backward(dm: torch.Tensor, hid: torch.Tensor):
-    """The elementwise part of the SwiGLU backward: from ``dM = dY·Dn`` ``[B, T, f]`` (overwritten)
-    and the gate/up pre-activations ``hid = [hg | hu]`` ``[B, T, 2f]``, returns their gradients
-    ``[dhg | dhu]`` ``[B, T, 2f]`` (one buffer, so that both weight gradients are one GEMM) and the
-    forward's activation ``silu(hg) ⊙ hu`` ``[B, T, f]``, the input of Dn."""
-    f = dm.shape[-1]
+    """The elementwise part of the SwiGLU backward, in place: from ``dM = dY·Dn`` ``[B, T, f]``
+    and the gate/up pre-activations ``hid = [hg | hu]`` ``[B, T, 2f]`` (both overwritten),
+    returns ``hid`` holding their gradients ``[dhg | dhu]`` (one buffer, so that both weight
+    gradients are one GEMM) and the forward's activation ``silu(hg) ⊙ hu`` ``[B, T, f]``, the
+    input of Dn. Writing into ``hid`` spares a fresh ``[B, T, 2f]`` buffer per shard, whose
+    first touch page-faults on CPU."""
     hg, hu = hid.chunk(2, dim=-1)
-    act = F.silu(hg)
-    dh = torch.empty_like(hid)
-    torch.mul(dm, act, out=dh[..., f:])
-    torch.ops.aten.silu_backward.grad_input(dm.mul_(hu), hg, grad_input=dh[..., :f])
-    return dh, act.mul_(hu)
+    s = F.silu(hg)
+    act = s * hu
+    s.mul_(dm)  # dhu
+    torch.ops.aten.silu_backward.grad_input(dm.mul_(hu), hg, grad_input=hg)  # dhg, over hg
+    hu.copy_(s)
+    return hid, act
 
 
 def _swiglu_weight_grads(x, dy, gu, dn, out, hidden=None) -> torch.Tensor:
@@ -49,11 +51,12 @@ def _swiglu_weight_grads(x, dy, gu, dn, out, hidden=None) -> torch.Tensor:
     accumulation dtype laid out like the shard, and returns ``dH [B·T, 2f]``, the gradient of the
     gate/up pre-activations: the caller adds ``dX = dH · [G; U]`` once ``out`` is on its way.
 
-    ``hidden``: the saved gate/up pre-activations ``[B, T, 2f]``; recomputed if None.
+    ``hidden``: the saved gate/up pre-activations ``[B, T, 2f]`` (left intact); recomputed if
+    None.
     """
     two_f, h = gu.shape
     f = two_f // 2
-    hid = F.linear(x, gu) if hidden is None else hidden  # [B, T, 2f]: one GEMM for gate and up
+    hid = F.linear(x, gu) if hidden is None else hidden.clone()  # [B, T, 2f]: gate and up
     dh, act = swiglu_pointwise_backward(dy @ dn, hid)
     x2, dy2, dh2 = x.reshape(-1, h), dy.reshape(-1, h), dh.view(-1, two_f)
     acc = out.dtype

@@ -28,15 +28,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rms_norm_backward(x, weight, r, dy) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients ``(dx, dweight)`` of ``rms_norm(x, weight)`` given ``dy`` and ``r =
-    inv_rms(x.float())``: the taped norm's backward operations, in its order, so the result is
-    the same to the bit."""
+    inv_rms(x.float())``: ``dx = r · (g - x̂ · mean(g ⊙ x̂))`` with ``g = dy ⊙ weight``, ``x̂ = x·r``
+    (float32), in five fused passes. A float64 ``x`` (the parity tests' dtype) replays the taped
+    norm's operations in order instead, so its gradients equal Hugging Face's to the bit."""
     xf = x.float()
     xn = xf * r
     dw = (dy * xn.to(x.dtype)).sum(tuple(range(dy.dim() - 1)))
     g = (dy * weight).float()
-    dr = (g * xf).sum(-1, keepdim=True)
-    dmean = (-0.5 * dr) * r.pow(3) / x.shape[-1]  # rsqrt, then mean, backward
-    dx = g * r + dmean * (2 * xf)  # the x·r product's and the square's paths
+    if x.dtype == torch.float64:
+        dr = (g * xf).sum(-1, keepdim=True)
+        dmean = (-0.5 * dr) * r.pow(3) / x.shape[-1]  # rsqrt, then mean, backward
+        dx = g * r + dmean * (2 * xf)  # the x·r product's and the square's paths
+    else:
+        dot = torch.linalg.vecdot(g, xn).unsqueeze(-1).div_(x.shape[-1])
+        dx = torch.addcmul(g, xn, dot, value=-1).mul_(r)
     return dx.to(x.dtype), dw.to(weight.dtype)
 
 

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from ..config import TSPConfig
 from . import comm
+from .pointwise import add_matmul
 from .weight_ring import GradientRing, circulate
 
 # --- embedding: all-to-all exchange of the rows each rank needs ------------------------------
@@ -131,7 +132,7 @@ class _HeadRing:
     def accumulate(dh, dw, h: torch.Tensor, c: slice, dz: torch.Tensor, w: torch.Tensor) -> None:
         """Add the logits-block gradient ``dz [c, V_q]`` (``h``'s dtype) of tokens ``c`` against
         shard ``w [V_q, h]`` into ``dh [N, h]`` and the first V_q rows of ``dw``."""
-        dh[c] += (dz @ w).to(dh.dtype)
+        add_matmul(dh[c], dz, w)
         dw[: w.shape[0]].addmm_(dz.t().to(dw.dtype), h[c].to(dw.dtype))
 
     def backward(self, h: torch.Tensor, weight: torch.Tensor, block_grad: Callable, last=None):
