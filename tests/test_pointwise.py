@@ -1,14 +1,16 @@
-"""The engine's RMSNorm for training: the taped one's values and gradients (float64 to the bit,
-fused float32/bf16 within rounding), half its saved bytes."""
+"""The engine's pointwise maths: the training RMSNorm (the taped one's values and gradients —
+float64 to the bit, fused float32/bf16 within rounding — at half its saved bytes) and RoPE on
+interleaved head dims (Hugging Face's rotation, as one complex multiply)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from tsp_ext.engine.pointwise import rms_norm, rms_norm_keeping_input
+from tsp_ext.engine.pointwise import rms_norm, rms_norm_keeping_input, rope, rope_phases
+from tsp_ext.engine.qkv import deinterleave_heads, interleave_heads
 from tsp_ext.memory import SavedTensorBytes
-
 
 # relative to the largest gradient: float64 replays the taped order; others are fused (rounding)
 GRAD_TOL = {torch.float64: 0.0, torch.float32: 1e-6, torch.bfloat16: 1e-2}
@@ -35,3 +37,36 @@ def test_rms_norm_keeping_input_matches_the_taped_norm(dtype, width):
     # half-precision or float64 x)
     assert lean_saved.nbytes == x.nbytes + 2 * 5 * 4
     assert taped_saved.nbytes - lean_saved.nbytes >= x.numel() * min(x.element_size(), 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_rope_on_interleaved_heads_is_hugging_faces_rope(dtype):
+    """``rope`` on interleaved head dims, de-interleaved, equals HF's rotate_half RoPE; the
+    conjugate phases undo it; and the dot products attention takes are the same."""
+    torch.manual_seed(0)
+    B, T, H, d = 2, 7, 3, 8
+    q, k = (torch.randn(B, T, H, d, dtype=torch.float64) for _ in "qk")
+    angles = torch.randn(B, T, d // 2, dtype=torch.float64)
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+
+    def heads(t, fn):  # per-head row permutation applied along the last dim
+        return fn(t.reshape(-1, d).t(), d).t().reshape(t.shape)
+
+    phases = rope_phases(cos.to(dtype), sin.to(dtype), dtype)
+    got_q = rope(heads(q, interleave_heads).to(dtype), phases)
+    got_k = rope(heads(k, interleave_heads).to(dtype), phases)
+    tol = {torch.float64: 1e-14, torch.float32: 1e-6, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(heads(got_q.double(), deinterleave_heads), want_q, atol=tol, rtol=0)
+    scores = torch.einsum("bthd,bshd->bhts", got_q.double(), got_k.double())
+    torch.testing.assert_close(
+        scores, torch.einsum("bthd,bshd->bhts", want_q, want_k), atol=tol * 10, rtol=tol
+    )
+    back = rope(got_q, phases.conj().resolve_conj())
+    torch.testing.assert_close(heads(back.double(), deinterleave_heads), q, atol=tol * 4, rtol=0)
+
+
+def test_rope_tables_with_different_halves_are_refused():
+    cos, sin = torch.rand(1, 4, 8), torch.rand(1, 4, 8)
+    with pytest.raises(ValueError, match="halves differ"):
+        rope_phases(cos, sin, torch.float32)

@@ -38,7 +38,7 @@ from .attention_kernels import (
 from .heads import AttentionSpec
 from .layout import RowSpans, Span, ZigzagLayout
 from .masked_attention import masked_chunked_attention
-from .pointwise import add_matmul
+from .pointwise import add_matmul, rope_phases
 from .qkv import project_qkv, project_qkv_backward, stacked_weights
 
 # Names of the k/v part of one head group's shards (summed among the users of a shared KV head).
@@ -187,8 +187,7 @@ def fold_kv(dk: torch.Tensor, kv_map: list[int] | None, hk: int) -> torch.Tensor
 def tsp_attention_forward(
     sched: _Schedule,
     x,
-    cos,
-    sin,
+    phases,
     own,
     q_norm,
     k_norm,
@@ -196,8 +195,9 @@ def tsp_attention_forward(
     kv_sink: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
     key_valid: torch.Tensor | None = None,
 ):
-    """Forward schedule. Returns ``Y_p [B, T, h]`` plus, if ``keep``, ``A [B, n_h, T, d]`` and
-    ``lse [B, n_h, T]`` of every group's heads (what backward needs), else None for both.
+    """Forward schedule (RoPE by ``phases``, ``pointwise.rope_phases`` of the tokens' cos/sin).
+    Returns ``Y_p [B, T, h]`` plus, if ``keep``, ``A [B, n_h, T, d]`` and ``lse [B, n_h, T]`` of
+    every group's heads (what backward needs), else None for both.
 
     Inference only (training passes neither): ``kv_sink(r, K_r, V_r)`` receives each group's
     all-gathered K/V ``[B, S, n_kv(r), d]`` in token order (a prefill keeps its own group's as its
@@ -211,7 +211,7 @@ def tsp_attention_forward(
     lse_all = None
 
     def project(w):
-        return project_qkv(x, w, cos, sin, q_norm, k_norm, spec)
+        return project_qkv(x, w, phases, q_norm, k_norm, spec)
 
     for group in sched.projected_groups(own, project):
         r, w = group.r, group.w
@@ -251,7 +251,7 @@ def share_kv(grads: dict[str, torch.Tensor], spec: AttentionSpec, p: int, group)
             row.copy_(total)
 
 
-def tsp_attention_backward(sched: _Schedule, dy, x, cos, sin, own, q_norm, k_norm, a_all, lse_all):
+def tsp_attention_backward(sched: _Schedule, dy, x, phases, own, q_norm, k_norm, a_all, lse_all):
     """Backward schedule. Returns ``dX_p``, the fully reduced gradients of this rank's own shards
     (dict like ``own``) and this rank's partial gradients of the replicated q/k norm weights.
 
@@ -272,8 +272,8 @@ def tsp_attention_backward(sched: _Schedule, dy, x, cos, sin, own, q_norm, k_nor
 
     def recompute(w):
         """Q, K, V of group r from the saved X_p (plus its projection and stacked weights)."""
-        weight = stacked_weights(w)
-        return *project_qkv(x, w, cos, sin, q_norm, k_norm, spec, weight), weight
+        weight = stacked_weights(w, spec.head_dim)
+        return *project_qkv(x, w, phases, q_norm, k_norm, spec, weight), weight
 
     def finish(r, w, weight, lin, dq, dkv, handle, dwo):
         """Group r's projection backward once its dK/dV arrived: dW_r, whose reduction to r is
@@ -282,7 +282,7 @@ def tsp_attention_backward(sched: _Schedule, dy, x, cos, sin, own, q_norm, k_nor
         handle.wait()
         dk, dv = dkv.to(x.dtype).chunk(2, dim=2)
         g, gn, d_lin = project_qkv_backward(
-            dq, dk, dv, x, w, weight, lin, cos, sin, q_norm, k_norm, spec, acc
+            dq, dk, dv, x, w, weight, lin, phases, q_norm, k_norm, spec, acc
         )
         if gn is not None:
             d_norm = gn if d_norm is None else [a + b for a, b in zip(d_norm, gn)]
@@ -338,7 +338,8 @@ class _TSPAttentionFunction(torch.autograd.Function):
     def forward(ctx, sched, names, x, cos, sin, q_norm, k_norm, *weights):
         own = dict(zip(names, weights))
         keep = any(ctx.needs_input_grad)
-        y, a_all, lse_all = tsp_attention_forward(sched, x, cos, sin, own, q_norm, k_norm, keep)
+        phases = rope_phases(cos, sin, x.dtype)
+        y, a_all, lse_all = tsp_attention_forward(sched, x, phases, own, q_norm, k_norm, keep)
         ctx.sched, ctx.names = sched, names
         if keep:
             ctx.save_for_backward(x, cos, sin, q_norm, k_norm, a_all, lse_all, *weights)
@@ -349,7 +350,7 @@ class _TSPAttentionFunction(torch.autograd.Function):
         x, cos, sin, q_norm, k_norm, a_all, lse_all, *weights = ctx.saved_tensors
         own = dict(zip(ctx.names, weights))
         dx, d_own, d_norm = tsp_attention_backward(
-            ctx.sched, dy, x, cos, sin, own, q_norm, k_norm, a_all, lse_all
+            ctx.sched, dy, x, rope_phases(cos, sin, x.dtype), own, q_norm, k_norm, a_all, lse_all
         )
         d_qn, d_kn = d_norm if d_norm is not None else (None, None)
         return (None, None, dx, None, None, d_qn, d_kn, *(d_own[n] for n in ctx.names))

@@ -68,28 +68,48 @@ def rms_norm_keeping_input(x: torch.Tensor, weight: torch.Tensor, eps: float) ->
     return _RMSNormKeepingInput.apply(x, weight, eps)
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out=None) -> torch.Tensor:
-    """Rotary embedding ``x·cos + rotate_half(x)·sin`` of ``x [B, T, H, d]`` with ``cos, sin
-    [B, T, d]`` (Hugging Face's, halves written separately: no temporaries), into ``out`` (any
-    strides) if given. Not differentiable: ``rope_backward`` is its adjoint."""
+def rope_phases(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Hugging Face's RoPE tables ``cos, sin [B, T, d]`` as the phases ``cos_i + j·sin_i``
+    ``[B, T, 1, d/2]`` that ``rope`` multiplies by (complex128 for float64, else complex64).
+    Hugging Face builds both tables as ``cat(freqs, freqs)``; tables whose halves differ are
+    refused rather than rotated wrongly."""
+    half = cos.shape[-1] // 2
+    for t in (cos, sin):
+        if not torch.equal(t[..., :half], t[..., half:]):
+            raise ValueError(
+                "RoPE tables whose two halves differ are not supported: TSP rotates dimension i "
+                "with i + d/2 by one angle (Hugging Face's rotate_half, tables cat(freqs, freqs))"
+            )
+    real = torch.float64 if dtype == torch.float64 else torch.float32
+    return torch.complex(cos[..., :half].to(real), sin[..., :half].to(real)).unsqueeze(2)
+
+
+def rope(x: torch.Tensor, phases: torch.Tensor, out=None) -> torch.Tensor:
+    """Rotary embedding of ``x [B, T, H, d]`` whose head dims are *interleaved*
+    (``qkv.interleave_heads``: Hugging Face's pair (i, i + d/2) at 2i, 2i + 1): each pair times
+    its phase (``rope_phases``), one complex multiply, into ``out`` (any strides) if given. Not
+    differentiable: ``rope(g, phases.conj())`` is its adjoint."""
     out = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out
-    (x1, x2), (c1, c2), (s1, s2), (y1, y2) = (_halves(t) for t in (x, cos, sin, out))
-    torch.mul(x1, c1, out=y1).addcmul_(x2, s1, value=-1)
-    torch.mul(x2, c2, out=y2).addcmul_(x1, s2)
+    target = out if _pairable(out) else torch.empty_like(out, memory_format=torch.contiguous_format)
+    if x.dtype in (torch.float32, torch.float64):
+        torch.mul(_complex(x), phases, out=_complex(target))
+    else:  # no bf16 complex: rotate in float32, round once
+        target.copy_(torch.view_as_real(_complex(x.float()) * phases).flatten(-2))
+    if target is not out:
+        out.copy_(target)
     return out
 
 
-def rope_backward(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out=None) -> torch.Tensor:
-    """Adjoint of ``rope``: the gradient w.r.t. ``x`` of ``rope(x)`` given ``g [B, T, H, d]``."""
-    out = torch.empty_like(g, memory_format=torch.contiguous_format) if out is None else out
-    (g1, g2), (c1, c2), (s1, s2), (y1, y2) = (_halves(t) for t in (g, cos, sin, out))
-    torch.mul(g1, c1, out=y1).addcmul_(g2, s2)
-    torch.mul(g2, c2, out=y2).addcmul_(g1, s1, value=-1)
-    return out
+def _pairable(t: torch.Tensor) -> bool:
+    """Whether ``t``'s last dim can be viewed as complex pairs without a copy."""
+    return (
+        t.stride(-1) == 1
+        and t.storage_offset() % 2 == 0
+        and all(s % 2 == 0 for s in t.stride()[:-1])
+    )
 
 
-def _halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two halves of the last dim; ``[B, T, d]`` tables gain a head dim to broadcast."""
-    if t.dim() == 3:
-        t = t.unsqueeze(2)
-    return t.chunk(2, dim=-1)
+def _complex(t: torch.Tensor) -> torch.Tensor:
+    """``[..., d]`` -> complex ``[..., d/2]`` of adjacent pairs (a view when ``_pairable``)."""
+    t = t if _pairable(t) else t.contiguous()
+    return torch.view_as_complex(t.unflatten(-1, (-1, 2)))

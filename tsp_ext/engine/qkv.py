@@ -10,6 +10,13 @@ Forward, for the local tokens ``X [B, T, h]`` and group r's shards::
 Backward: ``dL = [rope⁻ᵀ(dQ) | rope⁻ᵀ(dK) | dV]`` (through the norms where present),
 ``dW = dLᵀ · X``, ``db = Σ dL``, then the caller's ``dX += dL · W`` (after it has posted dW's
 reduction, which then flies behind that GEMM).
+
+The stacked weight holds each q/k head's rows *interleaved*: Hugging Face's rotation pairs
+dimension i with i + d/2, and with the pair made adjacent RoPE is one complex multiply
+(``pointwise.rope``) instead of four strided half-width passes. Attention only takes dot products
+of Q with K over d, so Q and K permuted alike give the same scores and outputs; the q/k weight
+(and bias, and q/k-norm weight) gradients are permuted back, so nothing outside this module
+sees the order.
 """
 
 from __future__ import annotations
@@ -18,17 +25,31 @@ import torch
 import torch.nn.functional as F
 
 from .heads import AttentionSpec
-from .pointwise import inv_rms, rms_norm, rms_norm_backward, rope, rope_backward
+from .pointwise import inv_rms, rms_norm, rms_norm_backward, rope
 
 _W = ("wq", "wk", "wv")
 _B = ("bq", "bk", "bv")
 
 
-def stacked_weights(w: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``[Wq; Wk; Wv]`` ``[(n_q + 2 n_kv)·d, h]`` and the stacked biases (or None) of ``w``."""
-    weight = torch.cat([w[n] for n in _W])
-    bias = torch.cat([w[n] for n in _B]) if "bq" in w else None
-    return weight, bias
+def interleave_heads(t: torch.Tensor, d: int) -> torch.Tensor:
+    """Rows ``[n·d, ...]`` of n heads -> per head, rows ``0, d/2, 1, d/2 + 1, ...`` (a copy)."""
+    return t.reshape(-1, 2, d // 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+
+
+def deinterleave_heads(t: torch.Tensor, d: int) -> torch.Tensor:
+    """Inverse of ``interleave_heads`` (a copy)."""
+    return t.reshape(-1, d // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+
+
+def stacked_weights(w: dict[str, torch.Tensor], d: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``[Wq; Wk; Wv]`` ``[(n_q + 2 n_kv)·d, h]`` with the q/k heads' rows interleaved
+    (``interleave_heads``), and the stacked biases alike (or None) of ``w``."""
+
+    def stack(names):
+        q, k, v = (w[n] for n in names)
+        return torch.cat([interleave_heads(q, d), interleave_heads(k, d), v])
+
+    return stack(_W), stack(_B) if "bq" in w else None
 
 
 def _split(t: torch.Tensor, w: dict[str, torch.Tensor], d: int) -> list[torch.Tensor]:
@@ -38,31 +59,34 @@ def _split(t: torch.Tensor, w: dict[str, torch.Tensor], d: int) -> list[torch.Te
     return [part.view(B, T, -1, d) for part in t.split(sizes, dim=-1)]
 
 
-def project_qkv(x, w, cos, sin, q_norm, k_norm, spec: AttentionSpec, weight=None):
+def project_qkv(x, w, phases, q_norm, k_norm, spec: AttentionSpec, weight=None):
     """Q ``[B, T, n_q, d]``, K, V ``[B, T, n_kv, d]`` and the pre-norm projection ``L [B, T,
     rows]`` of the tokens ``x [B, T, h]`` for the head group whose shards are ``w`` (RoPE by
-    ``cos, sin [B, T, d]``). ``weight``: what ``stacked_weights(w)`` returned, if the caller has
-    it. Not differentiable (see ``project_qkv_backward``). Q and K are stored heads-major: the
-    kernels take Q so, and RoPE writes that layout ~3x faster than a token-major one; V is a
-    view of L."""
+    ``phases [B, T, 1, d/2]``, ``pointwise.rope_phases``). ``weight``: what
+    ``stacked_weights(w, d)`` returned, if the caller has it. Not differentiable (see
+    ``project_qkv_backward``). Q and K come with each head's dimensions interleaved (module
+    docstring) and stored heads-major: the kernels take Q so, and RoPE writes that layout ~3x
+    faster than a token-major one; V is a view of L."""
     B, T, _ = x.shape
-    W, b = weight if weight is not None else stacked_weights(w)
+    d = spec.head_dim
+    W, b = weight if weight is not None else stacked_weights(w, d)
     lin = F.linear(x, W, b)
-    q, k, v = _split(lin, w, spec.head_dim)
+    q, k, v = _split(lin, w, d)
     if q_norm is not None:
-        q = rms_norm(q, q_norm, spec.qk_norm_eps)
-        k = rms_norm(k, k_norm, spec.qk_norm_eps)
+        q = rms_norm(q, interleave_heads(q_norm, d), spec.qk_norm_eps)
+        k = rms_norm(k, interleave_heads(k_norm, d), spec.qk_norm_eps)
     q_out, k_out = (x.new_empty(B, t.shape[2], T, spec.head_dim).transpose(1, 2) for t in (q, k))
-    return rope(q, cos, sin, out=q_out), rope(k, cos, sin, out=k_out), v, lin
+    return rope(q, phases, out=q_out), rope(k, phases, out=k_out), v, lin
 
 
-def project_qkv_backward(dq, dk, dv, x, w, weight, lin, cos, sin, q_norm, k_norm, spec, acc):
+def project_qkv_backward(dq, dk, dv, x, w, weight, lin, phases, q_norm, k_norm, spec, acc):
     """Adjoint of ``project_qkv`` given ``dq [B, T, n_q, d]``, ``dk, dv [B, T, n_kv, d]``: returns
     the gradients of the shards ``{wq, wk, wv[, bq, bk, bv]}`` (in ``acc``), of ``(q_norm,
     k_norm)`` (in ``acc``; None without norms) and ``dL [B·T, rows]``, the projection's gradient:
     the caller adds ``dX = dL · W`` (``add_matmul(dx, dL, W)``) once it has sent the weight
-    gradients on. ``weight``: the forward's ``stacked_weights(w)``; ``lin``: its projection (read
-    only with norms)."""
+    gradients on. ``weight``: the forward's ``stacked_weights(w, d)``; ``lin``: its projection
+    (read only with norms). ``dq, dk`` and ``dL`` are in the interleaved order, the returned
+    weight and norm gradients in the shards' own."""
     B, T, h = x.shape
     d = spec.head_dim
     W, b = weight
@@ -70,20 +94,25 @@ def project_qkv_backward(dq, dk, dv, x, w, weight, lin, cos, sin, q_norm, k_norm
     dq_lin, dk_lin, dv_lin = _split(d_lin, w, d)
     dv_lin.copy_(dv)
     d_norms = None
+    inverse = phases.conj().resolve_conj()  # RoPE's adjoint: the opposite rotation
     if q_norm is None:
-        rope_backward(dq, cos, sin, out=dq_lin)
-        rope_backward(dk, cos, sin, out=dk_lin)
+        rope(dq, inverse, out=dq_lin)
+        rope(dk, inverse, out=dk_lin)
     else:
         q_pre, k_pre, _ = _split(lin, w, d)
         d_norms = []
         for pre, g, nw, out in ((q_pre, dq, q_norm, dq_lin), (k_pre, dk, k_norm, dk_lin)):
             r = inv_rms(pre.float(), spec.qk_norm_eps)
-            d_pre, d_w = rms_norm_backward(pre, nw, r, rope_backward(g, cos, sin))
+            nw = interleave_heads(nw, d)
+            d_pre, d_w = rms_norm_backward(pre, nw, r, rope(g, inverse))
             out.copy_(d_pre)
-            d_norms.append(d_w.to(acc))
+            d_norms.append(deinterleave_heads(d_w.to(acc), d))
     d2, x2 = d_lin.view(-1, W.shape[0]), x.reshape(-1, h)
     sizes = [w[n].shape[0] for n in _W]
     grads = dict(zip(_W, (d2.t().to(acc) @ x2.to(acc)).split(sizes)))
     if b is not None:
         grads.update(zip(_B, d2.sum(0, dtype=acc).split(sizes)))
+    for n in ("wq", "wk", "bq", "bk"):
+        if n in grads:
+            grads[n] = deinterleave_heads(grads[n], d)
     return grads, d_norms, d2

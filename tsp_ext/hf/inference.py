@@ -29,6 +29,7 @@ from ..engine.decode import (
     vocab_embedding,
 )
 from ..engine.layout import ZigzagLayout, pad_sequence, padded_length
+from ..engine.pointwise import rope_phases
 from ..engine.qkv import project_qkv
 from .attention import TSPAttention
 from .cache import TSPCache, TSPCacheLayer
@@ -68,7 +69,15 @@ def _prefill_attention(attn: TSPAttention, x, cos, sin, layer: TSPCacheLayer, ke
 
     qn, kn = _qk_norms(attn)
     y, _, _ = tsp_attention_forward(
-        sched, x, cos, sin, attn._own(), qn, kn, keep=False, kv_sink=keep, key_valid=key_valid
+        sched,
+        x,
+        rope_phases(cos, sin, x.dtype),
+        attn._own(),
+        qn,
+        kn,
+        keep=False,
+        kv_sink=keep,
+        key_valid=key_valid,
     )
     return y if attn.o_proj.bias is None else y + attn.o_proj.bias
 
@@ -77,7 +86,7 @@ def _decode_attention(attn: TSPAttention, x, cos, sin, layer: TSPCacheLayer, q_i
     """TP attention of the replicated step tokens ``x [B, Tq, h]`` at global indices
     ``q_index [Tq]``; ``valid [B, L + Tq]`` (bool) or None marks the non-padding tokens."""
     spec, own = attn.spec, attn._own()
-    q, k, v, _ = project_qkv(x, own, cos, sin, *_qk_norms(attn), spec)
+    q, k, v, _ = project_qkv(x, own, rope_phases(cos, sin, x.dtype), *_qk_norms(attn), spec)
     keys, values = layer.update(k.transpose(1, 2), v.transpose(1, 2), q_index)
     index = layer.token_index
     allowed = (index[None, :] <= q_index[:, None])[None]  # [1, Tq, L_p]
