@@ -3,10 +3,10 @@
     python -m benchmarks.swiglu_compile --seq-len 4096 --tsp 2 --intermediate 704 --json out.json
 
 Times ``tsp_ext.engine.mlp.swiglu_pointwise_backward`` (silu, its derivative and the products:
-``dM`` and the gate/up pre-activations in, ``[dG | dU]`` and the activation out) on S/D tokens and
-one MLP shard of F/D columns, as the engine runs it and compiled by inductor (median of
-``--repeats``; the first compiled call, compilation included, reported apart). Prints a markdown
-table; ``--json`` writes the rows.
+``dM`` and the gate/up pre-activations in, ``[dG | dU]`` over them and the activation out) on
+S/D tokens and one MLP shard of F/D columns, as the engine runs it and compiled by inductor
+(median of ``--repeats``; the first compiled call, compilation included, reported apart). Prints
+a markdown table; ``--json`` writes the rows.
 """
 
 from __future__ import annotations
@@ -40,21 +40,23 @@ def bench(tokens: int, columns: int, dtype: torch.dtype, device: str, repeats: i
     hid = torch.randn(1, tokens, 2 * columns, dtype=dtype, device=device, generator=gen)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
-    work = dm.clone()  # dM is overwritten: every call gets the same values (untimed copy)
+    # dM and the pre-activations are overwritten: every call gets the same values (untimed copy)
+    work_dm, work_hid = dm.clone(), hid.clone()
 
     def reset():
-        work.copy_(dm)
+        work_dm.copy_(dm)
+        work_hid.copy_(hid)
         sync()
 
     def run(fn):
-        out = fn(work, hid)
+        out = fn(work_dm, work_hid)
         sync()
         return out
 
     compiled = torch.compile(swiglu_pointwise_backward, dynamic=False)
     reset()
     t0 = time.perf_counter()
-    first = run(compiled)
+    first = [t.clone() for t in run(compiled)]
     compile_s = time.perf_counter() - t0
     reset()
     ref = run(swiglu_pointwise_backward)

@@ -29,36 +29,58 @@ from .pointwise import add_matmul
 from .weight_ring import GradientRing, circulate
 
 
-def swiglu_pointwise_backward(dm: torch.Tensor, hid: torch.Tensor):
+def swiglu_pointwise_backward(dm: torch.Tensor, hid: torch.Tensor, s=None, act=None):
     """The elementwise part of the SwiGLU backward, in place: from ``dM = dY·Dn`` ``[B, T, f]``
     and the gate/up pre-activations ``hid = [hg | hu]`` ``[B, T, 2f]`` (both overwritten),
     returns ``hid`` holding their gradients ``[dhg | dhu]`` (one buffer, so that both weight
     gradients are one GEMM) and the forward's activation ``silu(hg) ⊙ hu`` ``[B, T, f]``, the
-    input of Dn. Writing into ``hid`` spares a fresh ``[B, T, 2f]`` buffer per shard, whose
-    first touch page-faults on CPU."""
+    input of Dn. ``s``, ``act``: ``[B, T, f]`` buffers to use (fresh ones if None)."""
     hg, hu = hid.chunk(2, dim=-1)
-    s = F.silu(hg)
-    act = s * hu
+    s = F.silu(hg) if s is None else torch.ops.aten.silu.out(hg, out=s)
+    act = torch.mul(s, hu) if act is None else torch.mul(s, hu, out=act)
     s.mul_(dm)  # dhu
     torch.ops.aten.silu_backward.grad_input(dm.mul_(hu), hg, grad_input=hg)  # dhg, over hg
     hu.copy_(s)
     return hid, act
 
 
-def _swiglu_weight_grads(x, dy, gu, dn, out, hidden=None) -> torch.Tensor:
+class _Workspace:
+    """Flat buffers reused by every step of one ring pass (sized for the largest shard): on CPU
+    a fresh ``[B, T, 2f]`` tensor per step is a fresh mapping whose first touch page-faults."""
+
+    def __init__(self, x: torch.Tensor, f_max: int) -> None:
+        self.x, self.f_max, self.buffers = x, f_max, {}
+
+    def get(self, name: str, width: int) -> torch.Tensor:
+        """A ``[*x.shape[:-1], width]`` view (``width <= 2 f_max``) of buffer ``name``."""
+        rows = self.x.shape[:-1]
+        if name not in self.buffers:
+            self.buffers[name] = self.x.new_empty(rows.numel() * 2 * self.f_max)
+        return self.buffers[name][: rows.numel() * width].view(*rows, width)
+
+
+def _swiglu_weight_grads(x, dy, gu, dn, out, work: _Workspace, hidden=None) -> torch.Tensor:
     """Backward of one shard's ``(silu(X·Gᵀ) ⊙ (X·Uᵀ))·Dnᵀ`` with ``gu = [G; U]`` (``[2f, h]``):
     writes ``[dG; dU]`` (``[2f, h]``) and ``dDn`` (``[h, f]``) into ``out``, a flat buffer in the
-    accumulation dtype laid out like the shard, and returns ``dH [B·T, 2f]``, the gradient of the
-    gate/up pre-activations: the caller adds ``dX = dH · [G; U]`` once ``out`` is on its way.
+    accumulation dtype laid out like the shard, and returns ``dH [B·T, 2f]`` (in ``work``, valid
+    until the next shard), the gradient of the gate/up pre-activations: the caller adds
+    ``dX = dH · [G; U]`` once ``out`` is on its way.
 
     ``hidden``: the saved gate/up pre-activations ``[B, T, 2f]`` (left intact); recomputed if
     None.
     """
     two_f, h = gu.shape
     f = two_f // 2
-    hid = F.linear(x, gu) if hidden is None else hidden.clone()  # [B, T, 2f]: gate and up
-    dh, act = swiglu_pointwise_backward(dy @ dn, hid)
-    x2, dy2, dh2 = x.reshape(-1, h), dy.reshape(-1, h), dh.view(-1, two_f)
+    x2, dy2 = x.reshape(-1, h), dy.reshape(-1, h)
+    hid = work.get("hid", two_f)  # [B, T, 2f]: gate and up, one GEMM
+    if hidden is None:
+        torch.mm(x2, gu.t(), out=hid.view(-1, two_f))
+    else:
+        hid.copy_(hidden)
+    dm = work.get("dm", f)
+    torch.mm(dy2, dn, out=dm.view(-1, f))
+    dh, act = swiglu_pointwise_backward(dm, hid, work.get("s", f), work.get("act", f))
+    dh2 = dh.view(-1, two_f)
     acc = out.dtype
     torch.mm(dh2.t().to(acc), x2.to(acc), out=out[: two_f * h].view(two_f, h))
     torch.mm(dy2.t().to(acc), act.view(-1, f).to(acc), out=out[two_f * h : 3 * f * h].view(h, f))
@@ -91,12 +113,17 @@ def tsp_mlp_forward(sched: _RingSchedule, x: torch.Tensor, weights, keep_hidden:
     step's gate/up pre-activations, a list of D ``[B, T, 2 f_q]`` (else None)."""
     y = torch.zeros(x.shape, dtype=sched.acc, device=x.device)
     hidden = [] if keep_hidden else None
+    work = _Workspace(x, max(sched.sizes))
     for _, (gu, dn) in sched.shards(weights):
-        hid = F.linear(x, gu)  # [B, T, 2f]
+        two_f = gu.shape[0]
         if keep_hidden:
+            hid = F.linear(x, gu)
             hidden.append(hid)
+        else:
+            hid = work.get("hid", two_f)  # [B, T, 2f]
+            torch.mm(x.reshape(-1, sched.h), gu.t(), out=hid.view(-1, two_f))
         hg, hu = hid.chunk(2, dim=-1)
-        act = F.silu(hg).mul_(hu)
+        act = torch.ops.aten.silu.out(hg, out=work.get("act", two_f // 2)).mul_(hu)
         add_matmul(y.view(-1, sched.h), act.view(-1, act.shape[-1]), dn.t())
     return y.to(x.dtype), hidden
 
@@ -107,11 +134,12 @@ def tsp_mlp_backward(sched: _RingSchedule, dy: torch.Tensor, x: torch.Tensor, we
     dy = dy.contiguous()
     dx = torch.zeros(x.shape, dtype=sched.acc, device=x.device)
     owner_grads = GradientRing(sched.ring)
+    work = _Workspace(x, max(sched.sizes))
     for t, (gu, dn) in sched.shards(weights):
         share = torch.empty(sched.numel, dtype=sched.acc, device=x.device)
         share[dn.numel() * 3 :].zero_()  # a smaller shard's padding travels (and is summed) too
         h_t = hidden[t] if hidden is not None else None
-        dh = _swiglu_weight_grads(x, dy, gu, dn, share, h_t)
+        dh = _swiglu_weight_grads(x, dy, gu, dn, share, work, h_t)
         owner_grads.add(t, share)  # on its way (the last hop too) while dX is computed
         add_matmul(dx.view(-1, sched.h), dh, gu)
     f, h = sched.sizes[sched.p], sched.h
