@@ -39,7 +39,7 @@ from .heads import AttentionSpec
 from .layout import RowSpans, Span, ZigzagLayout
 from .masked_attention import masked_chunked_attention
 from .pointwise import add_matmul, rope_phases
-from .qkv import project_qkv, project_qkv_backward, stacked_weights
+from .qkv import project_qkv, project_qkv_backward, split_kv, stacked_weights
 
 # Names of the k/v part of one head group's shards (summed among the users of a shared KV head).
 _KV = ("wk", "wv", "bk", "bv")
@@ -102,7 +102,7 @@ class _Schedule:
         def start(item: tuple[int, dict[str, torch.Tensor]]) -> _Group:
             r, w = item
             projected = project(w)
-            kv_all, handle = self.gather_kv(projected[1].detach(), projected[2].detach())
+            kv_all, handle = comm.all_gather_seq(projected[1], self.group, async_op=True)
             return _Group(self, r, w, projected, kv_all, handle)
 
         stream = self.weight_stream(own)
@@ -115,33 +115,27 @@ class _Schedule:
             if r + 1 < self.D and not self.config.overlap:
                 nxt = start(next(stream))
 
-    def gather_kv(self, k: torch.Tensor, v: torch.Tensor):
-        """Start the all-gather of one group's K/V: ``[B, T, hk, d]`` each ->
-        ``(kv_all [D, B, T, 2hk, d], handle)``; ``kv_all`` is valid once ``handle.wait()``."""
-        return comm.all_gather_seq(torch.cat([k, v], dim=2), self.group, async_op=True)
-
     def natural_kv(self, kv_all: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gathered ``kv_all [D, B, T, 2hk, d]`` (rank-major) -> K, V ``[B, S, hk, d]`` in token
-        order (one copy: rank q's chunks q and 2D-1-q go to their global positions), stored
-        heads-major (see ``heads_major``)."""
-        D, B, T, two_hk, d = kv_all.shape
+        """Gathered ``kv_all [D, B, 2hk, T, d]`` (rank-major, heads-major) -> K, V ``[B, S, hk,
+        d]`` in token order (one copy of contiguous blocks: rank q's chunks q and 2D-1-q go to
+        their global positions), stored heads-major (see ``heads_major``)."""
+        D, B, two_hk, T, d = kv_all.shape
         kv = kv_all.new_empty(B, two_hk, D * T, d)
         for q in range(D):
             for s in self.layout.spans(q):
-                kv[:, :, s.start : s.stop] = kv_all[q, :, s.offset : s.offset + s.length].transpose(
-                    1, 2
-                )
-        return kv[:, : two_hk // 2].transpose(1, 2), kv[:, two_hk // 2 :].transpose(1, 2)
+                kv[:, :, s.start : s.stop] = kv_all[q, :, :, s.offset : s.offset + s.length]
+        return split_kv(kv)
 
     def rank_major(self, dk: torch.Tensor, dv: torch.Tensor) -> torch.Tensor:
-        """Inverse of ``natural_kv`` for gradients: dK, dV ``[B, S, hk, d]`` -> ``[D, B, T, 2hk,
+        """Inverse of ``natural_kv`` for gradients: dK, dV ``[B, S, hk, d]`` -> ``[D, B, 2hk, T,
         d]`` in the accumulation dtype, ready to reduce-scatter."""
         B, S, hk, d = dk.shape
-        out = dk.new_empty(self.D, B, S // self.D, 2 * hk, d, dtype=self.acc)
+        out = dk.new_empty(self.D, B, 2 * hk, S // self.D, d, dtype=self.acc)
         for q in range(self.D):
             for s in self.layout.spans(q):
-                rows = out[q, :, s.offset : s.offset + s.length]
-                rows[:, :, :hk], rows[:, :, hk:] = dk[:, s.start : s.stop], dv[:, s.start : s.stop]
+                rows = out[q, :, :, s.offset : s.offset + s.length]
+                rows[:, :hk] = dk[:, s.start : s.stop].transpose(1, 2)
+                rows[:, hk:] = dv[:, s.start : s.stop].transpose(1, 2)
         return out
 
 
@@ -280,7 +274,7 @@ def tsp_attention_backward(sched: _Schedule, dy, x, phases, own, q_norm, k_norm,
         posted before the dX GEMM so that it flies behind it."""
         nonlocal d_norm
         handle.wait()
-        dk, dv = dkv.to(x.dtype).chunk(2, dim=2)
+        dk, dv = split_kv(dkv.to(x.dtype))
         g, gn, d_lin = project_qkv_backward(
             dq, dk, dv, x, w, weight, lin, phases, q_norm, k_norm, spec, acc
         )
@@ -302,7 +296,7 @@ def tsp_attention_backward(sched: _Schedule, dy, x, phases, own, q_norm, k_norm,
     waiting = None  # the previous group's projection backward, run after this group's attention
     for group in sched.projected_groups(own, recompute):
         r, w = group.r, group.w
-        q, k, _, lin, weight = group.projected
+        q, kv, lin, weight = group.projected
         # while K/V travel: dA = dY_p · Wo_r ;  dWo_r (partial) = dY_pᵀ · A_r
         heads = spec.q_heads(r)
         a = a_all[:, heads].transpose(1, 2)  # [B, T, n_q(r), d]
@@ -314,7 +308,7 @@ def tsp_attention_backward(sched: _Schedule, dy, x, phases, own, q_norm, k_norm,
             sched.kernel, da, q, sched.q_spans, k_all, v_all, a, lse_all[:, heads], spec.scaling
         )
         del k_all, v_all
-        hk = k.shape[2]
+        hk = kv.shape[1] // 2
         dk_all, dv_all = (fold_kv(t, spec.kv_map(r), hk) for t in (dk_all, dv_all))
         dkv, handle = comm.reduce_scatter_seq(sched.rank_major(dk_all, dv_all), sched.group, True)
         del dk_all, dv_all

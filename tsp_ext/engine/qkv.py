@@ -60,13 +60,15 @@ def _split(t: torch.Tensor, w: dict[str, torch.Tensor], d: int) -> list[torch.Te
 
 
 def project_qkv(x, w, phases, q_norm, k_norm, spec: AttentionSpec, weight=None):
-    """Q ``[B, T, n_q, d]``, K, V ``[B, T, n_kv, d]`` and the pre-norm projection ``L [B, T,
-    rows]`` of the tokens ``x [B, T, h]`` for the head group whose shards are ``w`` (RoPE by
-    ``phases [B, T, 1, d/2]``, ``pointwise.rope_phases``). ``weight``: what
+    """Q ``[B, T, n_q, d]``, ``KV [B, 2 n_kv, T, d]`` (K's heads, then V's) and the pre-norm
+    projection ``L [B, T, rows]`` of the tokens ``x [B, T, h]`` for the head group whose shards
+    are ``w`` (RoPE by ``phases [B, T, 1, d/2]``, ``pointwise.rope_phases``). ``weight``: what
     ``stacked_weights(w, d)`` returned, if the caller has it. Not differentiable (see
     ``project_qkv_backward``). Q and K come with each head's dimensions interleaved (module
-    docstring) and stored heads-major: the kernels take Q so, and RoPE writes that layout ~3x
-    faster than a token-major one; V is a view of L."""
+    docstring). Everything is heads-major: the kernels take Q so, ``KV`` is the K/V all-gather's
+    send buffer (its chunks then land in token order by contiguous block copies), and RoPE writes
+    that layout ~3x faster than a token-major one. ``split_kv`` views K and V ``[B, T, n_kv, d]``.
+    """
     B, T, _ = x.shape
     d = spec.head_dim
     W, b = weight if weight is not None else stacked_weights(w, d)
@@ -75,8 +77,19 @@ def project_qkv(x, w, phases, q_norm, k_norm, spec: AttentionSpec, weight=None):
     if q_norm is not None:
         q = rms_norm(q, interleave_heads(q_norm, d), spec.qk_norm_eps)
         k = rms_norm(k, interleave_heads(k_norm, d), spec.qk_norm_eps)
-    q_out, k_out = (x.new_empty(B, t.shape[2], T, spec.head_dim).transpose(1, 2) for t in (q, k))
-    return rope(q, phases, out=q_out), rope(k, phases, out=k_out), v, lin
+    n_kv = k.shape[2]
+    q_out = x.new_empty(B, q.shape[2], T, d).transpose(1, 2)
+    kv = x.new_empty(B, 2 * n_kv, T, d)
+    k_out, v_out = split_kv(kv)
+    rope(k, phases, out=k_out)
+    v_out.copy_(v)
+    return rope(q, phases, out=q_out), kv, lin
+
+
+def split_kv(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Heads-major ``KV [B, 2 n_kv, L, d]`` -> K, V as ``[B, L, n_kv, d]`` views."""
+    k, v = kv.chunk(2, dim=1)
+    return k.transpose(1, 2), v.transpose(1, 2)
 
 
 def project_qkv_backward(dq, dk, dv, x, w, weight, lin, phases, q_norm, k_norm, spec, acc):

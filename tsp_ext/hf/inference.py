@@ -86,8 +86,8 @@ def _decode_attention(attn: TSPAttention, x, cos, sin, layer: TSPCacheLayer, q_i
     """TP attention of the replicated step tokens ``x [B, Tq, h]`` at global indices
     ``q_index [Tq]``; ``valid [B, L + Tq]`` (bool) or None marks the non-padding tokens."""
     spec, own = attn.spec, attn._own()
-    q, k, v, _ = project_qkv(x, own, rope_phases(cos, sin, x.dtype), *_qk_norms(attn), spec)
-    keys, values = layer.update(k.transpose(1, 2), v.transpose(1, 2), q_index)
+    q, kv, _ = project_qkv(x, own, rope_phases(cos, sin, x.dtype), *_qk_norms(attn), spec)
+    keys, values = layer.update(*kv.chunk(2, dim=1), q_index)
     index = layer.token_index
     allowed = (index[None, :] <= q_index[:, None])[None]  # [1, Tq, L_p]
     if valid is not None:
