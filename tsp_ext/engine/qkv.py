@@ -67,8 +67,7 @@ def project_qkv(x, w, phases, q_norm, k_norm, spec: AttentionSpec, weight=None):
     ``project_qkv_backward``). Q and K come with each head's dimensions interleaved (module
     docstring). Everything is heads-major: the kernels take Q so, ``KV`` is the K/V all-gather's
     send buffer (its chunks then land in token order by contiguous block copies), and RoPE writes
-    that layout ~3x faster than a token-major one. ``split_kv`` views K and V ``[B, T, n_kv, d]``.
-    """
+    that layout faster than a token-major one. ``split_kv`` views K and V ``[B, T, n_kv, d]``."""
     B, T, _ = x.shape
     d = spec.head_dim
     W, b = weight if weight is not None else stacked_weights(w, d)
