@@ -51,12 +51,13 @@ class _Workspace:
     def __init__(self, x: torch.Tensor, f_max: int) -> None:
         self.x, self.f_max, self.buffers = x, f_max, {}
 
-    def get(self, name: str, width: int) -> torch.Tensor:
-        """A ``[*x.shape[:-1], width]`` view (``width <= 2 f_max``) of buffer ``name``."""
+    def get(self, name: str, f: int, per_f: int = 1) -> torch.Tensor:
+        """Buffer ``name`` as ``[*x.shape[:-1], per_f · f]`` for a shard of width ``f`` (its
+        capacity: ``per_f · f_max`` columns)."""
         rows = self.x.shape[:-1]
         if name not in self.buffers:
-            self.buffers[name] = self.x.new_empty(rows.numel() * 2 * self.f_max)
-        return self.buffers[name][: rows.numel() * width].view(*rows, width)
+            self.buffers[name] = self.x.new_empty(rows.numel() * per_f * self.f_max)
+        return self.buffers[name][: rows.numel() * per_f * f].view(*rows, per_f * f)
 
 
 def _swiglu_weight_grads(x, dy, gu, dn, out, work: _Workspace, hidden=None) -> torch.Tensor:
@@ -72,7 +73,7 @@ def _swiglu_weight_grads(x, dy, gu, dn, out, work: _Workspace, hidden=None) -> t
     two_f, h = gu.shape
     f = two_f // 2
     x2, dy2 = x.reshape(-1, h), dy.reshape(-1, h)
-    hid = work.get("hid", two_f)  # [B, T, 2f]: gate and up, one GEMM
+    hid = work.get("hid", f, 2)  # [B, T, 2f]: gate and up, one GEMM
     if hidden is None:
         torch.mm(x2, gu.t(), out=hid.view(-1, two_f))
     else:
@@ -120,7 +121,7 @@ def tsp_mlp_forward(sched: _RingSchedule, x: torch.Tensor, weights, keep_hidden:
             hid = F.linear(x, gu)
             hidden.append(hid)
         else:
-            hid = work.get("hid", two_f)  # [B, T, 2f]
+            hid = work.get("hid", two_f // 2, 2)  # [B, T, 2f]
             torch.mm(x.reshape(-1, sched.h), gu.t(), out=hid.view(-1, two_f))
         hg, hu = hid.chunk(2, dim=-1)
         act = torch.ops.aten.silu.out(hg, out=work.get("act", two_f // 2)).mul_(hu)
