@@ -6,9 +6,10 @@
 
 Rank ``--rank``'s two zigzag chunks (S/D tokens) attend causally to the whole sequence (K/V in
 natural order) through every backend that runs on the device and dtype; the forward and the
-backward are timed separately (median of ``--repeats`` after ``--warmup``). A reference row times
-plain ``F.scaled_dot_product_attention(is_causal=True)`` on S/D tokens attending to themselves:
-the same number of queries but 1/D of a rank's query-key pairs (S^2/(2D^2) vs S^2/(2D)).
+backward are timed separately (median of ``--repeats`` after ``--warmup``). Two reference rows time
+plain ``F.scaled_dot_product_attention(is_causal=True)``: on S/D tokens attending to themselves
+(the same number of queries but 1/D of a rank's query-key pairs, S^2/(2D^2) vs S^2/(2D)), and
+over the whole sequence with its time divided by D (a rank's share of one device's work).
 Prints a markdown table; ``--json`` writes the rows.
 """
 
@@ -50,6 +51,37 @@ def _median_ms(fn: Callable[[], object], repeats: int, warmup: int, sync: Callab
     return statistics.median(times)
 
 
+def _sdpa_row(label: str, q, k, v, dout, share: int, timer) -> dict:
+    """Causal ``F.scaled_dot_product_attention`` of ``[B, L, H, d]`` q to k, v (GQA), forward and
+    backward timed like the kernels; both times divided by ``share``."""
+    repeats, warmup, sync = timer
+    qs, ks, vs = (x.detach().transpose(1, 2) for x in (q, k, v))  # [B, H, L, d] views
+
+    def sdpa(grad: bool):
+        with torch.set_grad_enabled(grad):
+            return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+
+    fwd = _median_ms(lambda: sdpa(False), repeats, warmup, sync)
+    for x in (qs, ks, vs):
+        x.requires_grad_()
+    bwd_times = []
+    for i in range(warmup + repeats):
+        o = sdpa(True)  # each backward needs a fresh graph; the forward is not timed
+        sync()
+        t0 = time.perf_counter()
+        torch.autograd.grad(o, (qs, ks, vs), dout.transpose(1, 2))
+        sync()
+        if i >= warmup:
+            bwd_times.append((time.perf_counter() - t0) * 1e3)
+    return {
+        "kernel": label,
+        "fwd_ms": fwd / share,
+        "bwd_ms": statistics.median(bwd_times) / share,
+        "max_abs_diff": None,
+        "grad_max_abs_diff": None,
+    }
+
+
 def bench(
     seq_len: int,
     heads: int,
@@ -64,9 +96,10 @@ def bench(
     warmup: int = 1,
 ) -> list[dict]:
     """One row per backend (and the SDPA reference): ``fwd_ms``, ``bwd_ms``, ratios to blockwise,
-    and ``max_abs_diff`` of the output against blockwise."""
+    and ``max_abs_diff`` / ``grad_max_abs_diff`` of the output / of dq, dk, dv against blockwise."""
     dev = torch.device(device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    timer = (repeats, warmup, sync)
     spans = ZigzagLayout(seq_len, tsp).spans(rank)
     T, scale = seq_len // tsp, head_dim**-0.5
     gen = torch.Generator().manual_seed(0)
@@ -78,12 +111,13 @@ def bench(
     q, dout = (heads_major(rand(batch, T, heads, head_dim)) for _ in "qo")
     k, v = (heads_major(rand(batch, seq_len, kv_heads, head_dim)) for _ in "kv")
 
-    rows, outs = [], {}
+    rows, ref = [], {}
     names = ["blockwise"] + [n for n in available_backends(dev, dtype) if n != "blockwise"]
     for name in names:
         kern = BACKENDS[name]
         out, lse = chunked_attention_forward(kern, q, spans, k, v, scale)
-        outs[name] = out
+        grads = chunked_attention_backward(kern, dout, q, spans, k, v, out, lse, scale)
+        ref = ref or {"out": out, "grads": grads}
         fwd = _median_ms(
             lambda kern=kern: chunked_attention_forward(kern, q, spans, k, v, scale),
             repeats,
@@ -98,37 +132,23 @@ def bench(
             warmup,
             sync,
         )
-        diff = (out.float() - outs["blockwise"].float()).abs().max().item()
-        rows.append({"kernel": name, "fwd_ms": fwd, "bwd_ms": bwd, "max_abs_diff": diff})
+        diff = (out.float() - ref["out"].float()).abs().max().item()
+        gdiff = max((g.float() - r.float()).abs().max().item() for g, r in zip(grads, ref["grads"]))
+        rows.append(
+            {
+                "kernel": name,
+                "fwd_ms": fwd,
+                "bwd_ms": bwd,
+                "max_abs_diff": diff,
+                "grad_max_abs_diff": gdiff,
+            }
+        )
 
-    # Reference: causal self-attention of the rank's S/D tokens, through SDPA's autograd.
-    qs, ks, vs = (x.transpose(1, 2) for x in (q, k[:, :T], v[:, :T]))  # [B, H, T, d] views
-
-    def sdpa(grad: bool):
-        with torch.set_grad_enabled(grad):
-            return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
-
-    fwd = _median_ms(lambda: sdpa(False), repeats, warmup, sync)
-    for x in (qs, ks, vs):
-        x.requires_grad_()
-
-    bwd_times = []
-    for i in range(warmup + repeats):
-        o = sdpa(True)  # each backward needs a fresh graph; the forward is not timed
-        sync()
-        t0 = time.perf_counter()
-        torch.autograd.grad(o, (qs, ks, vs), dout.transpose(1, 2))
-        sync()
-        if i >= warmup:
-            bwd_times.append((time.perf_counter() - t0) * 1e3)
-    rows.append(
-        {
-            "kernel": f"sdpa causal self T={T}",
-            "fwd_ms": fwd,
-            "bwd_ms": statistics.median(bwd_times),
-            "max_abs_diff": None,
-        }
-    )
+    # References through SDPA's autograd: causal self-attention of the rank's S/D tokens, and
+    # causal attention over the whole sequence divided by D (a rank's share of the work).
+    rows.append(_sdpa_row(f"sdpa causal self T={T}", q, k[:, :T], v[:, :T], dout, 1, timer))
+    k_all = heads_major(rand(batch, seq_len, heads, head_dim))
+    rows.append(_sdpa_row(f"sdpa causal S={seq_len} / D", k_all, k, v, k_all, tsp, timer))
     base = rows[0]
     for r in rows:
         r["fwd_vs_blockwise"] = r["fwd_ms"] / base["fwd_ms"]
@@ -158,12 +178,14 @@ def markdown_table(rows: list[dict]) -> str:
         f"S={r0['seq_len']} D={r0['tsp']} rank={r0['rank']} B={r0['batch']} "
         f"Hq={r0['heads']} Hk={r0['kv_heads']} d={r0['head_dim']} {r0['dtype']} "
         f"{r0['device']} threads={r0['threads']}\n\n"
-        "| kernel | fwd ms | bwd ms | fwd / blockwise | bwd / blockwise | max abs diff |\n"
-        "|---|---|---|---|---|---|\n"
+        "| kernel | fwd ms | bwd ms | fwd / blockwise | bwd / blockwise | max abs diff "
+        "| grad max abs diff |\n"
+        "|---|---|---|---|---|---|---|\n"
     )
     lines = [
         f"| {r['kernel']} | {r['fwd_ms']:.1f} | {r['bwd_ms']:.1f} | {r['fwd_vs_blockwise']:.3f} "
-        f"| {r['bwd_vs_blockwise']:.3f} | {_fmt(r['max_abs_diff'])} |\n"
+        f"| {r['bwd_vs_blockwise']:.3f} | {_fmt(r['max_abs_diff'])} "
+        f"| {_fmt(r['grad_max_abs_diff'])} |\n"
         for r in rows
     ]
     return head + "".join(lines)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tsp_ext.engine.attention import heads_major
 from tsp_ext.engine.attention_kernels import (
     BACKENDS,
     available_backends,
@@ -42,9 +43,13 @@ def _inputs(B, S, T, hq, hk, d, dtype, device=CPU, seed=0):
     return r(B, T, hq, d), r(B, S, hk, d), r(B, S, hk, d), r(B, T, hq, d)
 
 
-def _check_parity(kernel, spans, S, hq, hk, d, dtype, device=CPU):
+def _check_parity(kernel, spans, S, hq, hk, d, dtype, device=CPU, heads_first=False):
+    """``heads_first``: q, k, v, dout stored ``[B, H, L, d]`` (views ``[B, L, H, d]``), as the TSP
+    schedule hands them to the kernels; out then comes back in that layout too."""
     B, T = 2, sum(s.length for s in spans)
     q, k, v, dout = _inputs(B, S, T, hq, hk, d, dtype, device)
+    if heads_first:
+        q, k, v, dout = map(heads_major, (q, k, v, dout))
     scale = d**-0.5
     out, lse = chunked_attention_forward(kernel, q, spans, k, v, scale)
     dq, dk, dv = chunked_attention_backward(kernel, dout, q, spans, k, v, out, lse, scale)
@@ -82,10 +87,11 @@ def test_chunked_matches_dense(name, S, D, p, hq, hk, d, dtype):
 
 
 @pytest.mark.parametrize("name", LOCAL)
-def test_odd_spans_and_empty(name):
+@pytest.mark.parametrize("heads_first", [False, True])
+def test_odd_spans_and_empty(name, heads_first):
     """Spans in any row order, of unequal length, one empty, one ending at S."""
     spans = [Span(0, 40, 24), Span(24, 0, 5), Span(29, 5, 0), Span(29, 17, 11)]
-    _check_parity(BACKENDS[name], spans, 64, 4, 2, 16, torch.float64)
+    _check_parity(BACKENDS[name], spans, 64, 4, 2, 16, torch.float64, heads_first=heads_first)
 
 
 def test_cpu_flash_bf16_close_to_blockwise():
@@ -126,13 +132,14 @@ CUDA_BACKENDS = ["cuda_flash", "cuda_efficient", "flash_attn"]
 @pytest.mark.parametrize("name", CUDA_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("hq,hk", [(4, 4), (4, 2)])
-def test_cuda_backends(name, dtype, hq, hk):
+@pytest.mark.parametrize("heads_first", [False, True])
+def test_cuda_backends(name, dtype, hq, hk, heads_first):
     cuda = torch.device("cuda")
     kernel = BACKENDS[name]
     if not kernel.supports(cuda, dtype):
         pytest.skip(f"{name} cannot run {dtype} here")
     for S, D, p in [(256, 2, 0), (256, 4, 1)]:
-        _check_parity(kernel, _spans(S, D, p), S, hq, hk, 64, dtype, cuda)
+        _check_parity(kernel, _spans(S, D, p), S, hq, hk, 64, dtype, cuda, heads_first)
 
 
 @pytest.mark.parametrize("name", ["cuda_flash", "cuda_efficient"])

@@ -105,7 +105,9 @@ def check_kernel(name, D, p, dtype=torch.float64, device="cpu", tol=1e-12, d=8):
     ref.backward(dout.double())
     pairs = [(out, ref), (lse, s.logsumexp(-1)), (dq, qr.grad), (dk, kr.grad), (dv, vr.grad)]
     for got, want in pairs:
-        torch.testing.assert_close(got.double(), want.detach(), rtol=tol, atol=tol)
+        # bf16 rounds P and the outputs: its error scales with the tensor's largest entry
+        atol = tol * want.abs().max().item() if dtype == torch.bfloat16 else tol
+        torch.testing.assert_close(got.double(), want.detach(), rtol=tol, atol=atol)
 
 
 @pytest.mark.parametrize("name", ["cpu_flash", "blockwise"])

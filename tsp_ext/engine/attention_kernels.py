@@ -125,7 +125,10 @@ class CudaFlash(AttentionKernel):
 
 class CudaEfficient(AttentionKernel):
     """No GQA in this op: K/V are expanded per call. Its lse is padded to a multiple of 32 along
-    L (the backward checks that alignment), so it is sliced on the way out and padded back in."""
+    L (the backward checks that alignment), so it is sliced on the way out and padded back in.
+    Its backward reads ``out`` with a fixed row stride of H * d (the kernel's ``o_strideM``,
+    whatever the tensor's strides say) where it computes rowsum(dout * out) itself (bf16/fp16),
+    so ``out`` goes in token-major."""
 
     name, device_type = "cuda_efficient", "cuda"
     dtypes = frozenset({torch.float32, *_HALF})
@@ -152,7 +155,8 @@ class CudaEfficient(AttentionKernel):
         lse_pad[:, :, :Lq] = lse
         seed = offset = torch.zeros((), dtype=torch.int64, device=q.device)
         kx, vx = (_bhld(self._expand(x, hq)) for x in (k, v))
-        rest = (None, _bhld(out), lse_pad, seed, offset, 0.0, [True, True, True, False], is_causal)
+        out = _bhld(out.contiguous())  # heads-major out gave dq, dk off by ~50 % in bf16 (H200)
+        rest = (None, out, lse_pad, seed, offset, 0.0, [True, True, True, False], is_causal)
         dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
             _bhld(dout.contiguous()), _bhld(q), kx, vx, *rest, scale=scale
         )
