@@ -48,6 +48,7 @@ bench: $(STAMP)
 		--markdown $(BENCH_DIR)/results.md --plots $(BENCH_DIR)
 
 # On a machine with one GPU (< 8 minutes): CUDA parity of every attention backend, the kernel
-# micro-benchmark and the 7B-layer emulation at D = 8, S = 32K..128K -> outputs/gpu_check/gpu_check.json
+# micro-benchmark, the 7B-layer emulation at D = 8, S = 32K..128K, and TSP at D = 1 against the
+# plain model (step times, profile) -> outputs/gpu_check/gpu_check.json
 gpu-check: $(STAMP)
 	PY=$(PY) benchmarks/gpu_check.sh outputs/gpu_check

@@ -52,14 +52,17 @@ def _median_ms(fn: Callable[[], object], repeats: int, warmup: int, sync: Callab
 
 
 def _sdpa_row(label: str, q, k, v, dout, share: int, timer) -> dict:
-    """Causal ``F.scaled_dot_product_attention`` of ``[B, L, H, d]`` q to k, v (GQA), forward and
-    backward timed like the kernels; both times divided by ``share``."""
+    """Causal ``F.scaled_dot_product_attention`` of ``[B, L, H, d]`` q to k, v, forward and
+    backward timed like the kernels; both times divided by ``share``. GQA K/V are repeated per
+    query head first (``enable_gqa`` sends float32 on CUDA to the math kernel, O(L^2) memory)."""
     repeats, warmup, sync = timer
+    g = q.shape[2] // k.shape[2]
+    k, v = (x.repeat_interleave(g, dim=2) for x in (k, v))
     qs, ks, vs = (x.detach().transpose(1, 2) for x in (q, k, v))  # [B, H, L, d] views
 
     def sdpa(grad: bool):
         with torch.set_grad_enabled(grad):
-            return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+            return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
 
     fwd = _median_ms(lambda: sdpa(False), repeats, warmup, sync)
     for x in (qs, ks, vs):

@@ -106,3 +106,13 @@ def test_combine_rounds_takes_medians_and_keeps_failures():
     assert out["tokens_per_s"] == 50.0
     assert out["memory_bytes"] == {"peak": 20, "activations": 7}
     assert combine_rounds([row(1.0, 1), row(1.0, 1, status="oom")])["status"] == "oom"
+
+
+def test_profile_step_names_the_tsp_functions():
+    from benchmarks.profile_step import markdown, profile
+
+    res = profile("tsp", 256, {"num_hidden_layers": 1}, top=40, timeout=120)
+    names = [r["name"] for r in res["top"]]
+    assert res["step_ms"] > 0 and res["device_busy_ms"] == 0  # CPU: no kernels
+    assert "fwd:TSPAttention" in names and "_TSPMLPFunctionBackward" in names
+    assert markdown(res).count("\n| ") == len(res["top"]) + 1

@@ -8,7 +8,14 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from tsp_ext.engine.pointwise import rms_norm, rms_norm_keeping_input, rope, rope_phases
+from tsp_ext.engine.pointwise import (
+    add_matmul,
+    matmul,
+    rms_norm,
+    rms_norm_keeping_input,
+    rope,
+    rope_phases,
+)
 from tsp_ext.engine.qkv import deinterleave_heads, interleave_heads
 from tsp_ext.memory import SavedTensorBytes
 
@@ -70,3 +77,45 @@ def test_rope_tables_with_different_halves_are_refused():
     cos, sin = torch.rand(1, 4, 8), torch.rand(1, 4, 8)
     with pytest.raises(ValueError, match="halves differ"):
         rope_phases(cos, sin, torch.float32)
+
+
+def _bf16_pair(device):
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(64, 96, generator=gen), torch.randn(96, 40, generator=gen)
+    return a.to(device, torch.bfloat16), b.to(device, torch.bfloat16)
+
+
+def test_bf16_matmuls_into_float32_are_formed_at_float32():
+    """The weight-gradient GEMMs of a bf16 model: a float32 result, never a bf16-rounded one."""
+    a, b = _bf16_pair("cpu")
+    exact = a.float() @ b.float()
+    assert torch.equal(matmul(a, b, torch.float32), exact)
+    out = torch.empty(64, 40)
+    assert matmul(a, b, torch.float32, out=out) is out and torch.equal(out, exact)
+    acc = torch.ones(64, 40)
+    add_matmul(acc, a, b)
+    torch.testing.assert_close(acc, exact + 1, rtol=0, atol=1e-5)
+    assert torch.equal(matmul(a, b, torch.bfloat16), a @ b)
+
+
+def test_bf16_matmuls_take_the_out_dtype_op_on_meta():
+    """Meta runs the branch CUDA takes (``mm(..., out_dtype=float32)``): shapes and dtypes."""
+    a, b = _bf16_pair("meta")
+    out = torch.empty(64, 40, device="meta")
+    assert matmul(a, b, torch.float32, out=out) is out
+    acc = torch.empty(64, 40, device="meta")
+    add_matmul(acc, a, b)
+    assert matmul(a, b, torch.float32).dtype == torch.float32
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_matmuls_into_float32_on_cuda():
+    a, b = _bf16_pair("cuda")
+    exact = a.double() @ b.double()
+    got = matmul(a, b, torch.float32)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5)
+    acc = torch.ones(64, 40, device="cuda")
+    add_matmul(acc, a, b)
+    torch.testing.assert_close(acc.double(), exact + 1, rtol=1e-5, atol=1e-5)

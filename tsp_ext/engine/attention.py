@@ -38,7 +38,7 @@ from .attention_kernels import (
 from .heads import AttentionSpec
 from .layout import RowSpans, Span, ZigzagLayout
 from .masked_attention import masked_chunked_attention
-from .pointwise import add_matmul, rope_phases
+from .pointwise import add_matmul, matmul, rope_phases
 from .qkv import project_qkv, project_qkv_backward, split_kv, stacked_weights
 
 # Names of the k/v part of one head group's shards (summed among the users of a shared KV head).
@@ -301,7 +301,7 @@ def tsp_attention_backward(sched: _Schedule, dy, x, phases, own, q_norm, k_norm,
         heads = spec.q_heads(r)
         a = a_all[:, heads].transpose(1, 2)  # [B, T, n_q(r), d]
         da = heads_major((dy @ w["wo"]).view_as(a))
-        dwo = dy.flatten(0, 1).t().to(acc) @ a.flatten(2).flatten(0, 1).to(acc)
+        dwo = matmul(dy.flatten(0, 1).t(), a.flatten(2).flatten(0, 1), acc)
         k_all, v_all = expand_kv(*group.kv(), spec.kv_map(r))
         del group
         dq, dk_all, dv_all = chunked_attention_backward(

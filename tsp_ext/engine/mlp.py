@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from ..config import TSPConfig
 from . import comm
-from .pointwise import add_matmul
+from .pointwise import add_matmul, matmul
 from .weight_ring import GradientRing, circulate
 
 
@@ -83,8 +83,8 @@ def _swiglu_weight_grads(x, dy, gu, dn, out, work: _Workspace, hidden=None) -> t
     dh, act = swiglu_pointwise_backward(dm, hid, work.get("s", f), work.get("act", f))
     dh2 = dh.view(-1, two_f)
     acc = out.dtype
-    torch.mm(dh2.t().to(acc), x2.to(acc), out=out[: two_f * h].view(two_f, h))
-    torch.mm(dy2.t().to(acc), act.view(-1, f).to(acc), out=out[two_f * h : 3 * f * h].view(h, f))
+    matmul(dh2.t(), x2, acc, out=out[: two_f * h].view(two_f, h))
+    matmul(dy2.t(), act.view(-1, f), acc, out=out[two_f * h : 3 * f * h].view(h, f))
     return dh2
 
 

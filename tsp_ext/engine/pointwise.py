@@ -1,18 +1,38 @@
 """Local maths shared by the schedules and the modules: RMSNorm, rotary embeddings, and the
-accumulating matmul."""
+matmuls into an accumulation dtype."""
 
 from __future__ import annotations
 
 import torch
 
+# Devices whose mm takes half-precision operands with a float32 result (``out_dtype``): the
+# product runs on bf16/fp16 tensor cores, accumulates in float32 and is never rounded to half.
+# Elsewhere the operands are cast up first (same value, but on CUDA a float32 GEMM runs ~10x
+# slower than a bf16 one: the weight gradients of a bf16 model would dominate the step).
+_MIXED_MM_DEVICES = ("cuda", "meta") if "dtype_out" in torch.ops.aten.mm.overloads() else ()
+
+
+def matmul(
+    a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``a @ b`` for 2-D views with the result in ``dtype`` (the accumulation dtype: a's or
+    wider), written into ``out`` if given."""
+    if a.dtype == dtype:
+        return torch.mm(a, b, out=out)
+    if a.device.type in _MIXED_MM_DEVICES and dtype == torch.float32:
+        return torch.mm(a, b, out_dtype=dtype, out=out)
+    return torch.mm(a.to(dtype), b.to(dtype), out=out)
+
 
 def add_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``out += a @ b`` for 2-D views; in place when ``out`` has the operands' dtype (else the
-    product is formed in theirs, e.g. bf16 operands into a float32 accumulator)."""
+    """``out += a @ b`` for 2-D views, the product formed at ``out``'s precision (e.g. bf16
+    operands into a float32 accumulator)."""
     if out.dtype == a.dtype:
         out.addmm_(a, b)
+    elif a.device.type in _MIXED_MM_DEVICES:
+        out += matmul(a, b, out.dtype)
     else:
-        out += a @ b
+        out.addmm_(a.to(out.dtype), b.to(out.dtype))
 
 
 def inv_rms(xf: torch.Tensor, eps: float) -> torch.Tensor:

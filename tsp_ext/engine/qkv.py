@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .heads import AttentionSpec
-from .pointwise import inv_rms, rms_norm, rms_norm_backward, rope
+from .pointwise import inv_rms, matmul, rms_norm, rms_norm_backward, rope
 
 _W = ("wq", "wk", "wv")
 _B = ("bq", "bk", "bv")
@@ -121,7 +121,7 @@ def project_qkv_backward(dq, dk, dv, x, w, weight, lin, phases, q_norm, k_norm, 
             d_norms.append(deinterleave_heads(d_w.to(acc), d))
     d2, x2 = d_lin.view(-1, W.shape[0]), x.reshape(-1, h)
     sizes = [w[n].shape[0] for n in _W]
-    grads = dict(zip(_W, (d2.t().to(acc) @ x2.to(acc)).split(sizes)))
+    grads = dict(zip(_W, matmul(d2.t(), x2, acc).split(sizes)))
     if b is not None:
         grads.update(zip(_B, d2.sum(0, dtype=acc).split(sizes)))
     for n in ("wq", "wk", "bq", "bk"):

@@ -133,7 +133,7 @@ class _HeadRing:
         """Add the logits-block gradient ``dz [c, V_q]`` (``h``'s dtype) of tokens ``c`` against
         shard ``w [V_q, h]`` into ``dh [N, h]`` and the first V_q rows of ``dw``."""
         add_matmul(dh[c], dz, w)
-        dw[: w.shape[0]].addmm_(dz.t().to(dw.dtype), h[c].to(dw.dtype))
+        add_matmul(dw[: w.shape[0]], dz.t(), h[c])
 
     def backward(self, h: torch.Tensor, weight: torch.Tensor, block_grad: Callable, last=None):
         """Second ring pass: ``(dH [N, h], dW [V_p, h])`` given ``block_grad(first, c, W_q)``,
