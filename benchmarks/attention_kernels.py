@@ -9,7 +9,8 @@ natural order) through every backend that runs on the device and dtype; the forw
 backward are timed separately (median of ``--repeats`` after ``--warmup``). Two reference rows time
 plain ``F.scaled_dot_product_attention(is_causal=True)``: on S/D tokens attending to themselves
 (the same number of queries but 1/D of a rank's query-key pairs, S^2/(2D^2) vs S^2/(2D)), and
-over the whole sequence with its time divided by D (a rank's share of one device's work).
+over the whole sequence with its time divided by D (a rank's share of one device's work; on CUDA
+also with each of SDPA's kernels forced: flash, memory-efficient, cuDNN).
 Prints a markdown table; ``--json`` writes the rows.
 """
 
@@ -22,9 +23,11 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tsp_ext.engine.attention import heads_major
 from tsp_ext.engine.attention_kernels import (
@@ -51,17 +54,19 @@ def _median_ms(fn: Callable[[], object], repeats: int, warmup: int, sync: Callab
     return statistics.median(times)
 
 
-def _sdpa_row(label: str, q, k, v, dout, share: int, timer) -> dict:
+def _sdpa_row(label: str, q, k, v, dout, share: int, timer, backend=None) -> dict:
     """Causal ``F.scaled_dot_product_attention`` of ``[B, L, H, d]`` q to k, v, forward and
     backward timed like the kernels; both times divided by ``share``. GQA K/V are repeated per
-    query head first (``enable_gqa`` sends float32 on CUDA to the math kernel, O(L^2) memory)."""
+    query head first (``enable_gqa`` sends float32 on CUDA to the math kernel, O(L^2) memory).
+    ``backend``: an ``SDPBackend`` to force (None: SDPA's own choice)."""
     repeats, warmup, sync = timer
     g = q.shape[2] // k.shape[2]
     k, v = (x.repeat_interleave(g, dim=2) for x in (k, v))
     qs, ks, vs = (x.detach().transpose(1, 2) for x in (q, k, v))  # [B, H, L, d] views
+    only = nullcontext if backend is None else (lambda: sdpa_kernel([backend]))
 
     def sdpa(grad: bool):
-        with torch.set_grad_enabled(grad):
+        with torch.set_grad_enabled(grad), only():
             return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
 
     fwd = _median_ms(lambda: sdpa(False), repeats, warmup, sync)
@@ -152,6 +157,17 @@ def bench(
     rows.append(_sdpa_row(f"sdpa causal self T={T}", q, k[:, :T], v[:, :T], dout, 1, timer))
     k_all = heads_major(rand(batch, seq_len, heads, head_dim))
     rows.append(_sdpa_row(f"sdpa causal S={seq_len} / D", k_all, k, v, k_all, tsp, timer))
+    if dev.type == "cuda":  # which of SDPA's kernels sets that pace: each one forced in turn
+        for b in (
+            SDPBackend.FLASH_ATTENTION,
+            SDPBackend.EFFICIENT_ATTENTION,
+            SDPBackend.CUDNN_ATTENTION,
+        ):
+            label = f"sdpa {b.name.lower()} causal S={seq_len} / D"
+            try:
+                rows.append(_sdpa_row(label, k_all, k, v, k_all, tsp, timer, b))
+            except RuntimeError as e:  # this kernel does not take the dtype / shape here
+                log.info("%s: %s", label, str(e).splitlines()[0])
     base = rows[0]
     for r in rows:
         r["fwd_vs_blockwise"] = r["fwd_ms"] / base["fwd_ms"]
