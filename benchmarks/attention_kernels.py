@@ -10,7 +10,8 @@ backward are timed separately (median of ``--repeats`` after ``--warmup``). Two 
 plain ``F.scaled_dot_product_attention(is_causal=True)``: on S/D tokens attending to themselves
 (the same number of queries but 1/D of a rank's query-key pairs, S^2/(2D^2) vs S^2/(2D)), and
 over the whole sequence with its time divided by D (a rank's share of one device's work; on CUDA
-also with each of SDPA's kernels forced: flash, memory-efficient, cuDNN).
+also with each of SDPA's kernels forced: flash, memory-efficient, cuDNN). On CUDA in bf16/fp16 a
+``cudnn (probe)`` row runs the chunks through cuDNN's attention op, a candidate backend.
 Prints a markdown table; ``--json`` writes the rows.
 """
 
@@ -32,6 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from tsp_ext.engine.attention import heads_major
 from tsp_ext.engine.attention_kernels import (
     BACKENDS,
+    AttentionKernel,
     available_backends,
     chunked_attention_backward,
     chunked_attention_forward,
@@ -39,6 +41,57 @@ from tsp_ext.engine.attention_kernels import (
 from tsp_ext.engine.layout import ZigzagLayout
 
 log = logging.getLogger("benchmarks.attention_kernels")
+Tensor = torch.Tensor
+aten = torch.ops.aten
+
+
+def _bhld(x: Tensor) -> Tensor:
+    return x.transpose(1, 2)
+
+
+class CudnnProbe(AttentionKernel):
+    """``aten._scaled_dot_product_cudnn_attention`` behind the engine's kernel interface, measured
+    here (speed, and output / gradient differences against blockwise) before it may join the
+    engine's backends: not yet run on a GPU. GQA K/V are repeated per query head; the op's lse
+    ``[B, H, L, 1]`` is squeezed on the way out and unsqueezed on the way back."""
+
+    name, device_type, dtypes = "cudnn (probe)", None, frozenset({torch.bfloat16, torch.float16})
+
+    def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
+        # meta: the op's shape functions, for the CPU test of these calls
+        ok = device.type == "meta" or (
+            device.type == "cuda" and torch.backends.cudnn.is_available()
+        )
+        return ok and dtype in self.dtypes
+
+    @staticmethod
+    def _repeat(x: Tensor, hq: int) -> Tensor:
+        return x.repeat_interleave(hq // x.shape[2], dim=2)
+
+    def forward(self, q, k, v, scale, is_causal):
+        k, v = (_bhld(self._repeat(x, q.shape[2])) for x in (k, v))
+        o, lse, *_ = aten._scaled_dot_product_cudnn_attention(
+            _bhld(q), k, v, None, True, 0.0, is_causal, False, scale=scale
+        )
+        return _bhld(o), lse.reshape(lse.shape[:3])
+
+    def backward(self, dout, q, k, v, out, lse, scale, is_causal):
+        hq, hk = q.shape[2], k.shape[2]
+        kx, vx = (_bhld(self._repeat(x, hq)) for x in (k, v))
+        seed = offset = torch.empty(0, dtype=torch.int64, device=q.device)
+        dout, out = (_bhld(x.contiguous()) for x in (dout, out))  # dO and O alike: token-major
+        rest = (seed, offset, None, None, None, q.shape[1], k.shape[1], 0.0, is_causal)
+        dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
+            dout, _bhld(q), kx, vx, out, lse.contiguous()[..., None], *rest, scale=scale
+        )
+
+        def fold(g: Tensor) -> Tensor:  # [B, Hq, Lk, d] -> [B, Lk, Hk, d], summed over the group
+            return _bhld(g.unflatten(1, (hk, hq // hk)).sum(2))
+
+        return _bhld(dq), fold(dk), fold(dv)
+
+
+CUDNN_PROBE = CudnnProbe()
 
 
 def _median_ms(fn: Callable[[], object], repeats: int, warmup: int, sync: Callable[[], None]):
@@ -119,26 +172,27 @@ def bench(
     q, dout = (heads_major(rand(batch, T, heads, head_dim)) for _ in "qo")
     k, v = (heads_major(rand(batch, seq_len, kv_heads, head_dim)) for _ in "kv")
 
+    kernels = [(n, BACKENDS[n]) for n in ["blockwise", *available_backends(dev, dtype)]]
+    kernels = list(dict(kernels).items())  # blockwise once, first: the reference
+    if CUDNN_PROBE.supports(dev, dtype):
+        kernels.append((CUDNN_PROBE.name, CUDNN_PROBE))
     rows, ref = [], {}
-    names = ["blockwise"] + [n for n in available_backends(dev, dtype) if n != "blockwise"]
-    for name in names:
-        kern = BACKENDS[name]
-        out, lse = chunked_attention_forward(kern, q, spans, k, v, scale)
-        grads = chunked_attention_backward(kern, dout, q, spans, k, v, out, lse, scale)
+    for name, kern in kernels:
+        try:
+            out, lse = chunked_attention_forward(kern, q, spans, k, v, scale)
+            grads = chunked_attention_backward(kern, dout, q, spans, k, v, out, lse, scale)
+        except RuntimeError as e:  # the probe's op refused these inputs
+            log.info("%s: %s", name, str(e).splitlines()[0])
+            continue
         ref = ref or {"out": out, "grads": grads}
         fwd = _median_ms(
-            lambda kern=kern: chunked_attention_forward(kern, q, spans, k, v, scale),
-            repeats,
-            warmup,
-            sync,
+            lambda kern=kern: chunked_attention_forward(kern, q, spans, k, v, scale), *timer
         )
         bwd = _median_ms(
             lambda kern=kern, out=out, lse=lse: chunked_attention_backward(
                 kern, dout, q, spans, k, v, out, lse, scale
             ),
-            repeats,
-            warmup,
-            sync,
+            *timer,
         )
         diff = (out.float() - ref["out"].float()).abs().max().item()
         gdiff = max((g.float() - r.float()).abs().max().item() for g, r in zip(grads, ref["grads"]))

@@ -168,3 +168,24 @@ def test_benchmark_rows():
     assert [r["kernel"] for r in rows][:2] == ["blockwise", "cpu_flash"]
     assert rows[1]["max_abs_diff"] < 1e-5 and rows[0]["fwd_vs_blockwise"] == 1.0
     assert markdown_table(rows).count("\n| ") == len(rows) + 1
+
+
+def test_cudnn_probe_calls_match_schema_on_meta():
+    """The micro-benchmark's cuDNN probe (GQA repeated, lse squeezed) against the op's meta
+    kernels: shapes and dtypes the engine's interface expects."""
+    from benchmarks.attention_kernels import CUDNN_PROBE
+
+    q, k, v, dout = (
+        heads_major(t).to("meta") for t in _inputs(2, 64, 32, 4, 2, 16, torch.bfloat16)
+    )
+    spans = _spans(64, 2, 1)
+    out, lse = chunked_attention_forward(CUDNN_PROBE, q, spans, k, v, 0.25)
+    dq, dk, dv = chunked_attention_backward(CUDNN_PROBE, dout, q, spans, k, v, out, lse, 0.25)
+    assert (out.shape, out.dtype, lse.shape, lse.dtype) == (
+        q.shape,
+        q.dtype,
+        (2, 4, 32),
+        torch.float32,
+    )
+    assert (dq.shape, dq.dtype, dk.shape, dv.shape) == (q.shape, q.dtype, k.shape, v.shape)
+    assert not CUDNN_PROBE.supports(CPU, torch.bfloat16)
