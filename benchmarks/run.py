@@ -24,7 +24,7 @@ import time
 from .harness import measure
 from .layouts import LAYOUTS, tp_sp_split
 from .plots import write_plots
-from .report import add_loss_check, markdown_table
+from .report import add_loss_check, add_ulysses_ratio, markdown_table
 
 log = logging.getLogger("benchmarks")
 
@@ -75,7 +75,7 @@ def sweep(
                         dead[key] = row["status"]
                     runs.setdefault(layout, []).append(row)
             rows.extend(combine_rounds(r) for r in runs.values())
-    return add_loss_check(rows)
+    return add_ulysses_ratio(add_loss_check(rows))
 
 
 def combine_rounds(rows: list[dict]) -> dict:

@@ -108,6 +108,34 @@ def test_combine_rounds_takes_medians_and_keeps_failures():
     assert combine_rounds([row(1.0, 1), row(1.0, 1, status="oom")])["status"] == "oom"
 
 
+def test_ulysses_ratio_pairs_the_rounds():
+    from benchmarks.report import add_ulysses_ratio, markdown_table
+
+    def row(layout, rounds, devices=2, status="ok"):
+        steps = {"step_seconds_rounds": rounds} if rounds else {}
+        return {
+            "layout": layout,
+            "devices": devices,
+            "tp": 1,
+            "sp": devices,
+            "seq_len": 8,
+            "micro_batch": 1,
+            "status": status,
+            "step_seconds": sorted(rounds or [1.0])[len(rounds or [1]) // 2],
+            **steps,
+        }
+
+    # the machine slowed down in round 2: paired ratios 0.9, 0.9, 1.2 -> median 0.9
+    rows = add_ulysses_ratio(
+        [row("ulysses", [1.0, 2.0, 1.0]), row("tsp", [0.9, 1.8, 1.2]), row("tsp", None, devices=4)]
+    )
+    assert rows[0]["vs_ulysses"] == 1.0 and abs(rows[1]["vs_ulysses"] - 0.9) < 1e-12
+    assert "vs_ulysses" not in rows[2]  # no Ulysses row at D = 4
+    failed = add_ulysses_ratio([row("ulysses", [1.0], status="oom"), row("tsp", [1.0])])
+    assert "vs_ulysses" not in failed[1]
+    assert "| vs Ulysses |" in markdown_table(failed[:1])
+
+
 def test_profile_step_names_the_tsp_functions():
     from benchmarks.profile_step import markdown, profile
 
