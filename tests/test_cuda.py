@@ -39,6 +39,12 @@ pytestmark = [
 TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 
 
+def _config(**kw) -> LlamaConfig:
+    """A small GQA Llama (8 query heads, 2 KV heads, h = 256)."""
+    base = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8)
+    return LlamaConfig(**base, num_key_value_heads=2, attn_implementation="sdpa", **kw)
+
+
 @pytest.fixture(scope="module")
 def group():
     if not dist.is_initialized():
@@ -60,15 +66,7 @@ def _cases():
 @pytest.mark.parametrize("backend, dtype", _cases())
 def test_tsp_layer_on_cuda_matches_hf(group, backend, dtype):
     dev = torch.device("cuda")
-    cfg = LlamaConfig(
-        hidden_size=256,
-        intermediate_size=512,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        num_hidden_layers=1,
-        vocab_size=64,
-        attn_implementation="sdpa",
-    )
+    cfg = _config(num_hidden_layers=1, vocab_size=64)
     torch.manual_seed(0)
     attn, mlp = LlamaAttention(cfg, 0).to(dev), LlamaMLP(cfg).to(dev)
     rope = LlamaRotaryEmbedding(cfg).to(dev)
@@ -109,15 +107,7 @@ def test_tsp_model_on_cuda_matches_hf(group, dtype):
     against the float32 HF model: within 1e-4 in float32; in bf16, within twice the error of the
     HF model run in bf16 (+ 5e-3)."""
     dev = torch.device("cuda")
-    cfg = LlamaConfig(
-        hidden_size=256,
-        intermediate_size=512,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        num_hidden_layers=2,
-        vocab_size=512,
-        attn_implementation="sdpa",
-    )
+    cfg = _config(num_hidden_layers=2, vocab_size=512)
     ids = torch.randint(cfg.vocab_size, (2, 1024), generator=torch.Generator().manual_seed(0))
     data = {"input_ids": ids.to(dev), "labels": ids.to(dev)}
 
