@@ -33,7 +33,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from tsp_ext.engine.attention import heads_major
 from tsp_ext.engine.attention_kernels import (
     BACKENDS,
-    AttentionKernel,
+    CudaEfficient,
+    _bhld,
     available_backends,
     chunked_attention_backward,
     chunked_attention_forward,
@@ -41,19 +42,15 @@ from tsp_ext.engine.attention_kernels import (
 from tsp_ext.engine.layout import ZigzagLayout
 
 log = logging.getLogger("benchmarks.attention_kernels")
-Tensor = torch.Tensor
 aten = torch.ops.aten
 
 
-def _bhld(x: Tensor) -> Tensor:
-    return x.transpose(1, 2)
-
-
-class CudnnProbe(AttentionKernel):
+class CudnnProbe(CudaEfficient):
     """``aten._scaled_dot_product_cudnn_attention`` behind the engine's kernel interface, measured
     here (speed, and output / gradient differences against blockwise) before it may join the
-    engine's backends: not yet run on a GPU. GQA K/V are repeated per query head; the op's lse
-    ``[B, H, L, 1]`` is squeezed on the way out and unsqueezed on the way back."""
+    engine's backends: not yet run on a GPU. GQA K/V are expanded per call as ``cuda_efficient``
+    does; the op's lse ``[B, H, L, 1]`` is squeezed on the way out and unsqueezed on the way
+    back."""
 
     name, device_type, dtypes = "cudnn (probe)", None, frozenset({torch.bfloat16, torch.float16})
 
@@ -64,12 +61,8 @@ class CudnnProbe(AttentionKernel):
         )
         return ok and dtype in self.dtypes
 
-    @staticmethod
-    def _repeat(x: Tensor, hq: int) -> Tensor:
-        return x.repeat_interleave(hq // x.shape[2], dim=2)
-
     def forward(self, q, k, v, scale, is_causal):
-        k, v = (_bhld(self._repeat(x, q.shape[2])) for x in (k, v))
+        k, v = (_bhld(self._expand(x, q.shape[2])) for x in (k, v))
         o, lse, *_ = aten._scaled_dot_product_cudnn_attention(
             _bhld(q), k, v, None, True, 0.0, is_causal, False, scale=scale
         )
@@ -77,18 +70,14 @@ class CudnnProbe(AttentionKernel):
 
     def backward(self, dout, q, k, v, out, lse, scale, is_causal):
         hq, hk = q.shape[2], k.shape[2]
-        kx, vx = (_bhld(self._repeat(x, hq)) for x in (k, v))
+        kx, vx = (_bhld(self._expand(x, hq)) for x in (k, v))
         seed = offset = torch.empty(0, dtype=torch.int64, device=q.device)
         dout, out = (_bhld(x.contiguous()) for x in (dout, out))  # dO and O alike: token-major
         rest = (seed, offset, None, None, None, q.shape[1], k.shape[1], 0.0, is_causal)
         dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
             dout, _bhld(q), kx, vx, out, lse.contiguous()[..., None], *rest, scale=scale
         )
-
-        def fold(g: Tensor) -> Tensor:  # [B, Hq, Lk, d] -> [B, Lk, Hk, d], summed over the group
-            return _bhld(g.unflatten(1, (hk, hq // hk)).sum(2))
-
-        return _bhld(dq), fold(dk), fold(dv)
+        return _bhld(dq), self._fold(dk, hk), self._fold(dv, hk)
 
 
 CUDNN_PROBE = CudnnProbe()

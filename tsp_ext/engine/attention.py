@@ -260,6 +260,7 @@ def tsp_attention_backward(sched: _Schedule, dy, x, phases, own, q_norm, k_norm,
     names = list(own)
     dy = dy.contiguous()
     dx = torch.zeros(B, T, x.shape[-1], dtype=acc, device=x.device)
+    inverse = phases.conj().resolve_conj()  # RoPE's adjoint, for every group's projection
     d_norm = None
     d_own: dict[str, torch.Tensor] = {}
     reductions: list[tuple[int, torch.Tensor, comm.Pending]] = []
@@ -276,7 +277,7 @@ def tsp_attention_backward(sched: _Schedule, dy, x, phases, own, q_norm, k_norm,
         handle.wait()
         dk, dv = split_kv(dkv.to(x.dtype))
         g, gn, d_lin = project_qkv_backward(
-            dq, dk, dv, x, w, weight, lin, phases, q_norm, k_norm, spec, acc
+            dq, dk, dv, x, w, weight, lin, inverse, q_norm, k_norm, spec, acc
         )
         if gn is not None:
             d_norm = gn if d_norm is None else [a + b for a, b in zip(d_norm, gn)]

@@ -161,11 +161,12 @@ class CudaEfficient(AttentionKernel):
             _bhld(dout.contiguous()), _bhld(q), kx, vx, *rest, scale=scale
         )
         hk = k.shape[2]
+        return _bhld(dq), self._fold(dk, hk), self._fold(dv, hk)
 
-        def fold(g: Tensor) -> Tensor:  # [B, Hq, Lk, d] -> [B, Lk, Hk, d], summed over the group
-            return _bhld(g.unflatten(1, (hk, hq // hk)).sum(2))
-
-        return _bhld(dq), fold(dk), fold(dv)
+    @staticmethod
+    def _fold(g: Tensor, hk: int) -> Tensor:
+        """Dual of ``_expand``: ``[B, Hq, Lk, d]`` -> ``[B, Lk, Hk, d]``, summed over each group."""
+        return _bhld(g.unflatten(1, (hk, g.shape[1] // hk)).sum(2))
 
 
 class FlashAttn(AttentionKernel):

@@ -60,6 +60,13 @@ class _Workspace:
         return self.buffers[name][: rows.numel() * per_f * f].view(*rows, per_f * f)
 
 
+def _pre_activations(x: torch.Tensor, gu: torch.Tensor, work: _Workspace) -> torch.Tensor:
+    """``[X·Gᵀ | X·Uᵀ]`` ``[B, T, 2f]`` of ``gu = [G; U]``, one GEMM into the workspace."""
+    hid = work.get("hid", gu.shape[0] // 2, 2)
+    torch.mm(x.reshape(-1, x.shape[-1]), gu.t(), out=hid.view(-1, gu.shape[0]))
+    return hid
+
+
 def _swiglu_weight_grads(x, dy, gu, dn, out, work: _Workspace, hidden=None) -> torch.Tensor:
     """Backward of one shard's ``(silu(X·Gᵀ) ⊙ (X·Uᵀ))·Dnᵀ`` with ``gu = [G; U]`` (``[2f, h]``):
     writes ``[dG; dU]`` (``[2f, h]``) and ``dDn`` (``[h, f]``) into ``out``, a flat buffer in the
@@ -73,10 +80,10 @@ def _swiglu_weight_grads(x, dy, gu, dn, out, work: _Workspace, hidden=None) -> t
     two_f, h = gu.shape
     f = two_f // 2
     x2, dy2 = x.reshape(-1, h), dy.reshape(-1, h)
-    hid = work.get("hid", f, 2)  # [B, T, 2f]: gate and up, one GEMM
     if hidden is None:
-        torch.mm(x2, gu.t(), out=hid.view(-1, two_f))
+        hid = _pre_activations(x, gu, work)
     else:
+        hid = work.get("hid", f, 2)
         hid.copy_(hidden)
     dm = work.get("dm", f)
     torch.mm(dy2, dn, out=dm.view(-1, f))
@@ -121,8 +128,7 @@ def tsp_mlp_forward(sched: _RingSchedule, x: torch.Tensor, weights, keep_hidden:
             hid = F.linear(x, gu)
             hidden.append(hid)
         else:
-            hid = work.get("hid", two_f // 2, 2)  # [B, T, 2f]
-            torch.mm(x.reshape(-1, sched.h), gu.t(), out=hid.view(-1, two_f))
+            hid = _pre_activations(x, gu, work)
         hg, hu = hid.chunk(2, dim=-1)
         act = torch.ops.aten.silu.out(hg, out=work.get("act", two_f // 2)).mul_(hu)
         add_matmul(y.view(-1, sched.h), act.view(-1, act.shape[-1]), dn.t())

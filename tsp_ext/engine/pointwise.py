@@ -12,14 +12,17 @@ import torch
 _MIXED_MM_DEVICES = ("cuda", "meta") if "dtype_out" in torch.ops.aten.mm.overloads() else ()
 
 
+def _out_dtype_mm(a: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether ``a``'s (half-precision) operands can multiply straight into a ``dtype`` result."""
+    return a.dtype != dtype and dtype == torch.float32 and a.device.type in _MIXED_MM_DEVICES
+
+
 def matmul(
     a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``a @ b`` for 2-D views with the result in ``dtype`` (the accumulation dtype: a's or
     wider), written into ``out`` if given."""
-    if a.dtype == dtype:
-        return torch.mm(a, b, out=out)
-    if a.device.type in _MIXED_MM_DEVICES and dtype == torch.float32:
+    if _out_dtype_mm(a, dtype):
         return torch.mm(a, b, out_dtype=dtype, out=out)
     return torch.mm(a.to(dtype), b.to(dtype), out=out)
 
@@ -27,10 +30,8 @@ def matmul(
 def add_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``out += a @ b`` for 2-D views, the product formed at ``out``'s precision (e.g. bf16
     operands into a float32 accumulator)."""
-    if out.dtype == a.dtype:
-        out.addmm_(a, b)
-    elif a.device.type in _MIXED_MM_DEVICES:
-        out += matmul(a, b, out.dtype)
+    if _out_dtype_mm(a, out.dtype):
+        out += torch.mm(a, b, out_dtype=out.dtype)
     else:
         out.addmm_(a.to(out.dtype), b.to(out.dtype))
 

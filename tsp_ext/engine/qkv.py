@@ -91,13 +91,14 @@ def split_kv(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return k.transpose(1, 2), v.transpose(1, 2)
 
 
-def project_qkv_backward(dq, dk, dv, x, w, weight, lin, phases, q_norm, k_norm, spec, acc):
+def project_qkv_backward(dq, dk, dv, x, w, weight, lin, inverse, q_norm, k_norm, spec, acc):
     """Adjoint of ``project_qkv`` given ``dq [B, T, n_q, d]``, ``dk, dv [B, T, n_kv, d]``: returns
     the gradients of the shards ``{wq, wk, wv[, bq, bk, bv]}`` (in ``acc``), of ``(q_norm,
     k_norm)`` (in ``acc``; None without norms) and ``dL [B·T, rows]``, the projection's gradient:
     the caller adds ``dX = dL · W`` (``add_matmul(dx, dL, W)``) once it has sent the weight
     gradients on. ``weight``: the forward's ``stacked_weights(w, d)``; ``lin``: its projection
-    (read only with norms). ``dq, dk`` and ``dL`` are in the interleaved order, the returned
+    (read only with norms); ``inverse``: the conjugate of the forward's phases (RoPE's adjoint is
+    the opposite rotation). ``dq, dk`` and ``dL`` are in the interleaved order, the returned
     weight and norm gradients in the shards' own."""
     B, T, h = x.shape
     d = spec.head_dim
@@ -106,7 +107,6 @@ def project_qkv_backward(dq, dk, dv, x, w, weight, lin, phases, q_norm, k_norm, 
     dq_lin, dk_lin, dv_lin = _split(d_lin, w, d)
     dv_lin.copy_(dv)
     d_norms = None
-    inverse = phases.conj().resolve_conj()  # RoPE's adjoint: the opposite rotation
     if q_norm is None:
         rope(dq, inverse, out=dq_lin)
         rope(dk, inverse, out=dk_lin)
