@@ -10,9 +10,9 @@ backward are timed separately (median of ``--repeats`` after ``--warmup``). Two 
 plain ``F.scaled_dot_product_attention(is_causal=True)``: on S/D tokens attending to themselves
 (the same number of queries but 1/D of a rank's query-key pairs, S^2/(2D^2) vs S^2/(2D)), and
 over the whole sequence with its time divided by D (a rank's share of one device's work; on CUDA
-also with each of SDPA's kernels forced: flash, memory-efficient, cuDNN). On CUDA in bf16/fp16 a
-``cudnn (probe)`` row runs the chunks through cuDNN's attention op, a candidate backend.
-Prints a markdown table; ``--json`` writes the rows.
+also with each of SDPA's kernels forced: flash, memory-efficient, cuDNN). ``first ms`` is each
+backend's first forward + backward on these shapes (what a new sequence length costs: cuDNN
+builds its graphs there). Prints a markdown table; ``--json`` writes the rows.
 """
 
 from __future__ import annotations
@@ -33,8 +33,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from tsp_ext.engine.attention import heads_major
 from tsp_ext.engine.attention_kernels import (
     BACKENDS,
-    CudaEfficient,
-    _bhld,
     available_backends,
     chunked_attention_backward,
     chunked_attention_forward,
@@ -42,45 +40,6 @@ from tsp_ext.engine.attention_kernels import (
 from tsp_ext.engine.layout import ZigzagLayout
 
 log = logging.getLogger("benchmarks.attention_kernels")
-aten = torch.ops.aten
-
-
-class CudnnProbe(CudaEfficient):
-    """``aten._scaled_dot_product_cudnn_attention`` behind the engine's kernel interface, measured
-    here (speed, and output / gradient differences against blockwise) before it may join the
-    engine's backends: not yet run on a GPU. GQA K/V are expanded per call as ``cuda_efficient``
-    does; the op's lse ``[B, H, L, 1]`` is squeezed on the way out and unsqueezed on the way
-    back."""
-
-    name, device_type, dtypes = "cudnn (probe)", None, frozenset({torch.bfloat16, torch.float16})
-
-    def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
-        # meta: the op's shape functions, for the CPU test of these calls
-        ok = device.type == "meta" or (
-            device.type == "cuda" and torch.backends.cudnn.is_available()
-        )
-        return ok and dtype in self.dtypes
-
-    def forward(self, q, k, v, scale, is_causal):
-        k, v = (_bhld(self._expand(x, q.shape[2])) for x in (k, v))
-        o, lse, *_ = aten._scaled_dot_product_cudnn_attention(
-            _bhld(q), k, v, None, True, 0.0, is_causal, False, scale=scale
-        )
-        return _bhld(o), lse.reshape(lse.shape[:3])
-
-    def backward(self, dout, q, k, v, out, lse, scale, is_causal):
-        hq, hk = q.shape[2], k.shape[2]
-        kx, vx = (_bhld(self._expand(x, hq)) for x in (k, v))
-        seed = offset = torch.empty(0, dtype=torch.int64, device=q.device)
-        dout, out = (_bhld(x.contiguous()) for x in (dout, out))  # dO and O alike: token-major
-        rest = (seed, offset, None, None, None, q.shape[1], k.shape[1], 0.0, is_causal)
-        dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
-            dout, _bhld(q), kx, vx, out, lse.contiguous()[..., None], *rest, scale=scale
-        )
-        return _bhld(dq), self._fold(dk, hk), self._fold(dv, hk)
-
-
-CUDNN_PROBE = CudnnProbe()
 
 
 def _median_ms(fn: Callable[[], object], repeats: int, warmup: int, sync: Callable[[], None]):
@@ -163,14 +122,16 @@ def bench(
 
     kernels = [(n, BACKENDS[n]) for n in ["blockwise", *available_backends(dev, dtype)]]
     kernels = list(dict(kernels).items())  # blockwise once, first: the reference
-    if CUDNN_PROBE.supports(dev, dtype):
-        kernels.append((CUDNN_PROBE.name, CUDNN_PROBE))
     rows, ref = [], {}
     for name, kern in kernels:
         try:
+            sync()
+            t0 = time.perf_counter()
             out, lse = chunked_attention_forward(kern, q, spans, k, v, scale)
             grads = chunked_attention_backward(kern, dout, q, spans, k, v, out, lse, scale)
-        except RuntimeError as e:  # the probe's op refused these inputs
+            sync()
+            first = (time.perf_counter() - t0) * 1e3
+        except RuntimeError as e:  # a fused op refused these inputs (head size, GPU)
             log.info("%s: %s", name, str(e).splitlines()[0])
             continue
         ref = ref or {"out": out, "grads": grads}
@@ -190,6 +151,7 @@ def bench(
                 "kernel": name,
                 "fwd_ms": fwd,
                 "bwd_ms": bwd,
+                "first_ms": first,
                 "max_abs_diff": diff,
                 "grad_max_abs_diff": gdiff,
             }
@@ -234,19 +196,23 @@ def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.1e}"
 
 
+def _first(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
 def markdown_table(rows: list[dict]) -> str:
     r0 = rows[0]
     head = (
         f"S={r0['seq_len']} D={r0['tsp']} rank={r0['rank']} B={r0['batch']} "
         f"Hq={r0['heads']} Hk={r0['kv_heads']} d={r0['head_dim']} {r0['dtype']} "
         f"{r0['device']} threads={r0['threads']}\n\n"
-        "| kernel | fwd ms | bwd ms | fwd / blockwise | bwd / blockwise | max abs diff "
+        "| kernel | fwd ms | bwd ms | fwd / blockwise | bwd / blockwise | first ms | max abs diff "
         "| grad max abs diff |\n"
-        "|---|---|---|---|---|---|---|\n"
+        "|---|---|---|---|---|---|---|---|\n"
     )
     lines = [
         f"| {r['kernel']} | {r['fwd_ms']:.1f} | {r['bwd_ms']:.1f} | {r['fwd_vs_blockwise']:.3f} "
-        f"| {r['bwd_vs_blockwise']:.3f} | {_fmt(r['max_abs_diff'])} "
+        f"| {r['bwd_vs_blockwise']:.3f} | {_first(r.get('first_ms'))} | {_fmt(r['max_abs_diff'])} "
         f"| {_fmt(r['grad_max_abs_diff'])} |\n"
         for r in rows
     ]

@@ -108,6 +108,21 @@ def test_select_backend_auto():
     assert select_backend("blockwise", "cpu", torch.float64).name == "blockwise"
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_select_backend_auto_cuda_half():
+    """cuDNN where SDPA itself would take it (capability >= 9.0) and the shapes repeat; a
+    FlashAttention kernel for varying shapes (packed documents, inference) and large heads."""
+    bf16 = torch.bfloat16
+    flash = "flash_attn" if BACKENDS["flash_attn"].installed() else "cuda_flash"
+    hopper = "cuda_cudnn" in available_backends("cuda", bf16)
+    hopper = hopper and torch.cuda.get_device_capability() >= (9, 0)
+    assert select_backend("auto", "cuda", bf16, head_dim=128).name == (
+        "cuda_cudnn" if hopper else flash
+    )
+    assert select_backend("auto", "cuda", bf16, head_dim=128, repeating_shapes=False).name == flash
+    assert select_backend("auto", "cuda", bf16, head_dim=256).name == flash
+
+
 def test_select_backend_errors():
     with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
         select_backend("nope", "cpu", torch.float32)
@@ -125,7 +140,7 @@ def test_span_outside_keys_rejected():
         chunked_attention_forward(BACKENDS["blockwise"], q, [Span(0, 12, 8)], k, v, 0.25)
 
 
-CUDA_BACKENDS = ["cuda_flash", "cuda_efficient", "flash_attn"]
+CUDA_BACKENDS = ["cuda_flash", "cuda_cudnn", "cuda_efficient", "flash_attn"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -142,12 +157,17 @@ def test_cuda_backends(name, dtype, hq, hk, heads_first):
         _check_parity(kernel, _spans(S, D, p), S, hq, hk, 64, dtype, cuda, heads_first)
 
 
-@pytest.mark.parametrize("name", ["cuda_flash", "cuda_efficient"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_cuda_op_calls_match_schema_on_meta(name, dtype):
+@pytest.mark.parametrize(
+    "name,dtype",
+    [(n, dt) for n in ("cuda_flash", "cuda_efficient") for dt in (torch.bfloat16, torch.float32)]
+    + [("cuda_cudnn", torch.bfloat16)],
+)
+@pytest.mark.parametrize("heads_first", [False, True])
+def test_cuda_op_calls_match_schema_on_meta(name, dtype, heads_first):
     """The aten calls, argument for argument, against the ops' meta kernels: shapes and dtypes
-    only, but it runs without a GPU."""
-    q, k, v, dout = (t.to("meta") for t in _inputs(2, 64, 32, 4, 2, 16, dtype))
+    only, but it runs without a GPU. Token-major and heads-major storage (the schedule's)."""
+    layout = heads_major if heads_first else (lambda t: t)
+    q, k, v, dout = (layout(t).to("meta") for t in _inputs(2, 64, 32, 4, 2, 16, dtype))
     spans = _spans(64, 2, 1)
     kernel = BACKENDS[name]
     out, lse = chunked_attention_forward(kernel, q, spans, k, v, 0.25)
@@ -168,24 +188,3 @@ def test_benchmark_rows():
     assert [r["kernel"] for r in rows][:2] == ["blockwise", "cpu_flash"]
     assert rows[1]["max_abs_diff"] < 1e-5 and rows[0]["fwd_vs_blockwise"] == 1.0
     assert markdown_table(rows).count("\n| ") == len(rows) + 1
-
-
-def test_cudnn_probe_calls_match_schema_on_meta():
-    """The micro-benchmark's cuDNN probe (GQA repeated, lse squeezed) against the op's meta
-    kernels: shapes and dtypes the engine's interface expects."""
-    from benchmarks.attention_kernels import CUDNN_PROBE
-
-    q, k, v, dout = (
-        heads_major(t).to("meta") for t in _inputs(2, 64, 32, 4, 2, 16, torch.bfloat16)
-    )
-    spans = _spans(64, 2, 1)
-    out, lse = chunked_attention_forward(CUDNN_PROBE, q, spans, k, v, 0.25)
-    dq, dk, dv = chunked_attention_backward(CUDNN_PROBE, dout, q, spans, k, v, out, lse, 0.25)
-    assert (out.shape, out.dtype, lse.shape, lse.dtype) == (
-        q.shape,
-        q.dtype,
-        (2, 4, 32),
-        torch.float32,
-    )
-    assert (dq.shape, dq.dtype, dk.shape, dv.shape) == (q.shape, q.dtype, k.shape, v.shape)
-    assert not CUDNN_PROBE.supports(CPU, torch.bfloat16)

@@ -118,7 +118,7 @@ def test_kernels_match_block_diagonal_dense(name, D, p):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("name", ["cuda_flash", "cuda_efficient", "flash_attn"])
+@pytest.mark.parametrize("name", ["cuda_flash", "cuda_cudnn", "cuda_efficient", "flash_attn"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_kernels_match_block_diagonal_dense(name, dtype):
     if not BACKENDS[name].supports(torch.device("cuda"), dtype):
@@ -128,7 +128,7 @@ def test_cuda_kernels_match_block_diagonal_dense(name, dtype):
         check_kernel(name, D, p, dtype, "cuda", tol, d=64)
 
 
-@pytest.mark.parametrize("name", ["cuda_flash", "cuda_efficient"])
+@pytest.mark.parametrize("name", ["cuda_flash", "cuda_cudnn", "cuda_efficient"])
 def test_cuda_op_calls_on_document_spans_match_schema_on_meta(name):
     """Pieces of 1 to 7 tokens with and without a prefix, through the CUDA ops' meta kernels
     (shapes and dtypes; runs without a GPU)."""

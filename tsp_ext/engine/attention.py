@@ -57,7 +57,11 @@ class _Schedule:
         self.layout = ZigzagLayout.from_local(x.shape[1], self.D)
         self.q_spans = self.layout.spans(self.p) if q_spans is None else q_spans
         self.acc = config.accum_for(x.dtype)
-        self.kernel = select_backend(config.attn_backend, x.device, x.dtype, config.attn_block)
+        # packed documents and inference prefill change the kernels' shapes from call to call
+        repeating = q_spans is None and torch.is_grad_enabled()
+        self.kernel = select_backend(
+            config.attn_backend, x.device, x.dtype, config.attn_block, spec.head_dim, repeating
+        )
 
     def shapes(self, r: int, names: list[str]) -> list[torch.Size]:
         """Shapes of group ``r``'s shards ``names`` (every rank computes them from the spec)."""
