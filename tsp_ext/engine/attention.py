@@ -55,10 +55,11 @@ class _Schedule:
         self.spec, self.group, self.config = spec, group, config
         self.D, self.p = comm.size_and_rank(group)
         self.layout = ZigzagLayout.from_local(x.shape[1], self.D)
-        self.q_spans = self.layout.spans(self.p) if q_spans is None else q_spans
+        stream = self.layout.spans(self.p)
+        self.q_spans = stream if q_spans is None else q_spans
         self.acc = config.accum_for(x.dtype)
         # packed documents and inference prefill change the kernels' shapes from call to call
-        repeating = q_spans is None and torch.is_grad_enabled()
+        repeating = self.q_spans == stream and torch.is_grad_enabled()
         self.kernel = select_backend(
             config.attn_backend, x.device, x.dtype, config.attn_block, spec.head_dim, repeating
         )

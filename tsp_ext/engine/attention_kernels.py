@@ -177,7 +177,8 @@ class CudaCudnn(CudaEfficient):
     than ``cuda_flash`` in the chunked backward). GQA K/V are expanded per call as in
     ``cuda_efficient`` (one head group's K/V times the group size, transient). The op's lse
     ``[B, H, L, 1]`` is squeezed on the way out and restored on the way back; its backward takes
-    dO and O token-major."""
+    dO and O token-major. A single query against a single key (a one-token document), which
+    cuDNN refuses, goes to ``cuda_efficient``."""
 
     name, device_type, dtypes = "cuda_cudnn", "cuda", _HALF
 
@@ -191,7 +192,13 @@ class CudaCudnn(CudaEfficient):
             and torch.cuda.get_device_capability(device) >= (8, 0)
         )
 
+    @staticmethod
+    def _refused(q: Tensor, k: Tensor) -> bool:
+        return q.shape[1] == k.shape[1] == 1  # "s_q = s_kv = 1 is not supported" (a 1-token doc)
+
     def forward(self, q, k, v, scale, is_causal):
+        if self._refused(q, k):
+            return super().forward(q, k, v, scale, is_causal)
         k, v = (_bhld(self._expand(x, q.shape[2])) for x in (k, v))
         o, lse, *_ = aten._scaled_dot_product_cudnn_attention(
             _bhld(q), k, v, None, True, 0.0, is_causal, False, scale=scale
@@ -199,6 +206,8 @@ class CudaCudnn(CudaEfficient):
         return _bhld(o), lse.reshape(lse.shape[:3])
 
     def backward(self, dout, q, k, v, out, lse, scale, is_causal):
+        if self._refused(q, k):
+            return super().backward(dout, q, k, v, out, lse, scale, is_causal)
         hq, hk = q.shape[2], k.shape[2]
         kx, vx = (_bhld(self._expand(x, hq)) for x in (k, v))
         seed = offset = torch.empty(0, dtype=torch.int64, device=q.device)
