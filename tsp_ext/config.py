@@ -23,8 +23,9 @@ class TSPConfig:
             one, and post the next head group's K/V all-gather before the current group
             attends. Off makes every transfer synchronous (debugging, profiling).
         attn_backend: attention kernel: ``"auto"`` (fused where the device and dtype allow:
-            ``cpu_flash`` on CPU, ``flash_attn`` / ``cuda_flash`` for bf16/fp16 and
-            ``cuda_efficient`` for fp32 on CUDA, else ``blockwise``) or one of those names
+            ``cpu_flash`` on CPU; for bf16/fp16 on CUDA ``cuda_cudnn`` on Hopper and newer when
+            the shapes repeat every step, else ``flash_attn`` / ``cuda_flash``; ``cuda_efficient``
+            for fp32 on CUDA; else ``blockwise``) or one of those names
             (``tsp_ext.engine.attention_kernels.BACKENDS``).
         attn_block: query and key block size of the ``blockwise`` attention kernel; bounds its
             transient score block to ``B x heads/D x attn_block^2``.

@@ -3,8 +3,8 @@
 - ``layout``: zigzag sharding of the sequence (chunks p and 2D-1-p on rank p)
 - ``comm``: collectives on the TSP axis, the ring, and their autograd duals
 - ``weight_ring``: weight shards circulating the ring, their gradients riding back to the owner
-- ``attention_kernels``: fused attention backends (CPU flash, CUDA flash / efficient, flash_attn)
-  behind one interface, and the chunked causal attention (prefix + diagonal, LSE-merged)
+- ``attention_kernels``: fused attention backends (CPU flash, CUDA flash / cuDNN / efficient,
+  flash_attn) behind one interface, and the chunked causal attention (prefix + diagonal, LSE-merged)
 - ``blockwise_attention``: causal attention by global position, blockwise, with log-sum-exp
 - ``attention``: head-group broadcast + K/V all-gather schedule, hand-written backward
 - ``mlp``: ring SwiGLU schedule
