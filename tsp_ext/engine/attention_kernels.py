@@ -30,9 +30,9 @@ blockwise      any    any float              ``engine.blockwise_attention`` (exa
 cpu_flash, cuda_flash and flash_attn handle GQA natively and take ``[B, H, L, d]`` strided views
 of ``[B, L, H, d]`` tensors. cuda_efficient has no GQA: K/V are expanded to Hq heads for the
 duration of one call and dK/dV summed back over the group; cuda_cudnn likewise. cuda_flash and
-flash_attn need d % 8 == 0 (d <= 256); cuda_cudnn d % 8 == 0, d <= 128 and compute capability
->= 8.0, and it builds one cuDNN graph per distinct shape (cached), so ``auto`` takes it only where
-the shapes repeat from step to step.
+flash_attn need d % 8 == 0 (d <= 256); cuda_cudnn compute capability >= 8.0. cuda_cudnn builds
+one cuDNN graph per distinct shape (cached), so ``auto`` takes it only where the shapes repeat from
+step to step, and only for the head sizes it was run with (d % 8 == 0, d <= 128).
 """
 
 from __future__ import annotations
