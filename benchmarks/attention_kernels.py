@@ -192,12 +192,8 @@ def bench(
     return rows
 
 
-def _fmt(x: float | None) -> str:
-    return "-" if x is None else f"{x:.1e}"
-
-
-def _first(x: float | None) -> str:
-    return "-" if x is None else f"{x:.1f}"
+def _fmt(x: float | None, spec: str = ".1e") -> str:
+    return "-" if x is None else format(x, spec)
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -212,8 +208,8 @@ def markdown_table(rows: list[dict]) -> str:
     )
     lines = [
         f"| {r['kernel']} | {r['fwd_ms']:.1f} | {r['bwd_ms']:.1f} | {r['fwd_vs_blockwise']:.3f} "
-        f"| {r['bwd_vs_blockwise']:.3f} | {_first(r.get('first_ms'))} | {_fmt(r['max_abs_diff'])} "
-        f"| {_fmt(r['grad_max_abs_diff'])} |\n"
+        f"| {r['bwd_vs_blockwise']:.3f} | {_fmt(r.get('first_ms'), '.1f')} "
+        f"| {_fmt(r['max_abs_diff'])} | {_fmt(r['grad_max_abs_diff'])} |\n"
         for r in rows
     ]
     return head + "".join(lines)

@@ -186,11 +186,8 @@ class CudaCudnn(CudaEfficient):
         return torch.backends.cuda.is_built() and torch.backends.cudnn.is_available()
 
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
-        return (
-            super().supports(device, dtype)
-            and torch.cuda.is_available()
-            and torch.cuda.get_device_capability(device) >= (8, 0)
-        )
+        ok = super().supports(device, dtype) and torch.cuda.is_available()
+        return ok and torch.cuda.get_device_capability(device) >= (8, 0)
 
     @staticmethod
     def _refused(q: Tensor, k: Tensor) -> bool:
@@ -308,9 +305,9 @@ def select_backend(
             "cuda": ["flash_attn", "cuda_flash"] if dtype in _HALF else ["cuda_efficient"],
         }.get(device.type, [])
         fits = head_dim is None or (head_dim % 8 == 0 and head_dim <= 128)
-        if "cuda_cudnn" in ok and repeating_shapes and fits:
-            if torch.cuda.get_device_capability(device) >= (9, 0):
-                order.insert(0, "cuda_cudnn")
+        hopper = "cuda_cudnn" in ok and torch.cuda.get_device_capability(device) >= (9, 0)
+        if hopper and repeating_shapes and fits:
+            order.insert(0, "cuda_cudnn")
         name = next((n for n in order if n in ok), "blockwise")
     elif name not in BACKENDS:
         raise ValueError(
