@@ -8,6 +8,7 @@ import torch
 from tsp_ext.engine.attention import heads_major
 from tsp_ext.engine.attention_kernels import (
     BACKENDS,
+    _aligns_bottom_right,
     available_backends,
     chunked_attention_backward,
     chunked_attention_forward,
@@ -92,6 +93,17 @@ def test_odd_spans_and_empty(name, heads_first):
     """Spans in any row order, of unequal length, one empty, one ending at S."""
     spans = [Span(0, 40, 24), Span(24, 0, 5), Span(29, 5, 0), Span(29, 17, 11)]
     _check_parity(BACKENDS[name], spans, 64, 4, 2, 16, torch.float64, heads_first=heads_first)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_alignment_probe_tells_bottom_right_from_top_left(dtype):
+    """The probe the fused CUDA kernels run once: blockwise aligns a short causal query block with
+    the end of its keys (one call per chunk), the CPU flash op with the start (two calls)."""
+    assert _aligns_bottom_right(BACKENDS["blockwise"], CPU, dtype)
+    assert not _aligns_bottom_right(BACKENDS["cpu_flash"], CPU, dtype)
+    assert BACKENDS["blockwise"].one_call_causal(CPU, dtype)
+    assert not BACKENDS["cpu_flash"].one_call_causal(CPU, dtype)
+    assert not BACKENDS["cuda_flash"].one_call_causal(torch.device("meta"), dtype)
 
 
 def test_cpu_flash_bf16_close_to_blockwise():

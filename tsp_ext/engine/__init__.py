@@ -4,7 +4,8 @@
 - ``comm``: collectives on the TSP axis, the ring, and their autograd duals
 - ``weight_ring``: weight shards circulating the ring, their gradients riding back to the owner
 - ``attention_kernels``: fused attention backends (CPU flash, CUDA flash / cuDNN / efficient,
-  flash_attn) behind one interface, and the chunked causal attention (prefix + diagonal, LSE-merged)
+  flash_attn) behind one interface, and the chunked causal attention (one call per chunk, or
+  prefix + diagonal LSE-merged)
 - ``blockwise_attention``: causal attention by global position, blockwise, with log-sum-exp
 - ``attention``: head-group broadcast + K/V all-gather schedule, hand-written backward
 - ``mlp``: ring SwiGLU schedule

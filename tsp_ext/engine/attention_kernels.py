@@ -3,15 +3,17 @@
 A kernel computes attention of ``q [B, Lq, Hq, d]`` against ``k, v [B, Lk, Hk, d]`` (GQA:
 Hq = g * Hk, query head i uses KV head i // g, Hugging Face order) and returns the output in q's
 dtype and the log-sum-exp ``lse [B, Hq, Lq]`` (float32; float64 for float64 inputs).
-``is_causal=True`` is only used on square blocks (Lq == Lk), where top-left and bottom-right
-alignment agree. ``backward`` takes the *merged* out and lse of all the pieces a query attends
-to, so it returns that piece's exact share of the gradients.
+``backward`` takes the *merged* out and lse of all the pieces a query attends to, so it returns
+that piece's exact share of the gradients.
 
 The chunked functions take K/V in natural token order (position i at index i). A local query
-chunk at global positions ``[s, s+C)`` is two fused calls: the prefix keys ``[0, s)`` with no
-mask and the diagonal block ``[s, s+C)`` with ``is_causal=True``, merged by log-sum-exp. The
-transients are one chunk's outputs and gradients; nothing of size T x S exists. In a packed row
-(``engine.documents``) chunks are cut where documents start and a span's prefix begins at its
+chunk at global positions ``[s, s+C)`` attends keys ``[0, s+C)`` causally. Where a kernel's
+``is_causal`` aligns a short query block with the *end* of its keys (bottom-right: query i of Lq
+sees keys <= i + Lk - Lq; ``one_call_causal``), that is one call. Otherwise (top-left kernels:
+query i sees keys <= i) it is two, merged by log-sum-exp: the prefix keys ``[0, s)`` with no mask
+and the square diagonal block ``[s, s+C)`` with ``is_causal=True``, where both alignments agree.
+The transients are one chunk's outputs and gradients; nothing of size T x S exists. In a packed
+row (``engine.documents``) chunks are cut where documents start and a span's keys begin at its
 document's first key (``Span.first_key``): no call ever touches another document's keys.
 
 Backends (``select_backend``):
@@ -33,6 +35,12 @@ duration of one call and dK/dV summed back over the group; cuda_cudnn likewise. 
 flash_attn need d % 8 == 0 (d <= 256); cuda_cudnn compute capability >= 8.0. cuda_cudnn builds
 one cuDNN graph per distinct shape (cached), so ``auto`` takes it only where the shapes repeat from
 step to step, and only for the head sizes it was run with (d % 8 == 0, d <= 128).
+
+The alignment of ``is_causal`` with Lq < Lk is not part of the private ops' contract
+(flash-attention aligns bottom-right, SDPA's public API top-left), so cuda_flash and flash_attn
+probe it once per device and dtype with a two-query call (a few ms); cuda_cudnn (top-left in
+PyTorch 2.11, and a probe would build a cuDNN graph, ~1 s), cuda_efficient and cpu_flash always
+take the two-call split, which is right under either alignment. blockwise takes one call.
 """
 
 from __future__ import annotations
@@ -78,11 +86,40 @@ class AttentionKernel:
         ok_device = self.device_type is None or device.type == self.device_type
         return ok_device and dtype in self.dtypes and self.installed()
 
+    def one_call_causal(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether ``is_causal`` with Lq < Lk aligns bottom-right, so that a chunk's prefix and
+        diagonal are one call (False: two calls, causal only on the square diagonal)."""
+        return False
+
     def forward(self, q: Tensor, k: Tensor, v: Tensor, scale: float, is_causal: bool):
         raise NotImplementedError
 
     def backward(self, dout, q, k, v, out, lse, scale: float, is_causal: bool):
         raise NotImplementedError
+
+
+class _ProbedAlignment:
+    """``one_call_causal`` by experiment, once per device and dtype (never on meta tensors)."""
+
+    def one_call_causal(self, device: torch.device, dtype: torch.dtype) -> bool:
+        if device.type == "meta":
+            return False
+        cache = self.__dict__.setdefault("_alignment", {})
+        if (device, dtype) not in cache:
+            cache[device, dtype] = _aligns_bottom_right(self, device, dtype)
+        return cache[device, dtype]
+
+
+def _aligns_bottom_right(kernel: AttentionKernel, device: torch.device, dtype) -> bool:
+    """Two queries against four keys, causal, equal scores, each value its key's index: the first
+    query averages keys 0..2 (1.0) if aligned bottom-right, key 0 alone (0.0) if top-left."""
+    q, k = (torch.zeros(1, n, 1, 64, device=device, dtype=dtype) for n in (2, 4))
+    v = torch.arange(4, device=device, dtype=dtype)[None, :, None, None].expand(1, 4, 1, 64)
+    try:
+        out, _ = kernel.forward(q, k, v.contiguous(), 1.0, True)
+    except RuntimeError:  # the op refuses Lq != Lk causal: the two-call path never asks it to
+        return False
+    return abs(out[0, 0, 0, 0].item() - 1.0) < 0.1
 
 
 class CpuFlash(AttentionKernel):
@@ -101,7 +138,7 @@ class CpuFlash(AttentionKernel):
         return tuple(map(_bhld, grads))
 
 
-class CudaFlash(AttentionKernel):
+class CudaFlash(_ProbedAlignment, AttentionKernel):
     """The op returns 9 values; its backward needs (cum_seq_q, cum_seq_k, max_q, max_k) and the
     RNG pair (rng_state, unused) back as (philox_seed, philox_offset)."""
 
@@ -216,7 +253,7 @@ class CudaCudnn(CudaEfficient):
         return _bhld(dq), self._fold(dk, hk), self._fold(dv, hk)
 
 
-class FlashAttn(AttentionKernel):
+class FlashAttn(_ProbedAlignment, AttentionKernel):
     """The ``flash_attn`` package's op layer (>= 2.7): ``[B, L, H, d]`` in, lse ``[B, Hq, Lq]``."""
 
     name, device_type, dtypes = "flash_attn", "cuda", _HALF
@@ -243,16 +280,21 @@ class FlashAttn(AttentionKernel):
 
 
 class Blockwise(AttentionKernel):
-    """The Python reference. Keys sit at positions ``[0, Lk)``; causal queries start at 0 too
-    (the diagonal), non-causal queries start at Lk so that every key is earlier."""
+    """The Python reference. Keys sit at positions ``[0, Lk)``; causal queries end with them
+    (positions ``[Lk - Lq, Lk)``: bottom-right), non-causal queries start at Lk so that every
+    key is earlier."""
 
     name = "blockwise"
+
+    def one_call_causal(self, device, dtype) -> bool:
+        return True
 
     def __init__(self, block: int = 512) -> None:
         self.block = block  # query/key block size: bounds the score block to block^2 per head
 
     def _spans(self, q: Tensor, k: Tensor, is_causal: bool) -> tuple[list[Span], Span]:
-        return [Span(0, 0 if is_causal else k.shape[1], q.shape[1])], Span(0, 0, k.shape[1])
+        Lq, Lk = q.shape[1], k.shape[1]
+        return [Span(0, Lk - Lq if is_causal else Lk, Lq)], Span(0, 0, Lk)
 
     def forward(self, q, k, v, scale, is_causal):
         q_spans, kspan = self._spans(q, k, is_causal)
@@ -349,9 +391,12 @@ def _check(q: Tensor, q_spans: Sequence[Span], k: Tensor, v: Tensor) -> None:
             raise ValueError(f"{s} does not fit q {tuple(q.shape)} and k {tuple(k.shape)}")
 
 
-def _pieces(s: Span) -> list[tuple[slice, bool]]:
-    """Key ranges of a query span and whether each is causal: the diagonal, then the prefix
-    ``[first_key, start)`` if not empty."""
+def _pieces(s: Span, one_call: bool) -> list[tuple[slice, bool]]:
+    """Key ranges of a query span and whether each is causal: all of ``[first_key, stop)`` if
+    ``one_call`` (a bottom-right kernel), else the diagonal, then the prefix ``[first_key, start)``
+    if not empty."""
+    if one_call:
+        return [(slice(s.first_key, s.stop), True)]
     prefix = [(slice(s.first_key, s.start), False)] if s.start > s.first_key else []
     return [(slice(s.start, s.stop), True)] + prefix
 
@@ -392,12 +437,13 @@ def chunked_attention_forward(
     B, T, hq, _ = q.shape
     out = torch.zeros_like(q)
     lse = torch.full((B, hq, T), float("-inf"), dtype=_stat_dtype(q), device=q.device)
+    one_call = kernel.one_call_causal(q.device, q.dtype)
     for s in q_spans:
         if s.length == 0:
             continue
         rows = slice(s.offset, s.offset + s.length)
         o = l = None
-        for keys, causal in _pieces(s):
+        for keys, causal in _pieces(s, one_call):
             o_p, l_p = kernel.forward(q[:, rows], k[:, keys], v[:, keys], scale, causal)
             o, l = (o_p, l_p) if o is None else _merge(o, l, o_p, l_p.to(lse.dtype))
         out[:, rows] = o
@@ -434,6 +480,7 @@ def chunked_attention_backward(
     dq = torch.zeros_like(q)
     dk = torch.zeros_like(k, dtype=cdt)  # k's memory layout, so the adds below are dense
     dv = torch.zeros_like(v, dtype=cdt)
+    one_call = kernel.one_call_causal(q.device, q.dtype)
     for s in q_spans:
         if s.length == 0:
             continue
@@ -441,7 +488,7 @@ def chunked_attention_backward(
         args = (dout[:, rows], q[:, rows])
         o_c, l_c = out[:, rows], lse[:, :, rows].contiguous()
         dq_c = None
-        for keys, causal in _pieces(s):
+        for keys, causal in _pieces(s, one_call):
             g_q, g_k, g_v = kernel.backward(*args, k[:, keys], v[:, keys], o_c, l_c, scale, causal)
             dq_c = g_q.to(cdt) if dq_c is None else dq_c + g_q
             dk[:, keys] += g_k
