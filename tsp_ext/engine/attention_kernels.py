@@ -29,9 +29,9 @@ flash_attn     cuda   bf16 fp16              ``flash_attn`` (>= 2.7) ``_flash_at
 blockwise      any    any float              ``engine.blockwise_attention`` (exact)
 ============== ====== ====================== =================================================
 
-cpu_flash, cuda_flash and flash_attn handle GQA natively and take ``[B, H, L, d]`` strided views
-of ``[B, L, H, d]`` tensors. cuda_efficient has no GQA: K/V are expanded to Hq heads for the
-duration of one call and dK/dV summed back over the group; cuda_cudnn likewise. cuda_flash and
+cpu_flash, cuda_flash, cuda_cudnn and flash_attn handle GQA natively and take ``[B, H, L, d]``
+strided views of ``[B, L, H, d]`` tensors. cuda_efficient has no GQA: K/V are expanded to Hq heads
+for the duration of one call and dK/dV summed back over the group. cuda_flash and
 flash_attn need d % 8 == 0 (d <= 256); cuda_cudnn compute capability >= 8.0. cuda_cudnn builds
 one cuDNN graph per distinct shape (cached), so ``auto`` takes it only where the shapes repeat from
 step to step, and only for the head sizes it was run with (d % 8 == 0, d <= 128).
@@ -211,8 +211,8 @@ class CudaEfficient(AttentionKernel):
 
 class CudaCudnn(CudaEfficient):
     """cuDNN's fused attention, the kernel SDPA itself picks on Hopper (H200, bf16: 1.5x faster
-    than ``cuda_flash`` in the chunked backward). GQA K/V are expanded per call as in
-    ``cuda_efficient`` (one head group's K/V times the group size, transient). The op's lse
+    than ``cuda_flash`` in the chunked backward). It takes GQA K/V as they are (Hk < Hq; on the
+    H200 the same output as with K/V expanded per query head, and up to 1.8x faster). The op's lse
     ``[B, H, L, 1]`` is squeezed on the way out and restored on the way back; its backward takes
     dO and O token-major. A single query against a single key (a one-token document), which
     cuDNN refuses, goes to ``cuda_efficient``."""
@@ -233,24 +233,21 @@ class CudaCudnn(CudaEfficient):
     def forward(self, q, k, v, scale, is_causal):
         if self._refused(q, k):
             return super().forward(q, k, v, scale, is_causal)
-        k, v = (_bhld(self._expand(x, q.shape[2])) for x in (k, v))
         o, lse, *_ = aten._scaled_dot_product_cudnn_attention(
-            _bhld(q), k, v, None, True, 0.0, is_causal, False, scale=scale
+            _bhld(q), _bhld(k), _bhld(v), None, True, 0.0, is_causal, False, scale=scale
         )
         return _bhld(o), lse.reshape(lse.shape[:3])
 
     def backward(self, dout, q, k, v, out, lse, scale, is_causal):
         if self._refused(q, k):
             return super().backward(dout, q, k, v, out, lse, scale, is_causal)
-        hq, hk = q.shape[2], k.shape[2]
-        kx, vx = (_bhld(self._expand(x, hq)) for x in (k, v))
         seed = offset = torch.empty(0, dtype=torch.int64, device=q.device)
         dout, out = (_bhld(x.contiguous()) for x in (dout, out))
         rest = (seed, offset, None, None, None, q.shape[1], k.shape[1], 0.0, is_causal)
-        dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
-            dout, _bhld(q), kx, vx, out, lse.contiguous()[..., None], *rest, scale=scale
+        grads = aten._scaled_dot_product_cudnn_attention_backward(
+            dout, _bhld(q), _bhld(k), _bhld(v), out, lse.contiguous()[..., None], *rest, scale=scale
         )
-        return _bhld(dq), self._fold(dk, hk), self._fold(dv, hk)
+        return tuple(map(_bhld, grads))
 
 
 class FlashAttn(_ProbedAlignment, AttentionKernel):
