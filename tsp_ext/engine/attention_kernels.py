@@ -45,6 +45,7 @@ take the two-call split, which is right under either alignment. blockwise takes 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Sequence
 
@@ -99,17 +100,14 @@ class AttentionKernel:
 
 
 class _ProbedAlignment:
-    """``one_call_causal`` by experiment, once per device and dtype (never on meta tensors)."""
+    """``one_call_causal`` by experiment (``_aligns_bottom_right``, cached per device and dtype;
+    never on meta tensors)."""
 
     def one_call_causal(self, device: torch.device, dtype: torch.dtype) -> bool:
-        if device.type == "meta":
-            return False
-        cache = self.__dict__.setdefault("_alignment", {})
-        if (device, dtype) not in cache:
-            cache[device, dtype] = _aligns_bottom_right(self, device, dtype)
-        return cache[device, dtype]
+        return device.type != "meta" and _aligns_bottom_right(self, device, dtype)
 
 
+@functools.cache
 def _aligns_bottom_right(kernel: AttentionKernel, device: torch.device, dtype) -> bool:
     """Two queries against four keys, causal, equal scores, each value its key's index: the first
     query averages keys 0..2 (1.0) if aligned bottom-right, key 0 alone (0.0) if top-left."""
@@ -209,9 +207,12 @@ class CudaEfficient(AttentionKernel):
         return _bhld(g.unflatten(1, (hk, g.shape[1] // hk)).sum(2))
 
 
-class CudaCudnn(CudaEfficient):
-    """cuDNN's fused attention, the kernel SDPA itself picks on Hopper (H200, bf16: 1.5x faster
-    than ``cuda_flash`` in the chunked backward). It takes GQA K/V as they are (Hk < Hq; on the
+_ONE_TOKEN = CudaEfficient()  # what cuda_cudnn hands the one piece shape cuDNN refuses
+
+
+class CudaCudnn(AttentionKernel):
+    """cuDNN's fused attention, the kernel SDPA itself picks on Hopper (H200, bf16: 1.75x faster
+    than ``cuda_flash`` in the chunked attention). It takes GQA K/V as they are (Hk < Hq; on the
     H200 the same output as with K/V expanded per query head, and up to 1.8x faster). The op's lse
     ``[B, H, L, 1]`` is squeezed on the way out and restored on the way back; its backward takes
     dO and O token-major. A single query against a single key (a one-token document), which
@@ -232,7 +233,7 @@ class CudaCudnn(CudaEfficient):
 
     def forward(self, q, k, v, scale, is_causal):
         if self._refused(q, k):
-            return super().forward(q, k, v, scale, is_causal)
+            return _ONE_TOKEN.forward(q, k, v, scale, is_causal)
         o, lse, *_ = aten._scaled_dot_product_cudnn_attention(
             _bhld(q), _bhld(k), _bhld(v), None, True, 0.0, is_causal, False, scale=scale
         )
@@ -240,7 +241,7 @@ class CudaCudnn(CudaEfficient):
 
     def backward(self, dout, q, k, v, out, lse, scale, is_causal):
         if self._refused(q, k):
-            return super().backward(dout, q, k, v, out, lse, scale, is_causal)
+            return _ONE_TOKEN.backward(dout, q, k, v, out, lse, scale, is_causal)
         seed = offset = torch.empty(0, dtype=torch.int64, device=q.device)
         dout, out = (_bhld(x.contiguous()) for x in (dout, out))
         rest = (seed, offset, None, None, None, q.shape[1], k.shape[1], 0.0, is_causal)
