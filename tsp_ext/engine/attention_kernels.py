@@ -207,9 +207,6 @@ class CudaEfficient(AttentionKernel):
         return _bhld(g.unflatten(1, (hk, g.shape[1] // hk)).sum(2))
 
 
-_ONE_TOKEN = CudaEfficient()  # what cuda_cudnn hands the one piece shape cuDNN refuses
-
-
 class CudaCudnn(AttentionKernel):
     """cuDNN's fused attention, the kernel SDPA itself picks on Hopper (H200, bf16: 1.75x faster
     than ``cuda_flash`` in the chunked attention). It takes GQA K/V as they are (Hk < Hq; on the
@@ -233,7 +230,7 @@ class CudaCudnn(AttentionKernel):
 
     def forward(self, q, k, v, scale, is_causal):
         if self._refused(q, k):
-            return _ONE_TOKEN.forward(q, k, v, scale, is_causal)
+            return BACKENDS["cuda_efficient"].forward(q, k, v, scale, is_causal)
         o, lse, *_ = aten._scaled_dot_product_cudnn_attention(
             _bhld(q), _bhld(k), _bhld(v), None, True, 0.0, is_causal, False, scale=scale
         )
@@ -241,7 +238,7 @@ class CudaCudnn(AttentionKernel):
 
     def backward(self, dout, q, k, v, out, lse, scale, is_causal):
         if self._refused(q, k):
-            return _ONE_TOKEN.backward(dout, q, k, v, out, lse, scale, is_causal)
+            return BACKENDS["cuda_efficient"].backward(dout, q, k, v, out, lse, scale, is_causal)
         seed = offset = torch.empty(0, dtype=torch.int64, device=q.device)
         dout, out = (_bhld(x.contiguous()) for x in (dout, out))
         rest = (seed, offset, None, None, None, q.shape[1], k.shape[1], 0.0, is_causal)
@@ -284,11 +281,11 @@ class Blockwise(AttentionKernel):
 
     name = "blockwise"
 
-    def one_call_causal(self, device, dtype) -> bool:
-        return True
-
     def __init__(self, block: int = 512) -> None:
         self.block = block  # query/key block size: bounds the score block to block^2 per head
+
+    def one_call_causal(self, device, dtype) -> bool:
+        return True
 
     def _spans(self, q: Tensor, k: Tensor, is_causal: bool) -> tuple[list[Span], Span]:
         Lq, Lk = q.shape[1], k.shape[1]
