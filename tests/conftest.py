@@ -1,4 +1,4 @@
-"""Shared test helpers and fixtures.
+"""Shared fixtures.
 
 Markers: ``multiproc`` marks tests that spawn process groups (integration); ``pytest -m "not
 multiproc"`` runs the fast unit tests alone. ``make test`` runs everything.
@@ -7,7 +7,8 @@ multiproc"`` runs the fast unit tests alone. ``make test`` runs everything.
 from __future__ import annotations
 
 import pytest
-import torch
+
+from tsp_ext.testing.launch import WorkerPools
 
 
 def pytest_configure(config) -> None:
@@ -15,19 +16,15 @@ def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "cuda: needs a GPU (skipped without one; gpu_check.sh)")
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Largest absolute difference relative to the largest magnitude of the reference ``b``."""
-    a, b = a.double(), b.double()
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
-
-
-def error_message(fn) -> str:
-    """The message of the ``ValueError`` that ``fn()`` raises (for error tests inside workers)."""
-    try:
-        fn()
-    except ValueError as e:
-        return str(e)
-    return "<no error>"
+@pytest.fixture(scope="session")
+def workers():
+    """Gloo ranks kept for the whole session, one group per world size: ``workers.run(fn, world,
+    *args, timeout=...)`` runs ``fn(rank, world, *args)`` on each rank as ``run_processes`` does,
+    without starting processes for every test (a hang or an error still fails the test, with the
+    ranks' tracebacks or stack dumps, and restarts that group)."""
+    pools = WorkerPools()
+    yield pools
+    pools.close()
 
 
 @pytest.fixture(scope="module")

@@ -6,12 +6,11 @@ import functools
 
 import pytest
 import torch
-from conftest import error_message
+from checks import error_message
 from models import batch, build
 from transformers import GPT2Config, GPT2LMHeadModel, MixtralConfig, MixtralForCausalLM
 
 from tsp_ext import ZigzagLayout, apply_tsp, gather_sequence, init_tsp_mesh, shard_batch
-from tsp_ext.testing.launch import run_processes
 
 pytestmark = pytest.mark.multiproc
 
@@ -87,8 +86,8 @@ def errors_worker(rank, world):
 
 
 @functools.cache
-def messages():
-    return run_processes(errors_worker, 2)[0]
+def messages(workers):
+    return workers.run(errors_worker, 2)[0]
 
 
 @pytest.mark.parametrize(
@@ -119,5 +118,5 @@ def messages():
         ("odd_length", "shard the batch with tsp_ext.shard_batch"),
     ],
 )
-def test_clear_errors(case, expected):
-    assert expected in messages()[case]
+def test_clear_errors(workers, case, expected):
+    assert expected in messages(workers)[case]

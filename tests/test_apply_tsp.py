@@ -7,7 +7,7 @@ import functools
 
 import pytest
 import torch
-from conftest import rel_err
+from checks import rel_err
 from models import FAMILIES, batch, build, lm_loss
 
 from tsp_ext import (
@@ -18,7 +18,6 @@ from tsp_ext import (
     init_tsp_mesh,
     shard_batch,
 )
-from tsp_ext.testing.launch import run_processes
 
 pytestmark = pytest.mark.multiproc
 
@@ -92,13 +91,13 @@ def parity_worker(rank, world):
 
 
 @functools.cache
-def parity(world):
-    return run_processes(parity_worker, world)
+def parity(workers, world):
+    return workers.run(parity_worker, world)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_logits_loss_and_grads_match_hf(world):
-    for rank, per_case in enumerate(parity(world)):
+def test_logits_loss_and_grads_match_hf(workers, world):
+    for rank, per_case in enumerate(parity(workers, world)):
         for case, errs in per_case.items():
             tol = TOL[getattr(torch, case[1].split(".")[1])]
             if case[0] == "qwen3":

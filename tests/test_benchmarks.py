@@ -8,7 +8,6 @@ import torch.distributed as dist
 
 from benchmarks.comm_counter import CommCounter
 from benchmarks.harness import measure
-from tsp_ext.testing.launch import run_processes
 
 pytestmark = pytest.mark.multiproc
 
@@ -47,8 +46,8 @@ def _collectives(rank: int, world: int) -> dict:
     return dict(c.received)
 
 
-def test_comm_counter_bytes_received():
-    r0, r1 = run_processes(_collectives, 2, timeout=120)
+def test_comm_counter_bytes_received(workers):
+    r0, r1 = workers.run(_collectives, 2, timeout=120)
     # fp32, G = 2: all-reduce 2·(G-1)/G·400, gathers/scatters (G-1)/G of the full tensor
     common = dict(all_reduce=400, reduce_scatter=400, all_to_all=200, send_recv=40)
     assert r0 == {**common, "broadcast": 0, "reduce": 400, "all_gather": 400 + 800}

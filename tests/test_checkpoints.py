@@ -94,13 +94,13 @@ def roundtrip_worker(rank, world, tmp, family):
 
 
 @functools.cache
-def roundtrips(world: int, tmp: str):
-    return {f: run_processes(roundtrip_worker, world, tmp, f) for f in ("llama", "llama_tied")}
+def roundtrips(workers, world: int, tmp: str):
+    return {f: workers.run(roundtrip_worker, world, tmp, f) for f in ("llama", "llama_tied")}
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_export_round_trip_and_shard_on_read(world, tmp):
-    for family, per_rank in roundtrips(world, os.path.join(tmp, str(world))).items():
+def test_export_round_trip_and_shard_on_read(workers, world, tmp):
+    for family, per_rank in roundtrips(workers, world, os.path.join(tmp, str(world))).items():
         for res in per_rank:
             assert res["logits_err"] < 1e-5, (family, res)
             assert res["same_params"] and res["loaded_logits_equal"], (family, res)

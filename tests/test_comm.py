@@ -7,7 +7,6 @@ import torch
 import torch.distributed as dist
 
 from tsp_ext.engine import comm
-from tsp_ext.testing.launch import run_processes
 
 pytestmark = pytest.mark.multiproc
 
@@ -87,13 +86,13 @@ def _bucket_case(rank, world, group) -> dict:
 
 
 @functools.cache
-def duals(world):
-    return run_processes(duals_worker, world)
+def duals(workers, world):
+    return workers.run(duals_worker, world)
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_functions_are_exact_duals(world):
-    for rank, res in enumerate(duals(world)):
+def test_functions_are_exact_duals(workers, world):
+    for rank, res in enumerate(duals(workers, world)):
         names = ("broadcast_from_owner", "gather_seq", "ring_pass", "replicated", "sum_over_ranks")
         for name in names:
             assert res[name] < 1e-12, (world, rank, name, res[name])

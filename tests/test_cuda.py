@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import rel_err
+from checks import rel_err
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,

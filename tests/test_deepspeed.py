@@ -8,12 +8,11 @@ import functools
 
 import pytest
 import torch
-from conftest import error_message
+from checks import error_message
 from dp_reference import CLIP, STEPS, adamw, param_errors, reference, replica_batches
 from models import build, causal_lm_loss
 
 from tsp_ext import TSPConfig, apply_tsp, init_tsp_mesh
-from tsp_ext.testing.launch import run_processes
 
 pytestmark = pytest.mark.multiproc
 
@@ -69,13 +68,13 @@ RUNS = ((1, torch.float64), (2, torch.float64), (3, torch.float32), (2, torch.bf
 
 
 @functools.cache
-def results(tsp: int):
-    return run_processes(zero_worker, 4, tsp, RUNS, timeout=600)
+def results(workers, tsp: int):
+    return workers.run(zero_worker, 4, tsp, RUNS, timeout=600)
 
 
 @pytest.mark.parametrize("tsp", [2, 4, 1])
-def test_zero_stages_match_reference(tsp):
-    for rank, per_run in enumerate(results(tsp)):
+def test_zero_stages_match_reference(workers, tsp):
+    for rank, per_run in enumerate(results(workers, tsp)):
         for (stage, dtype), res in per_run.items():
             # TSP itself is float64-exact, but DeepSpeed reduces gradient norms (and so the clip
             # coefficient) in float32; Adam turns that into ~1e-5 on entries whose |grad| ~ eps
@@ -123,9 +122,9 @@ def offload_worker(rank, world):
     return param_errors(full, dict(ref.named_parameters()))[1]
 
 
-def test_cpu_optimizer_offload():
+def test_cpu_optimizer_offload(workers):
     # relative L2 distance of all parameters after one step (see zero_run's tolerances)
-    assert max(run_processes(offload_worker, 4, timeout=600)) < 1e-6
+    assert max(workers.run(offload_worker, 4, timeout=600)) < 1e-6
 
 
 def config_errors_worker(rank, world):
@@ -187,8 +186,8 @@ def config_errors_worker(rank, world):
         ("mixed_kv_clipping", "would count twice; use a tsp size in [1, 3, 8, 9]"),
     ],
 )
-def test_config_errors(case, expected):
-    assert expected in config_messages()[case]
+def test_config_errors(workers, case, expected):
+    assert expected in config_messages(workers)[case]
 
 
 def test_tsp_block_takes_every_config_field():
@@ -219,8 +218,8 @@ def test_tsp_block_takes_every_config_field():
 
 
 @functools.cache
-def config_messages():
-    return run_processes(config_errors_worker, 4)[0]
+def config_messages(workers):
+    return workers.run(config_errors_worker, 4)[0]
 
 
 # any TSP size: 6 query / 3 KV heads at D = 4 (groups of 2, 2, 1, 1 query heads; KV head 2 on
@@ -233,8 +232,8 @@ def uneven_worker(rank, world):
     return zero_run(4, 2, torch.float64, UNEVEN)
 
 
-def test_zero2_uneven_layout_matches_reference():
-    for rank, res in enumerate(run_processes(uneven_worker, 4, timeout=400)):
+def test_zero2_uneven_layout_matches_reference(workers):
+    for rank, res in enumerate(workers.run(uneven_worker, 4, timeout=400)):
         tols = {"loss": 1e-7, "norm": 1e-6, "params": 1e-4, "params_l2": 1e-6}
         for key, tol in tols.items():
             assert res[key] < tol, (rank, key, res)
@@ -270,8 +269,8 @@ def plain_initialize_worker(rank, world, tmp):
     }
 
 
-def test_plain_deepspeed_initialize_refuses_tsp(tmp_path):
-    got = run_processes(plain_initialize_worker, 1, str(tmp_path), timeout=300)[0]
+def test_plain_deepspeed_initialize_refuses_tsp(workers, tmp_path):
+    got = workers.run(plain_initialize_worker, 1, str(tmp_path), timeout=300)[0]
     ignored = "got a DeepSpeed config with a \"tsp\" block ({'size': 1}), which plain DeepSpeed"
     assert ignored in got["dict"] and ignored in got["path"]
     assert "call tsp_ext.deepspeed.initialize instead" in got["dict"]

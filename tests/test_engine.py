@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import rel_err
+from checks import rel_err
 from transformers import LlamaConfig, Qwen3Config
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRotaryEmbedding
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3MLP
@@ -21,7 +21,6 @@ from tsp_ext import (
     padded_length,
 )
 from tsp_ext.engine.attention_kernels import available_backends
-from tsp_ext.testing.launch import run_processes
 
 pytestmark = pytest.mark.multiproc
 
@@ -136,8 +135,8 @@ def parity_worker(rank, world, cases, backend):
 
 
 @functools.cache
-def parity_results(world: int, backend: str) -> dict:
-    return run_processes(parity_worker, world, tuple(CASES), backend)
+def parity_results(workers, world: int, backend: str) -> dict:
+    return workers.run(parity_worker, world, tuple(CASES), backend)
 
 
 # every attention kernel this machine can run for both dtypes (CUDA kernels: gpu_check)
@@ -152,8 +151,8 @@ def test_cpu_backends_are_covered():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_parity_with_hf_modules(world, backend):
-    results = parity_results(world, backend)
+def test_parity_with_hf_modules(workers, world, backend):
+    results = parity_results(workers, world, backend)
     for rank, per_case in enumerate(results):
         for case, errs in per_case.items():
             tol = TOL[case[1]]
@@ -166,10 +165,10 @@ def test_parity_with_hf_modules(world, backend):
             assert len(errs) >= 10  # outputs, input grads and every weight grad were compared
 
 
-def test_uneven_layout_at_d3():
+def test_uneven_layout_at_d3(workers):
     """9 heads at D = 3 with 3 KV heads: 3 each; MLP rows 18 + 18 + 17; both CPU kernels."""
     for backend in BACKENDS:
-        for rank, per_case in enumerate(run_processes(parity_worker, 3, UNEVEN_CASES, backend)):
+        for rank, per_case in enumerate(workers.run(parity_worker, 3, UNEVEN_CASES, backend)):
             for case, errs in per_case.items():
                 bad = {k: v for k, v in errs.items() if not v < TOL[case[1]]}
                 assert not bad, f"D=3 rank={rank} case={case} {backend}: {bad}"

@@ -5,12 +5,11 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import error_message
+from checks import error_message
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRotaryEmbedding
 
 from tsp_ext import AttentionSpec, TSPAttention, TSPConfig, TSPGatedMLP
-from tsp_ext.testing.launch import run_processes
 
 pytestmark = pytest.mark.multiproc
 
@@ -45,8 +44,8 @@ def errors_worker(rank, world):
 
 
 @functools.cache
-def messages():
-    return run_processes(errors_worker, 2)[0]
+def messages(workers):
+    return workers.run(errors_worker, 2)[0]
 
 
 @pytest.mark.parametrize(
@@ -64,8 +63,8 @@ def messages():
         ("mlp_shape", "x must be [B, S/D, 24]"),
     ],
 )
-def test_clear_errors(case, expected):
-    assert expected in messages()[case]
+def test_clear_errors(workers, case, expected):
+    assert expected in messages(workers)[case]
 
 
 def test_spec_and_config_validation():

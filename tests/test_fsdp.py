@@ -12,7 +12,6 @@ from models import build
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from tsp_ext import full_state_dict, init_tsp_mesh, shard_batch
-from tsp_ext.testing.launch import run_processes
 
 pytestmark = pytest.mark.multiproc
 
@@ -58,13 +57,13 @@ def fsdp_worker(rank, world, tsp, tmp):
 
 
 @functools.cache
-def results(tsp: int, tmp: str):
-    return run_processes(fsdp_worker, 4, tsp, tmp, timeout=600)
+def results(workers, tsp: int, tmp: str):
+    return workers.run(fsdp_worker, 4, tsp, tmp, timeout=600)
 
 
 @pytest.mark.parametrize("tsp", [2, 4, 1])
-def test_fsdp2_matches_reference(tsp, tmp):
-    for rank, res in enumerate(results(tsp, tmp)):
+def test_fsdp2_matches_reference(workers, tsp, tmp):
+    for rank, res in enumerate(results(workers, tsp, tmp)):
         for run in ("fp64", "no_reshard"):
             # float64 end to end (FSDP2 reduces in the parameter dtype): exact to rounding
             tols = {"loss": 1e-12, "norm": 1e-12, "params": 1e-10, "params_l2": 1e-12}
@@ -85,8 +84,8 @@ def uneven_worker(rank, world):
     return fsdp_run(init_tsp_mesh(2), torch.float64, UNEVEN)
 
 
-def test_uneven_layout_matches_reference():
-    for rank, res in enumerate(run_processes(uneven_worker, 4, timeout=400)):
+def test_uneven_layout_matches_reference(workers):
+    for rank, res in enumerate(workers.run(uneven_worker, 4, timeout=400)):
         tols = {"loss": 1e-10, "norm": 1e-10, "params": 1e-7, "params_l2": 1e-9}
         for key, tol in tols.items():
             assert res[key] < tol, (rank, key, res)

@@ -8,13 +8,12 @@ import functools
 
 import pytest
 import torch
-from conftest import error_message
+from checks import error_message
 from models import build
 from transformers import DynamicCache
 
 from tsp_ext import TSPCache, TSPConfig, apply_tsp, init_tsp_mesh
 from tsp_ext.engine.decode import KV_BLOCK
-from tsp_ext.testing.launch import run_processes
 
 pytestmark = pytest.mark.multiproc
 
@@ -125,8 +124,8 @@ def worker(rank, world):
 
 
 @functools.cache
-def results(world):
-    return run_processes(worker, world, timeout=300)
+def results(workers, world):
+    return workers.run(worker, world, timeout=300)
 
 
 # any TSP size: 14 query / 2 KV heads, F = 53, V = 97 at D = 3 — groups of 5, 5, 4 query heads;
@@ -145,8 +144,8 @@ def uneven_worker(rank, world):
     return greedy_case(rank, init_tsp_mesh(world), *UNEVEN, {}, model_kw=UNEVEN_MODEL)
 
 
-def test_greedy_matches_hf_with_uneven_heads_mlp_and_vocab():
-    runs = run_processes(uneven_worker, 3, timeout=300)
+def test_greedy_matches_hf_with_uneven_heads_mlp_and_vocab(workers):
+    runs = workers.run(uneven_worker, 3, timeout=300)
     ref = runs[0]["ref"]
     assert ref.shape[1] == UNEVEN[3] + NEW
     for rank, run in enumerate(runs):
@@ -159,8 +158,8 @@ def test_greedy_matches_hf_with_uneven_heads_mlp_and_vocab():
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_greedy_matches_hf_token_for_token(world):
-    runs = results(world)
+def test_greedy_matches_hf_token_for_token(workers, world):
+    runs = results(workers, world)
     for case in CASES:
         ref = runs[0][case[:5]]["ref"]
         assert ref.shape[1] == case[3] + NEW
@@ -169,8 +168,8 @@ def test_greedy_matches_hf_token_for_token(world):
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_kv_cache_and_weights_are_one_dth(world):
-    runs = results(world)
+def test_kv_cache_and_weights_are_one_dth(workers, world):
+    runs = results(workers, world)
     for family, dtype, B, S, pad, overrides in CASES:
         key = (family, dtype, B, S, pad)
         ref_kv = runs[0][key]["ref_kv"]
@@ -189,16 +188,16 @@ def test_kv_cache_and_weights_are_one_dth(world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_sampling_and_beams_agree_across_ranks(world):
-    runs = results(world)
+def test_sampling_and_beams_agree_across_ranks(workers, world):
+    runs = results(workers, world)
     for mode in ("sampling", "beams"):
         ref = runs[0][mode]["ref"]
         for rank, run in enumerate(runs):
             assert torch.equal(run[mode]["tokens"], ref), f"{mode} D={world} rank={rank}"
 
 
-def test_errors():
-    errors = results(2)[0]["errors"]
+def test_errors(workers):
+    errors = results(workers, 2)[0]["errors"]
     expected = {
         "too long": "max_position_embeddings",
         "assisted": "assisted decoding",

@@ -12,7 +12,6 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, L
 
 from tsp_ext import TSPAttention, TSPConfig, TSPGatedMLP, ZigzagLayout
 from tsp_ext.memory import SavedTensorBytes
-from tsp_ext.testing.launch import run_processes
 
 pytestmark = pytest.mark.multiproc
 
@@ -69,25 +68,25 @@ def memory_worker(rank, world):
 
 
 @functools.cache
-def measured(world):
-    return run_processes(memory_worker, world)
+def measured(workers, world):
+    return workers.run(memory_worker, world)
 
 
 @pytest.mark.parametrize("module", ["attn", "attn_packed", "mlp", "mlp_kept"])
-def test_saved_bytes_shrink_as_one_over_d(module):
-    base = measured(1)[0][module]
+def test_saved_bytes_shrink_as_one_over_d(workers, module):
+    base = measured(workers, 1)[0][module]
     assert base > 0
     # TSP at D = 1 saves no more than the Hugging Face module does
-    assert base <= measured(1)[0][f"hf_{module}"]
+    assert base <= measured(workers, 1)[0][f"hf_{module}"]
     for world in (2, 4):
-        for rank, res in enumerate(measured(world)):
+        for rank, res in enumerate(measured(workers, world)):
             ratio = res[module] * world / base
             assert 0.9 <= ratio <= 1.1, (module, world, rank, res[module], base)
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_nothing_full_size_is_saved(world):
-    for res in measured(world):
+def test_nothing_full_size_is_saved(workers, world):
+    for res in measured(workers, world):
         full_weights = set(res["weight_shapes"])
         for module in ("attn", "attn_packed", "mlp", "mlp_kept"):
             for shape in res[f"{module}_shapes"]:

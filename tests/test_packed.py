@@ -8,7 +8,7 @@ import functools
 
 import pytest
 import torch
-from conftest import rel_err
+from checks import rel_err
 from models import build, lm_loss
 from transformers import DataCollatorWithFlattening
 
@@ -20,7 +20,6 @@ from tsp_ext.engine.attention_kernels import (
 )
 from tsp_ext.engine.documents import query_spans
 from tsp_ext.engine.layout import RowSpans, Span, ZigzagLayout
-from tsp_ext.testing.launch import run_processes
 
 # Documents per batch row. At D = 1, 2, 4 (chunks of 21, 11, 6 tokens after padding to 42, 44,
 # 48) they straddle chunk and rank boundaries, include a document of one token and documents
@@ -197,14 +196,14 @@ def parity_worker(rank, world):
 
 
 @functools.cache
-def parity(world):
-    return run_processes(parity_worker, world)
+def parity(workers, world):
+    return workers.run(parity_worker, world)
 
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_packed_logits_loss_and_grads_match_hf(world):
-    for rank, per_case in enumerate(parity(world)):
+def test_packed_logits_loss_and_grads_match_hf(workers, world):
+    for rank, per_case in enumerate(parity(workers, world)):
         for case, errs in per_case.items():
             tol = TOL[getattr(torch, case[1].split(".")[1])]
             bad = {k: v for k, v in errs.items() if not v < tol}

@@ -9,8 +9,6 @@ import pytest
 import torch
 from models import batch, build, causal_lm_loss
 
-from tsp_ext.testing.launch import run_processes
-
 pytestmark = pytest.mark.multiproc
 
 STEPS, SEQ, ROWS, LR = 3, 24, 16, 1e-2
@@ -110,19 +108,19 @@ def dp2_worker(rank, world, out_dir):
 
 
 @functools.cache
-def runs(tmp: str) -> dict:
+def runs(workers, tmp: str) -> dict:
     return {
-        "one_process": run_processes(trainer_run, 1, 0, f"{tmp}/one", timeout=300)[0],
-        "tsp2": run_processes(tsp_runs_worker, 2, f"{tmp}/tsp2", timeout=300)[0],
-        "zero2": run_processes(tsp_runs_worker, 2, f"{tmp}/zero2", "zero2", timeout=300)[0],
+        "one_process": workers.run(trainer_run, 1, 0, f"{tmp}/one", timeout=300)[0],
+        "tsp2": workers.run(tsp_runs_worker, 2, f"{tmp}/tsp2", timeout=300)[0],
+        "zero2": workers.run(tsp_runs_worker, 2, f"{tmp}/zero2", "zero2", timeout=300)[0],
     }
 
 
 @functools.cache
-def dp2_runs(tmp: str) -> dict:
+def dp2_runs(workers, tmp: str) -> dict:
     return {
-        "ddp": run_processes(trainer_run, 2, 0, f"{tmp}/ddp", timeout=300)[0],
-        "tsp": run_processes(dp2_worker, 4, f"{tmp}/dp2", timeout=600)[0],
+        "ddp": workers.run(trainer_run, 2, 0, f"{tmp}/ddp", timeout=300)[0],
+        "tsp": workers.run(dp2_worker, 4, f"{tmp}/dp2", timeout=600)[0],
     }
 
 
@@ -132,27 +130,27 @@ def assert_same_curve(got: dict, ref: dict) -> None:
         assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-6), key
 
 
-def checkpointed(tmp: str, run: str) -> tuple[dict, str]:
+def checkpointed(workers, tmp: str, run: str) -> tuple[dict, str]:
     """A run that saved a checkpoint, exported and resumed, and its output dir: D=2 (dp=1) with
     DDP or DeepSpeed ZeRO-2, dp=2 x D=2 with ZeRO-3."""
     if run == "dp2_zero3":
-        return dp2_runs(tmp)["tsp"]["zero3"], f"{tmp}/dp2/zero3"
-    return runs(tmp)[run], f"{tmp}/{run}"
+        return dp2_runs(workers, tmp)["tsp"]["zero3"], f"{tmp}/dp2/zero3"
+    return runs(workers, tmp)[run], f"{tmp}/{run}"
 
 
 CHECKPOINTED = ["tsp2", "zero2", "dp2_zero3"]
 
 
 @pytest.mark.parametrize("run", ["tsp2", "zero2"])
-def test_trainer_loss_curve_matches_one_process(tmp, run):
-    got, ref = runs(tmp)[run], runs(tmp)["one_process"]
+def test_trainer_loss_curve_matches_one_process(workers, tmp, run):
+    got, ref = runs(workers, tmp)[run], runs(workers, tmp)["one_process"]
     assert_same_curve(got, ref)
     assert got["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5)
 
 
 @pytest.mark.parametrize("run", CHECKPOINTED)
-def test_trainer_resumes_from_checkpoint(tmp, run):
-    got = checkpointed(tmp, run)[0]
+def test_trainer_resumes_from_checkpoint(workers, tmp, run):
+    got = checkpointed(workers, tmp, run)[0]
     resumed = got["resumed"]  # the log history of steps 1-2 comes back from the checkpoint
     assert resumed["loss"][:2] == got["loss"][:2]
     assert resumed["loss"][2:] == pytest.approx(got["loss"][2:], rel=1e-6)
@@ -160,10 +158,10 @@ def test_trainer_resumes_from_checkpoint(tmp, run):
 
 
 @pytest.mark.parametrize("run", CHECKPOINTED)
-def test_trainer_export_reloads_in_one_process(tmp, run):
+def test_trainer_export_reloads_in_one_process(workers, tmp, run):
     from transformers import AutoModelForCausalLM, default_data_collator
 
-    got, out_dir = checkpointed(tmp, run)
+    got, out_dir = checkpointed(workers, tmp, run)
     assert os.path.isdir(f"{out_dir}/checkpoint-2/tsp_state")  # kept by save_model()
     model = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
     data = default_data_collator(rows(2, 4))
@@ -173,8 +171,8 @@ def test_trainer_export_reloads_in_one_process(tmp, run):
 
 
 @pytest.mark.parametrize("data_parallel", ["ddp", "fsdp2", "zero2", "zero3"])
-def test_trainer_dp2_matches_plain_ddp(tmp, data_parallel):
-    got, ref = dp2_runs(tmp)["tsp"][data_parallel], dp2_runs(tmp)["ddp"]
+def test_trainer_dp2_matches_plain_ddp(workers, tmp, data_parallel):
+    got, ref = dp2_runs(workers, tmp)["tsp"][data_parallel], dp2_runs(workers, tmp)["ddp"]
     assert_same_curve(got, ref)
     assert got["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5)
 

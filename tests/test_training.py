@@ -7,11 +7,10 @@ import functools
 
 import pytest
 import torch
-from conftest import rel_err
+from checks import rel_err
 from models import batch, build, causal_lm_loss
 
 from tsp_ext import apply_tsp, full_grads, full_state_dict, init_tsp_mesh, shard_batch
-from tsp_ext.testing.launch import run_processes
 
 pytestmark = pytest.mark.multiproc
 
@@ -92,34 +91,34 @@ def training_worker(rank, world):
 
 
 @functools.cache
-def results(world):
-    return run_processes(training_worker, world)
+def results(workers, world):
+    return workers.run(training_worker, world)
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_three_adamw_steps_match(world):
-    for res in results(world):
+def test_three_adamw_steps_match(workers, world):
+    for res in results(workers, world):
         assert res["adamw"]["params"] < 1e-9, res["adamw"]
         for tsp_loss, ref_loss in res["adamw"]["losses"]:
             assert abs(tsp_loss - ref_loss) < 1e-10 * abs(ref_loss)
     # out.loss is the same value on every TSP rank
-    assert len({tuple(r["adamw"]["losses"]) for r in results(world)}) == 1
+    assert len({tuple(r["adamw"]["losses"]) for r in results(workers, world)}) == 1
 
 
-def test_bf16_loss_close_to_float32_at_d4():
-    for tsp_loss, ref_loss in (r["bf16"] for r in results(4)):
+def test_bf16_loss_close_to_float32_at_d4(workers):
+    for tsp_loss, ref_loss in (r["bf16"] for r in results(workers, 4)):
         assert abs(tsp_loss - ref_loss) < 1e-2 * abs(ref_loss), (tsp_loss, ref_loss)
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_gradient_checkpointing_keeps_exact_grads(world):
-    for res in results(world):
+def test_gradient_checkpointing_keeps_exact_grads(workers, world):
+    for res in results(workers, world):
         assert res["checkpointing"] < 1e-10
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_layer_weights_are_one_over_d_per_rank(world):
-    for res in results(world):
+def test_layer_weights_are_one_over_d_per_rank(workers, world):
+    for res in results(workers, world):
         before, after = res["bytes"]
         assert after["sharded"] * world == before["sharded"]
         assert after["kv"] * min(world, 2) == before["kv"]  # KV heads replicated when D > n_kv

@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import error_message
+from checks import error_message
 from models import batch, build
 
 from tsp_ext import (
@@ -23,7 +23,6 @@ from tsp_ext import (
     save_pretrained,
     shard_batch,
 )
-from tsp_ext.testing.launch import run_processes
 
 pytestmark = pytest.mark.multiproc
 
@@ -142,13 +141,13 @@ def resume_worker(rank, world, kind, tmp):
 
 
 @functools.cache
-def resumed(kind: str, tmp: str):
-    return run_processes(resume_worker, 4, kind, tmp, timeout=400)
+def resumed(workers, kind: str, tmp: str):
+    return workers.run(resume_worker, 4, kind, tmp, timeout=400)
 
 
 @pytest.mark.parametrize("kind", ["ddp", "fsdp2", "zero2", "zero3"])
-def test_exact_and_resharded_resume(kind, tmp):
-    for res in resumed(kind, tmp):
+def test_exact_and_resharded_resume(workers, kind, tmp):
+    for res in resumed(workers, kind, tmp):
         half = STEPS // 2
         assert res["exact"] == res["straight"][half:], res  # bit-identical, float32
         assert res["exact_params"] == 0.0, res
@@ -213,8 +212,8 @@ def uneven_resume_worker(rank, world, kind, model, tmp):
 @pytest.mark.parametrize(
     "kind, model", [("ddp", "9q_3kv"), ("ddp", "6q_2kv"), ("fsdp2", "6q_2kv"), ("zero2", "9q_3kv")]
 )
-def test_uneven_layouts_resume_at_another_tsp_size(kind, model, tmp):
-    for res in run_processes(uneven_resume_worker, 4, kind, model, tmp, timeout=400):
+def test_uneven_layouts_resume_at_another_tsp_size(workers, kind, model, tmp):
+    for res in workers.run(uneven_resume_worker, 4, kind, model, tmp, timeout=400):
         assert res["4->4"] == res["straight4"][STEPS // 2 :], res  # bit-identical
         assert res["4->4_params"] == 0.0, res
         for saved_at, resumed_at in ((4, 2), (2, 4)):
@@ -273,13 +272,13 @@ def safety_worker(rank, world, tmp):
 
 
 @functools.cache
-def safety(tmp: str):
-    return run_processes(safety_worker, 2, os.path.join(tmp, "safety"), timeout=300)
+def safety(workers, tmp: str):
+    return workers.run(safety_worker, 2, os.path.join(tmp, "safety"), timeout=300)
 
 
-def test_async_save_and_refused_checkpoints(tmp):
+def test_async_save_and_refused_checkpoints(workers, tmp):
     os.makedirs(os.path.join(tmp, "safety"), exist_ok=True)
-    for res in safety(tmp):
+    for res in safety(workers, tmp):
         assert res["async_equal"] and res["no_leftovers"], res
         assert "is incomplete: it has no trainer_state.json" in res["interrupted"], res
         assert "is damaged:" in res["truncated"] and "truncated" in res["truncated"], res

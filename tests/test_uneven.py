@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
-from conftest import rel_err
+from checks import rel_err
 from models import batch, build, lm_loss
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -106,13 +106,13 @@ def parity_worker(rank, world):
 
 
 @functools.cache
-def parity(world):
-    return run_processes(parity_worker, world, timeout=420)
+def parity(workers, world):
+    return workers.run(parity_worker, world, timeout=420)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_uneven_models_match_hf(world):
-    for rank, per_case in enumerate(parity(world)):
+def test_uneven_models_match_hf(workers, world):
+    for rank, per_case in enumerate(parity(workers, world)):
         for case, (errs, _) in per_case.items():
             tol = TOL[getattr(torch, case[1].split(".")[1])]
             if case[0].startswith("qwen3"):
@@ -132,10 +132,10 @@ def _unit(name: str, model_name: str) -> int:
 
 
 @pytest.mark.parametrize("world", [3, 4])
-def test_uneven_parameter_bytes_within_one_head_or_row(world):
+def test_uneven_parameter_bytes_within_one_head_or_row(workers, world):
     """Per rank and sharded tensor: q/o within one head, MLP and vocabulary within one row of
     1/D of the full tensor; K/V hold every KV head their queries use (shared heads replicated)."""
-    results = parity(world)
+    results = parity(workers, world)
     for case in results[0]:
         name = case[0]
         _, kw = MODELS[name]
@@ -278,11 +278,11 @@ def kv_transfer_worker(rank, world):
     return transfers.seen, shared, attn.spec.head_dim * cfg.hidden_size
 
 
-def test_shared_kv_gradients_are_summed_among_their_users_one_head_at_a_time():
+def test_shared_kv_gradients_are_summed_among_their_users_one_head_at_a_time(workers):
     # before: one [n_kv * d, h] buffer per K/V tensor, all-reduced over the whole TSP group
     # (local KV head, ranks using it) of each rank's shared heads: KV 1 on ranks 1-2, KV 2 on 2-3
     expected = [[], [(0, [1, 2])], [(0, [1, 2]), (1, [2, 3])], [(0, [2, 3])]]
-    for rank, (seen, shared, head) in enumerate(run_processes(kv_transfer_worker, 4)):
+    for rank, (seen, shared, head) in enumerate(workers.run(kv_transfer_worker, 4)):
         assert shared == expected[rank], (rank, shared)
         assert not [op for op, _ in seen if "allreduce" in op], (rank, seen)
         p2p = [(op, n) for op, n in seen if op in ("send", "recv_")]

@@ -10,13 +10,12 @@ import functools
 
 import pytest
 import torch
-from conftest import rel_err
+from checks import rel_err
 from models import lm_loss
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tsp_ext import TSPConfig, apply_tsp, full_grads, gather_sequence, init_tsp_mesh, shard_batch
 from tsp_ext.memory import PeakAllocated, SavedTensorBytes
-from tsp_ext.testing.launch import run_processes
 
 pytestmark = pytest.mark.multiproc
 
@@ -84,8 +83,8 @@ def logits_path_worker(rank, world):
 
 
 @functools.cache
-def measured(world):
-    return run_processes(vocab_worker, world)
+def measured(workers, world):
+    return workers.run(vocab_worker, world)
 
 
 def reference_logits_bytes(tokens: int) -> int:
@@ -94,17 +93,17 @@ def reference_logits_bytes(tokens: int) -> int:
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_embedding_and_lm_head_bytes_scale_as_one_over_d(world):
+def test_embedding_and_lm_head_bytes_scale_as_one_over_d(workers, world):
     full = VOCAB * HIDDEN * F32
-    for rank, m in enumerate(measured(world)):
+    for rank, m in enumerate(measured(workers, world)):
         assert m["table_bytes_tied=False"] == 2 * full // world, (rank, m)
         assert m["table_bytes_tied=True"] == full // world, (rank, m)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_loss_transient_is_bounded_by_the_chunk_not_the_logits(world):
+def test_loss_transient_is_bounded_by_the_chunk_not_the_logits(workers, world):
     rows = VOCAB // world
-    for rank, m in enumerate(measured(world)):
+    for rank, m in enumerate(measured(workers, world)):
         for seq in (SEQ, 2 * SEQ):
             tokens = seq // world
             # a few [chunk, V/D] blocks, the weight-sized gradient ring and ring buffers, and
@@ -122,8 +121,8 @@ def test_loss_transient_is_bounded_by_the_chunk_not_the_logits(world):
 
 
 @pytest.mark.parametrize("world", [2])
-def test_requested_logits_have_exact_gradients(world):
-    for rank, err in enumerate(run_processes(logits_path_worker, world)):
+def test_requested_logits_have_exact_gradients(workers, world):
+    for rank, err in enumerate(workers.run(logits_path_worker, world)):
         assert err < 1e-5, (rank, err)
 
 
@@ -172,6 +171,6 @@ def fused_loss_worker(rank, world):
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
-def test_fused_loss_gradients_scale_and_retain(world):
-    for rank, errs in enumerate(run_processes(fused_loss_worker, world)):
+def test_fused_loss_gradients_scale_and_retain(workers, world):
+    for rank, errs in enumerate(workers.run(fused_loss_worker, world)):
         assert max(errs.values()) < 1e-12, (rank, errs)

@@ -5,16 +5,24 @@ Backends: ``gloo`` (CPU), ``nccl`` (one GPU per rank) and ``fake`` (PyTorch's fa
 only the ``ranks`` asked for start, each alone in a D-rank world whose collectives move no data,
 for single-rank emulation). Every run gets a free port, a hard timeout, a report naming a rank
 that died (with its exit code), and faulthandler stack dumps of a hung worker.
+
+``run_processes`` starts fresh processes for one function; ``WorkerPool`` keeps D ranks and
+their process group alive to run many functions in turn (what the test suite uses: starting
+a rank, importing torch and transformers and joining a group is most of a short test's time).
 """
 
 from __future__ import annotations
 
+import ctypes
 import faulthandler
+import gc
 import multiprocessing as mp
 import os
 import pickle
 import queue as queue_mod
 import socket
+import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -31,7 +39,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, rank: int, world: int, port: int, backend: str, args, queue, timeout) -> None:
+def _join_group(rank: int, world: int, port: int, backend: str, timeout: float) -> None:
+    """This process as rank ``rank`` of a ``world``-rank group: one thread, the launcher's
+    environment variables, the default process group."""
     os.environ.update(
         OMP_NUM_THREADS="1",
         MASTER_ADDR="127.0.0.1",
@@ -45,27 +55,99 @@ def _worker(fn, rank: int, world: int, port: int, backend: str, args, queue, tim
 
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", category=FutureWarning)  # gloo's all_gather_into_tensor
-    faulthandler.dump_traceback_later(max(timeout - 10, 1))  # a hung worker shows where it hangs
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    try:
-        if backend == "fake":
-            from torch.testing._internal.distributed.fake_pg import FakeStore
+    if backend == "fake":
+        from torch.testing._internal.distributed.fake_pg import FakeStore
 
-            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-        else:
-            pg_timeout = timedelta(seconds=min(timeout, 300))
-            dist.init_process_group(backend, rank=rank, world_size=world, timeout=pg_timeout)
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    else:
+        pg_timeout = timedelta(seconds=min(timeout, 300))
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=pg_timeout)
+
+
+def _run_one(fn, rank: int, world: int, args, timeout: float, results, stacks=sys.stderr) -> None:
+    """``fn(rank, world, *args)``, its result or traceback put on ``results``; its stacks
+    dumped to ``stacks`` if it runs 10 s short of ``timeout`` (where a hung worker hangs)."""
+    faulthandler.dump_traceback_later(max(timeout - 10, 1), file=stacks)
+    try:
         result = fn(rank, world, *args)
         dist.barrier()
         # plain pickle copies tensors; torch's queue pickler would share them through file
         # descriptors that die with this process
-        queue.put((rank, "ok", pickle.dumps(result)))
+        results.put((rank, "ok", pickle.dumps(result)))
     except BaseException:  # report everything, including assertion errors, to the parent
-        queue.put((rank, "error", traceback.format_exc()))
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def _worker(fn, rank: int, world: int, port: int, backend: str, args, results, timeout) -> None:
+    try:
+        _join_group(rank, world, port, backend, timeout)
+        _run_one(fn, rank, world, args, timeout, results)
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _collect(procs: dict, results, timeout: float, stacks=None, exit_ok: bool = True) -> list:
+    """The results of ``procs`` in rank order; raises on a worker's error, death (any exit
+    unless ``exit_ok``: a rank that is done may exit 0) or timeout, quoting then the stack dumps
+    of the ranks in ``stacks`` (rank -> file)."""
+    got: dict[int, object] = {}
+    errors: list[str] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < len(procs) and not errors:
+        try:
+            rank, status, payload = results.get(timeout=1.0)
+        except queue_mod.Empty:
+            ended = (None, 0) if exit_ok else (None,)
+            dead = [(r, p.exitcode) for r, p in procs.items() if p.exitcode not in ended]
+            if dead:
+                errors.append(f"rank {dead[0][0]} died with exit code {dead[0][1]}")
+            elif time.monotonic() > deadline:
+                errors.append(f"timed out after {timeout}s{_stack_dumps(stacks)}")
+            continue
+        if status == "ok":
+            got[rank] = pickle.loads(payload)
+        else:
+            errors.append(f"rank {rank}:\n{payload}")
+    if errors:
+        raise RuntimeError("distributed run failed:\n" + "\n".join(errors))
+    return [got[r] for r in sorted(procs)]
+
+
+def _stack_dumps(stacks: dict[int, str] | None) -> str:
+    """The ranks' stack dumps from their files, or where to find them (the workers' stderr)."""
+    if not stacks:
+        return " (see the stack dumps above)"
+    text = ""
+    for rank, path in sorted(stacks.items()):
+        with open(path) as f:
+            text += f"\nrank {rank}:\n{f.read() or '(no stack dump written)'}"
+    return text
+
+
+class _environ:
+    """Extra environment variables set while a block runs (children started in it inherit
+    them), the previous values restored after."""
+
+    def __init__(self, env: dict[str, str] | None):
+        self.env = env or {}
+
+    def __enter__(self) -> None:
+        self.saved = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+
+    def __exit__(self, *exc) -> None:
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
 
 
 def run_processes(
@@ -95,48 +177,147 @@ def run_processes(
     if backend != "fake" and len(ranks) != world:
         raise ValueError("only the fake backend runs a subset of the ranks")
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
+    results = ctx.Queue()
     port = free_port()
     procs = {
         r: ctx.Process(
-            target=_worker, args=(fn, r, world, port, backend, args, queue, timeout), daemon=True
+            target=_worker, args=(fn, r, world, port, backend, args, results, timeout), daemon=True
         )
         for r in ranks
     }
-    saved = {k: os.environ.get(k) for k in env or {}}
-    os.environ.update(env or {})  # inherited by the spawned children only at start
-    try:
+    with _environ(env):
         for p in procs.values():
             p.start()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k)
-            else:
-                os.environ[k] = v
-    results: dict[int, object] = {}
-    errors: list[str] = []
-    deadline = time.monotonic() + timeout
+    failed = True
     try:
-        while len(results) < len(ranks) and not errors:
-            try:
-                rank, status, payload = queue.get(timeout=1.0)
-            except queue_mod.Empty:
-                dead = [(r, p.exitcode) for r, p in procs.items() if p.exitcode not in (None, 0)]
-                if dead:
-                    errors.append(f"rank {dead[0][0]} died with exit code {dead[0][1]}")
-                elif time.monotonic() > deadline:
-                    errors.append(f"timed out after {timeout}s (see the stack dumps above)")
-                continue
-            if status == "ok":
-                results[rank] = pickle.loads(payload)
-            else:
-                errors.append(f"rank {rank}:\n{payload}")
+        out = _collect(procs, results, timeout)
+        failed = False
+        return out
     finally:
         for p in procs.values():
-            p.join(timeout=30 if not errors else 1)
+            p.join(timeout=1 if failed else 30)
             if p.is_alive():
                 p.kill()
-    if errors:
-        raise RuntimeError("distributed run failed:\n" + "\n".join(errors))
-    return [results[r] for r in ranks]
+
+
+def _pool_worker(rank: int, world: int, port: int, backend: str, tasks, results, stacks) -> None:
+    """Join the group once, then run each task from ``tasks`` until ``None`` arrives (a hung
+    task's stacks go to the file ``stacks``, which the parent quotes)."""
+    _join_group(rank, world, port, backend, timeout=300)
+    import torch
+
+    environ = dict(os.environ)
+    groups = set(dist.distributed_c10d._world.pg_map)
+    seed = torch.initial_seed()
+    while (task := tasks.get()) is not None:
+        fn, args, timeout, env = pickle.loads(task)
+        os.environ.update(env)
+        with open(stacks, "w") as stack_file:
+            _run_one(fn, rank, world, args, timeout, results, stack_file)
+        # the next task starts as in a fresh process: environment, defaults, RNG, groups
+        os.environ.clear()
+        os.environ.update(environ)
+        torch.set_default_dtype(torch.float32)
+        torch.set_grad_enabled(True)
+        torch.manual_seed(seed)
+        for pg in set(dist.distributed_c10d._world.pg_map) - groups:
+            dist.destroy_process_group(pg)
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # an idle rank gives its peak back
+    dist.destroy_process_group()
+
+
+class WorkerPool:
+    """``world`` spawned gloo ranks, one process group, kept alive to run many functions.
+
+    ``run(fn, *args)`` is ``run_processes(fn, world, *args)`` without the start-up: each rank
+    runs ``fn(rank, world, *args)`` and returns to wait for the next function, its environment,
+    default dtype, grad mode, RNG seed and process groups reset to how they were before. A
+    function that fails, hangs past its timeout or kills a rank fails its caller with the same
+    report as ``run_processes``, and the pool starts afresh for the next one.
+
+    Not for functions that measure a process's peak memory, end the process group, or need a
+    process of their own (faults, elastic restarts): use ``run_processes`` for those.
+    """
+
+    def __init__(self, world: int, backend: str = "gloo"):
+        self.world, self.backend = world, backend
+        self._procs: dict[int, mp.Process] = {}
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(self.world)]
+        self._dir = tempfile.TemporaryDirectory(prefix=f"tsp_pool{self.world}_")
+        self._stacks = {r: os.path.join(self._dir.name, f"rank{r}.txt") for r in range(self.world)}
+        port = free_port()
+        self._procs = {
+            r: ctx.Process(
+                target=_pool_worker,
+                args=(r, self.world, port, self.backend, q, self._results, self._stacks[r]),
+                daemon=True,
+            )
+            for r, q in enumerate(self._tasks)
+        }
+        for p in self._procs.values():
+            p.start()
+
+    def run(
+        self, fn: Callable, *args, timeout: float = 240.0, env: dict[str, str] | None = None
+    ) -> list:
+        """``fn(rank, world, *args)`` on every rank; the results in rank order (raises as
+        ``run_processes`` does). ``env``: environment variables set around the call."""
+        if not self._procs or any(p.exitcode is not None for p in self._procs.values()):
+            self.close()
+            self._start()
+        task = pickle.dumps((fn, args, timeout, env or {}))
+        for q in self._tasks:
+            q.put(task)
+        try:
+            return _collect(self._procs, self._results, timeout, self._stacks, exit_ok=False)
+        except BaseException:
+            self._kill()  # the other ranks may wait in a collective forever
+            raise
+
+    def close(self) -> None:
+        """Stop the ranks (after the function they run, if any)."""
+        for q in self._tasks if self._procs else ():
+            q.put(None)
+        for p in self._procs.values():
+            p.join(timeout=30)
+        self._kill()
+
+    def _kill(self) -> None:
+        for p in self._procs.values():
+            if p.is_alive():
+                p.kill()
+            p.join()
+        self._procs = {}
+        if hasattr(self, "_dir"):
+            self._dir.cleanup()
+
+
+class WorkerPools:
+    """A ``WorkerPool`` per world size, each started on its first use."""
+
+    def __init__(self, backend: str = "gloo"):
+        self.backend = backend
+        self._pools: dict[int, WorkerPool] = {}
+
+    def run(
+        self,
+        fn: Callable,
+        world: int,
+        *args,
+        timeout: float = 240.0,
+        env: dict[str, str] | None = None,
+    ) -> list:
+        """``run_processes(fn, world, *args, timeout=timeout, env=env)`` on the kept ranks."""
+        if world not in self._pools:
+            self._pools[world] = WorkerPool(world, self.backend)
+        return self._pools[world].run(fn, *args, timeout=timeout, env=env)
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
