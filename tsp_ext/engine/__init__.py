@@ -12,5 +12,6 @@
 - ``vocab``: embedding row exchange, ring LM head + fused cross-entropy
 - ``pointwise``: RMSNorm and RoPE
 - ``masked_attention``: exact attention under a key mask with its lse, LSE merge of partials
+- ``options``: ``EngineOptions``, the options the schedules read (``TSPConfig.engine_options()``)
 - ``decode``: the TP decode schedules on the TSP shards (attention, MLP, embedding, logits)
 """
