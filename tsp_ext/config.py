@@ -26,7 +26,7 @@ class TSPConfig:
             ``cpu_flash`` on CPU; for bf16/fp16 on CUDA ``cuda_cudnn`` on Hopper and newer when
             the shapes repeat every step, else ``flash_attn`` / ``cuda_flash``; ``cuda_efficient``
             for fp32 on CUDA; else ``blockwise``) or one of those names
-            (``tsp_ext.engine.attention_kernels.BACKENDS``).
+            (``tsp_ext.engine.attention_backends.BACKENDS``).
         attn_block: query and key block size of the ``blockwise`` attention kernel; bounds its
             transient score block to ``B x heads/D x attn_block^2``.
         recompute_mlp: recompute the MLP's gate/up projections shard by shard in backward (saves

@@ -29,11 +29,8 @@ from collections.abc import Callable
 import torch
 
 from . import comm
-from .attention_kernels import (
-    chunked_attention_backward,
-    chunked_attention_forward,
-    select_backend,
-)
+from .attention_backends import select_backend
+from .chunked_attention import chunked_attention_backward, chunked_attention_forward
 from .heads import AttentionSpec
 from .layout import RowSpans, Span, ZigzagLayout
 from .masked_attention import masked_chunked_attention

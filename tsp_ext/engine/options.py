@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention_kernels import BACKENDS
+from .attention_backends import BACKENDS
 
 
 @dataclass(frozen=True)
