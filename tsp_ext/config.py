@@ -57,14 +57,7 @@ class TSPConfig:
     def engine_options(self) -> EngineOptions:
         """The options the engine's schedules read: every field but ``tsp_size`` and
         ``shard_vocab`` (which ``apply_tsp`` reads)."""
-        return EngineOptions(
-            accum_dtype=self.accum_dtype,
-            overlap=self.overlap,
-            attn_backend=self.attn_backend,
-            attn_block=self.attn_block,
-            recompute_mlp=self.recompute_mlp,
-            loss_chunk=self.loss_chunk,
-        )
+        return EngineOptions(**{f.name: getattr(self, f.name) for f in fields(EngineOptions)})
 
     def accum_for(self, dtype: torch.dtype) -> torch.dtype:
         """Accumulation dtype for activations of ``dtype`` (never less precise than them)."""
