@@ -19,7 +19,7 @@ import copy
 import dataclasses
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,10 @@ from ..engine.heads import AttentionSpec
 from ..hf.apply import apply_tsp
 from ..hf.sharding import Role, param_roles
 from ..mesh import init_tsp_mesh
+
+if TYPE_CHECKING:
+    from transformers import TrainingArguments
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
 # DeepSpeed options that build their own model/sequence-parallel groups, which would then take
 # precedence over TSP's and partition or average across the TSP axis
@@ -228,8 +232,8 @@ def initialize(
 
 
 def trainer_config(
-    args, model: nn.Module, tsp: int | TSPConfig | None
-) -> tuple[Any, int | TSPConfig | None]:
+    args: TrainingArguments, model: nn.Module, tsp: int | TSPConfig | None
+) -> tuple[HfTrainerDeepSpeedConfig, int | TSPConfig | None]:
     """The DeepSpeed config of ``TrainingArguments(deepspeed=...)`` as Hugging Face reads it
     (``HfTrainerDeepSpeedConfig``: ``"auto"`` values from the arguments), and the TSP options to
     apply: the ``"tsp"`` block's, whose size must agree with ``tsp`` / the model's."""
@@ -258,7 +262,9 @@ def trainer_config(
     return hf_config, (block if state is None and not isinstance(tsp, TSPConfig) else tsp)
 
 
-def finish_trainer_config(hf_config, args, model: nn.Module, mesh: DeviceMesh) -> None:
+def finish_trainer_config(
+    hf_config: HfTrainerDeepSpeedConfig, args: TrainingArguments, model: nn.Module, mesh: DeviceMesh
+) -> None:
     """Fill the ``"auto"`` values of ``trainer_config``'s config from ``args`` (absent batch
     sizes, accumulation and clipping count as ``"auto"``); batch sizes count dp replicas, not
     processes; a config without a ``"tsp"`` block gets the model's TSP options."""
