@@ -31,12 +31,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tsp_ext.engine.attention import heads_major
-from tsp_ext.engine.attention_kernels import (
-    BACKENDS,
-    available_backends,
-    chunked_attention_backward,
-    chunked_attention_forward,
-)
+from tsp_ext.engine.attention_backends import BACKENDS, available_backends
+from tsp_ext.engine.chunked_attention import chunked_attention_backward, chunked_attention_forward
 from tsp_ext.engine.layout import ZigzagLayout
 
 log = logging.getLogger("benchmarks.attention_kernels")

@@ -31,11 +31,8 @@ import torch.nn.functional as F
 
 from benchmarks.attention_kernels import _fmt, _median_ms
 from tsp_ext.engine.attention import heads_major
-from tsp_ext.engine.attention_kernels import (
-    chunked_attention_backward,
-    chunked_attention_forward,
-    select_backend,
-)
+from tsp_ext.engine.attention_backends import select_backend
+from tsp_ext.engine.chunked_attention import chunked_attention_backward, chunked_attention_forward
 from tsp_ext.engine.documents import query_spans
 from tsp_ext.engine.layout import ZigzagLayout
 

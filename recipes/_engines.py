@@ -10,11 +10,11 @@ import json
 import math
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 import tsp_ext.fsdp
 from tsp_ext import TSPConfig, apply_tsp, checkpoint, clip_grad_norm_, save_pretrained
+from tsp_ext.dp_storage import partition
 
 
 def lr_lambda(warmup: int, total: int):
@@ -27,13 +27,6 @@ def lr_lambda(warmup: int, total: int):
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
     return f
-
-
-def _local(param: torch.Tensor) -> torch.Tensor:
-    """The weights a rank holds of ``param``: ZeRO-3's partition, FSDP2's shard, or itself."""
-    if hasattr(param, "ds_tensor"):
-        return param.ds_tensor
-    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def ds_config(args) -> dict:
@@ -130,7 +123,7 @@ class Engine:
     @torch.no_grad()
     def weights_finite(self) -> bool:
         """Whether every weight of every rank is finite (collective: one all-reduce)."""
-        local = [_local(p) for p in self.model.parameters()]
+        local = [partition(p) for p in self.model.parameters()]
         flag = torch.zeros(1, device=local[0].device)
         for t in local:
             flag += (~torch.isfinite(t)).sum()

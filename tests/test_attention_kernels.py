@@ -6,14 +6,13 @@ import pytest
 import torch
 
 from tsp_ext.engine.attention import heads_major
-from tsp_ext.engine.attention_kernels import (
+from tsp_ext.engine.attention_backends import (
     BACKENDS,
     _aligns_bottom_right,
     available_backends,
-    chunked_attention_backward,
-    chunked_attention_forward,
     select_backend,
 )
+from tsp_ext.engine.chunked_attention import chunked_attention_backward, chunked_attention_forward
 from tsp_ext.engine.layout import Span, ZigzagLayout
 
 CPU = torch.device("cpu")

@@ -20,7 +20,7 @@ from tsp_ext import (
     pad_sequence,
     padded_length,
 )
-from tsp_ext.engine.attention_kernels import available_backends
+from tsp_ext.engine.attention_backends import available_backends
 
 pytestmark = pytest.mark.multiproc
 

@@ -13,11 +13,8 @@ from models import build, lm_loss
 from transformers import DataCollatorWithFlattening
 
 from tsp_ext import TSPConfig, apply_tsp, full_grads, gather_sequence, init_tsp_mesh, shard_batch
-from tsp_ext.engine.attention_kernels import (
-    BACKENDS,
-    chunked_attention_backward,
-    chunked_attention_forward,
-)
+from tsp_ext.engine.attention_backends import BACKENDS
+from tsp_ext.engine.chunked_attention import chunked_attention_backward, chunked_attention_forward
 from tsp_ext.engine.documents import query_spans
 from tsp_ext.engine.layout import RowSpans, Span, ZigzagLayout
 

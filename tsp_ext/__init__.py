@@ -42,8 +42,8 @@ _EXPORTS = {
     "full_state_dict": ".checkpoint.state",
     "TSPVocabEmbedding": ".hf.vocab",
     "TSPVocabLMHead": ".hf.vocab",
-    "TSPTrainer": ".hf.trainer",
-    "TSPTrainerMixin": ".hf.trainer",
+    "TSPTrainer": ".integrations.trainer",
+    "TSPTrainerMixin": ".integrations.trainer",
 }
 
 __all__ = sorted(_EXPORTS)

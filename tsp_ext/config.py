@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .engine.attention_kernels import BACKENDS
+from .engine.options import EngineOptions
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class TSPConfig:
             ``cpu_flash`` on CPU; for bf16/fp16 on CUDA ``cuda_cudnn`` on Hopper and newer when
             the shapes repeat every step, else ``flash_attn`` / ``cuda_flash``; ``cuda_efficient``
             for fp32 on CUDA; else ``blockwise``) or one of those names
-            (``tsp_ext.engine.attention_kernels.BACKENDS``).
+            (``tsp_ext.engine.attention_backends.BACKENDS``).
         attn_block: query and key block size of the ``blockwise`` attention kernel; bounds its
             transient score block to ``B x heads/D x attn_block^2``.
         recompute_mlp: recompute the MLP's gate/up projections shard by shard in backward (saves
@@ -52,20 +52,16 @@ class TSPConfig:
     def __post_init__(self) -> None:
         if self.tsp_size is not None and self.tsp_size < 1:
             raise ValueError(f"tsp_size must be >= 1, got {self.tsp_size}")
-        if not self.accum_dtype.is_floating_point:
-            raise ValueError(f"accum_dtype must be a floating dtype, got {self.accum_dtype}")
-        if self.attn_backend != "auto" and self.attn_backend not in BACKENDS:
-            raise ValueError(
-                f"attn_backend={self.attn_backend!r} is not 'auto' or one of {sorted(BACKENDS)}"
-            )
-        if self.attn_block < 1:
-            raise ValueError(f"attn_block must be >= 1, got {self.attn_block}")
-        if self.loss_chunk < 1:
-            raise ValueError(f"loss_chunk must be >= 1, got {self.loss_chunk}")
+        self.engine_options()  # validates the engine's fields
+
+    def engine_options(self) -> EngineOptions:
+        """The options the engine's schedules read: every field but ``tsp_size`` and
+        ``shard_vocab`` (which ``apply_tsp`` reads)."""
+        return EngineOptions(**{f.name: getattr(self, f.name) for f in fields(EngineOptions)})
 
     def accum_for(self, dtype: torch.dtype) -> torch.dtype:
         """Accumulation dtype for activations of ``dtype`` (never less precise than them)."""
-        return torch.promote_types(dtype, self.accum_dtype)
+        return self.engine_options().accum_for(dtype)
 
     @classmethod
     def from_dict(cls, options: dict[str, Any], where: str = "the TSP options") -> TSPConfig:

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from .dp_storage import local_tensor
 
 
 class SavedTensorBytes:
@@ -23,8 +24,7 @@ class SavedTensorBytes:
 
     def __init__(self, ignore: Iterable[torch.Tensor] = ()) -> None:
         """``ignore``: tensors (e.g. ``model.parameters()``) whose storage is not counted."""
-        local = (t.to_local() if isinstance(t, DTensor) else t for t in ignore)
-        self._ignore = {t.untyped_storage().data_ptr() for t in local}
+        self._ignore = {local_tensor(t).untyped_storage().data_ptr() for t in ignore}
         self.storages: dict[int, int] = {}
         self.shapes: list[tuple[int, ...]] = []
 

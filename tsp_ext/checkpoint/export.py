@@ -23,8 +23,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .state import full_shape, iter_full_tensors, require_tsp, reshard_fsdp
+from .writer import WRITER, raise_everywhere, replace_dir
 
-WRITER = 0  # the global rank that writes the files
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
 _DTYPES = {  # safetensors' names
@@ -189,19 +189,14 @@ def save_pretrained(
         try:
             files.finish()
             _write_config(model, tmp, tokenizer)
-            _replace_dir(tmp, path)
+            replace_dir(tmp, path)
         except BaseException as e:
             error = e
     if writer and error is not None and tmp is not None:
         if files is not None:
             files.close()
         shutil.rmtree(tmp, ignore_errors=True)
-    failed = [error is not None]
-    dist.broadcast_object_list(failed, src=WRITER)
-    if error is not None:
-        raise error
-    if failed[0]:
-        raise RuntimeError(f"save_pretrained({path!r}) failed on rank {WRITER}; see its error")
+    raise_everywhere(error, f"save_pretrained({path!r})")
 
 
 def _write_config(model: nn.Module, folder: str, tokenizer) -> None:
@@ -213,14 +208,3 @@ def _write_config(model: nn.Module, folder: str, tokenizer) -> None:
         model.generation_config.save_pretrained(folder)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
-
-
-def _replace_dir(new: str, path: str) -> None:
-    """Move ``new`` to ``path``; an existing ``path`` is kept until the new one is in place."""
-    old = None
-    if os.path.exists(path):
-        old = f"{path}.old-{os.getpid()}"
-        os.rename(path, old)
-    os.rename(new, path)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from ..dp_storage import is_fsdp2, tsp_shape
 from ..hf.sharding import blocks
 from .state import require_tsp
 
@@ -47,7 +48,7 @@ class Layout:
 
     def full_shape(self, name: str, like: torch.Tensor) -> torch.Size:
         """Shape of the full Hugging Face tensor behind parameter ``name``."""
-        shape = list(local_shape(like))
+        shape = list(tsp_shape(like))
         tsp = blocks(self.model, name)
         if tsp is not None:
             dim, rows = tsp
@@ -60,13 +61,13 @@ class Layout:
         tsp = blocks(self.model, name)
         # TSP blocks along each dim (global [start, stop)); this rank's is at position self.rank
         extents = [[(0, n)] for n in shape]
-        offset, size = [0] * len(shape), list(local_shape(like))
+        offset, size = [0] * len(shape), list(tsp_shape(like))
         if tsp is not None:
             dim, rows = tsp
             extents[dim] = [(r.start, r.stop) for r in rows]
             offset[dim] = rows[self.rank].start
         cuts = [{b for e in ext for b in e} for ext in extents]
-        if isinstance(like, DTensor):  # FSDP2: this rank's dp chunk of its TSP block
+        if is_fsdp2(like):  # FSDP2: this rank's dp chunk of its TSP block
             dp_dim = _dp_shard_dim(name, like)
             size, dp_offset = compute_local_shape_and_global_offset(
                 like.shape, like.device_mesh, like.placements
@@ -164,13 +165,3 @@ class Chunks(torch.Tensor):
 
     def __repr__(self) -> str:  # type: ignore[override]
         return f"Chunks(shape={tuple(self.shape)}, pieces={self._pieces})"
-
-
-def local_shape(p: torch.Tensor) -> torch.Size:
-    """This TSP rank's shape of a parameter (a DTensor's dp-global shape, ZeRO-3's ds_shape)."""
-    return p.ds_shape if hasattr(p, "ds_shape") else p.shape
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank stores (an FSDP2 DTensor's dp chunk)."""
-    return t.to_local() if isinstance(t, DTensor) else t

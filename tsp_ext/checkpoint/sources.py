@@ -16,7 +16,7 @@ from collections.abc import Collection, Iterator
 import torch
 from torch import nn
 
-from .layout import local_shape, local_tensor
+from ..dp_storage import local_tensor, tsp_shape
 from .state import reshard_fsdp
 
 PARAM = "param"
@@ -72,9 +72,9 @@ def local_state(
         _link_fragments(engine.optimizer)
         keys = [k for k, v in base.items() if torch.is_tensor(v) and v.dim() > 0]
         for name, p in _named(model, names):
-            yield name, PARAM, safe_get_full_fp32_param(p).view(local_shape(p)), p
+            yield name, PARAM, safe_get_full_fp32_param(p).view(tsp_shape(p)), p
             for key in keys:
-                yield name, key, safe_get_full_optimizer_state(p, key).view(local_shape(p)), p
+                yield name, key, safe_get_full_optimizer_state(p, key).view(tsp_shape(p)), p
             if STEP in base:
                 yield name, STEP, torch.as_tensor(base[STEP]).detach().clone(), p
         return
@@ -101,9 +101,9 @@ def targets(
     reshard_fsdp(model)
     for name, p in _named(model, names):
         if engine is not None:
-            yield name, PARAM, torch.empty(local_shape(p), dtype=torch.float32), p
+            yield name, PARAM, torch.empty(tsp_shape(p), dtype=torch.float32), p
             for key in keys.get(name, []):
-                shape = () if key == STEP else local_shape(p)
+                shape = () if key == STEP else tsp_shape(p)
                 yield name, key, torch.empty(shape, dtype=torch.float32), p
             continue
         yield name, PARAM, local_tensor(p.detach()), p

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from ..dp_storage import full_over_dp, is_zero3, tsp_shape, zero3_gathered
 from ..hf.sharding import shard_owner
 
 
@@ -38,7 +38,7 @@ def reshard_fsdp(model: nn.Module) -> None:
 def full_shape(model: nn.Module, name: str, t: torch.Tensor) -> torch.Size:
     """Shape of the full Hugging Face tensor that ``full_tensor(model, name, t)`` assembles,
     without communication (``t``: this rank's value, as there)."""
-    shape = list(t.ds_shape if hasattr(t, "ds_shape") else t.shape)  # ZeRO-3: partitioned
+    shape = list(tsp_shape(t))
     sharded = shard_owner(model, name)
     if sharded is not None:
         module, key = sharded
@@ -60,14 +60,10 @@ def full_tensor(
     transient memory is one full tensor on ``dst`` and one shard elsewhere.
     """
     state = require_tsp(model)
-    if hasattr(t, "ds_id"):  # ZeRO-3: partitioned over dp, gather this one parameter
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters([t]):
+    if is_zero3(t):  # gather this one parameter over dp
+        with zero3_gathered(t):
             return full_tensor(model, name, t.detach().clone(), dst=dst)
-    if isinstance(t, DTensor):  # FSDP2: gather the dp shards first
-        t = t.full_tensor()
-    t = t.detach()
+    t = full_over_dp(t).detach()  # FSDP2: the dp shards first
     tsp_ranks = dist.get_process_group_ranks(state.group)
     if dst is not None and dst not in tsp_ranks:
         return None

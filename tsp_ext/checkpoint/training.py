@@ -30,10 +30,10 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from .export import WRITER, _replace_dir
 from .layout import Layout
 from .rng import rng_kinds, rng_state, rng_targets, set_rng_state
 from .sources import PARAM, finish_restore, local_state, prepare_restore, restore, targets
+from .writer import on_writer, replace_dir
 
 STATE = "trainer_state.json"
 FORMAT = "tsp_ext.dcp.v2"
@@ -75,7 +75,7 @@ def save(
     shapes = _model_shapes(model, layout)  # an uneven layout is refused here, on every rank
     groups = _groups(shapes, max_group_bytes)
     incomplete = _incomplete_dir(path)
-    _on_writer(lambda: _fresh_dir(incomplete), f"preparing {incomplete}")
+    on_writer(lambda: _fresh_dir(incomplete), f"preparing {incomplete}")
     kinds = rng_kinds()
     keys: dict[str, list[str]] = {}
     stager = DefaultStager(StagingOptions(False, False, False, False)) if async_save else None
@@ -282,22 +282,6 @@ def _complete(incomplete: str, path: str, meta: dict) -> None:
         with open(tmp, "w") as f:
             json.dump({**meta, "files": files}, f)
         os.rename(tmp, os.path.join(incomplete, STATE))
-        _replace_dir(incomplete, path)
+        replace_dir(incomplete, path)
 
-    _on_writer(finish, f"completing {path}")
-
-
-def _on_writer(fn, what: str) -> None:
-    """Run ``fn`` on the writer rank; its failure is raised on every rank (collective)."""
-    error = None
-    if dist.get_rank() == WRITER:
-        try:
-            fn()
-        except BaseException as e:
-            error = e
-    failed = [error is not None]
-    dist.broadcast_object_list(failed, src=WRITER)
-    if error is not None:
-        raise error
-    if failed[0]:
-        raise RuntimeError(f"{what} failed on rank {WRITER}; see its error")
+    on_writer(finish, f"completing {path}")

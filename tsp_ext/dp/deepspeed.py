@@ -8,6 +8,9 @@ Same arguments and return value as ``deepspeed.initialize``. It builds the (dp, 
 TSP if the model is not a TSP model yet, and gives DeepSpeed an ``mpu`` so that ZeRO partitions and
 reduces over the dp group only, batch sizes count dp replicas, and gradient norms count each
 TSP-sharded parameter once per shard and each replicated parameter once.
+
+``trainer_config`` / ``finish_trainer_config`` read ``TrainingArguments(deepspeed=...)``'s config
+for ``TSPTrainer``. Importing this module imports neither ``deepspeed`` nor ``accelerate``.
 """
 
 from __future__ import annotations
@@ -16,19 +19,23 @@ import copy
 import dataclasses
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import deepspeed
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..checkpoint.state import full_state_dict as tsp_full_state_dict
 from ..config import TSPConfig
 from ..engine.heads import AttentionSpec
 from ..hf.apply import apply_tsp
 from ..hf.sharding import Role, param_roles
 from ..mesh import init_tsp_mesh
+
+if TYPE_CHECKING:
+    from transformers import TrainingArguments
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
 # DeepSpeed options that build their own model/sequence-parallel groups, which would then take
 # precedence over TSP's and partition or average across the TSP axis
@@ -183,6 +190,8 @@ def initialize(
     Returns ``(engine, optimizer, training_dataloader, lr_scheduler)``; ``engine.tsp_mesh`` is
     the (dp, tsp) mesh, for ``shard_batch`` / ``gather_sequence``.
     """
+    import deepspeed  # the optional dependency, only when DeepSpeed runs
+
     cfg = _load(config)
     tsp_cfg = tsp_config_from_ds(cfg)
     _check_conflicts(cfg, kwargs)
@@ -222,6 +231,65 @@ def initialize(
     return out
 
 
+def trainer_config(
+    args: TrainingArguments, model: nn.Module, tsp: int | TSPConfig | None
+) -> tuple[HfTrainerDeepSpeedConfig, int | TSPConfig | None]:
+    """The DeepSpeed config of ``TrainingArguments(deepspeed=...)`` as Hugging Face reads it
+    (``HfTrainerDeepSpeedConfig``: ``"auto"`` values from the arguments), and the TSP options to
+    apply: the ``"tsp"`` block's, whose size must agree with ``tsp`` / the model's."""
+    # imported here: it imports accelerate, which tsp_ext.deepspeed alone does not need
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    hf_config = HfTrainerDeepSpeedConfig(args.deepspeed)
+    for key in ("optimizer", "scheduler"):
+        if key in hf_config.config:
+            raise ValueError(
+                f'TSPTrainer trains with Trainer\'s optimizer and schedule: remove the "{key}" '
+                "block from the DeepSpeed config (set args.optim, learning_rate, "
+                "lr_scheduler_type, ... instead)"
+            )
+    if "tsp" not in hf_config.config:
+        return hf_config, tsp
+    block = tsp_config_from_ds(hf_config.config)
+    state = getattr(model, "tsp", None)
+    given = tsp.tsp_size if isinstance(tsp, TSPConfig) else tsp
+    given = state.size if given is None and state is not None else given
+    if given is not None and given != block.tsp_size:
+        raise ValueError(
+            f'the DeepSpeed config\'s "tsp" block has size {block.tsp_size} but the TSP size is '
+            f"{given} (tsp= or the TSP model): make them agree, or leave one out"
+        )
+    return hf_config, (block if state is None and not isinstance(tsp, TSPConfig) else tsp)
+
+
+def finish_trainer_config(
+    hf_config: HfTrainerDeepSpeedConfig, args: TrainingArguments, model: nn.Module, mesh: DeviceMesh
+) -> None:
+    """Fill the ``"auto"`` values of ``trainer_config``'s config from ``args`` (absent batch
+    sizes, accumulation and clipping count as ``"auto"``); batch sizes count dp replicas, not
+    processes; a config without a ``"tsp"`` block gets the model's TSP options."""
+    config = hf_config.config
+    for key in (
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+        "gradient_clipping",
+    ):
+        config.setdefault(key, "auto")
+    batch = config.pop("train_batch_size", "auto")
+    hf_config.trainer_config_process(args)  # would count every process as a replica
+    hf_config.trainer_config_finalize(args, model, 0)  # no "scheduler" block: no step counts
+    replicas = mesh["dp"].size() * args.gradient_accumulation_steps
+    expected = replicas * config["train_micro_batch_size_per_gpu"]
+    if batch not in ("auto", expected):
+        raise ValueError(
+            f"DeepSpeed train_batch_size={batch}, but micro batch x accumulation x dp replicas "
+            f'is {expected} (dp = processes / TSP size): set it to {expected} or "auto"'
+        )
+    config["train_batch_size"] = expected
+    config.setdefault("zero_allow_untested_optimizer", True)  # any Trainer optimizer, as HF does
+    config.setdefault("tsp", model.tsp.config.to_dict())
+
+
 def full_state_dict(engine, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
     """Full parameters of a DeepSpeed-wrapped TSP model under the original Hugging Face names.
 
@@ -229,6 +297,4 @@ def full_state_dict(engine, *, rank0_only: bool = False) -> dict[str, torch.Tens
     the TSP shards over the TSP group. Collective: call on every rank. Holds the whole model, for
     comparisons and debugging; ``tsp_ext.save_pretrained(engine.module, path)`` exports without it.
     """
-    from ..checkpoint.state import full_state_dict as tsp_full_state_dict
-
     return tsp_full_state_dict(engine.module, rank0_only=rank0_only)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from ..dp_storage import full_over_dp, is_fsdp2, local_tensor
 from ..hf.sharding import Role, counted_index, param_roles
 
 CHUNK = 1 << 22  # elements squared in float64 at a time (a 32 MB temporary, not a whole gradient)
@@ -35,18 +35,18 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     if not grads:
         return torch.zeros(())
     first = next(iter(grads.values()))
-    device = (first.to_local() if isinstance(first, DTensor) else first).device
+    device = local_tensor(first).device
     # rows: [sharded over tsp, replicated]; columns: [sharded over dp (DTensor), whole]
     sums = torch.zeros(2, 2, dtype=torch.float64, device=device)
     for name, g in grads.items():
         role = roles[name]
         if role is Role.COPY:
             continue
-        dtensor = isinstance(g, DTensor)
-        local = g.to_local() if dtensor else g
+        dtensor = is_fsdp2(g)
+        local = local_tensor(g)
         counted = counted_index(model, name)
         if counted != (slice(None),):  # a slice with a shared KV head's copy: count the rest
-            local = (g.full_tensor() if dtensor else g)[counted]
+            local = full_over_dp(g)[counted]
             dtensor = False  # the full TSP shard, identical over dp
         sums[0 if role is Role.SHARDED else 1, 0 if dtensor else 1] += _sum_of_squares(local)
     if state.mesh.ndim > 1:  # every rank takes part, whether or not it holds DTensor grads

@@ -28,16 +28,13 @@ from collections.abc import Callable
 
 import torch
 
-from ..config import TSPConfig
 from . import comm
-from .attention_kernels import (
-    chunked_attention_backward,
-    chunked_attention_forward,
-    select_backend,
-)
+from .attention_backends import select_backend
+from .chunked_attention import chunked_attention_backward, chunked_attention_forward
 from .heads import AttentionSpec
 from .layout import RowSpans, Span, ZigzagLayout
 from .masked_attention import masked_chunked_attention
+from .options import EngineOptions
 from .pointwise import add_matmul, matmul, rope_phases
 from .qkv import project_qkv, project_qkv_backward, split_kv, stacked_weights
 
@@ -50,18 +47,18 @@ class _Schedule:
     documents: ``engine.documents.query_spans``), spec, options."""
 
     def __init__(
-        self, spec: AttentionSpec, group, config: TSPConfig, x: torch.Tensor, q_spans=None
+        self, spec: AttentionSpec, group, options: EngineOptions, x: torch.Tensor, q_spans=None
     ):
-        self.spec, self.group, self.config = spec, group, config
+        self.spec, self.group, self.options = spec, group, options
         self.D, self.p = comm.size_and_rank(group)
         self.layout = ZigzagLayout.from_local(x.shape[1], self.D)
         stream = self.layout.spans(self.p)
         self.q_spans = stream if q_spans is None else q_spans
-        self.acc = config.accum_for(x.dtype)
+        self.acc = options.accum_for(x.dtype)
         # packed documents and inference prefill change the kernels' shapes from call to call
         repeating = self.q_spans == stream and torch.is_grad_enabled()
         self.kernel = select_backend(
-            config.attn_backend, x.device, x.dtype, config.attn_block, spec.head_dim, repeating
+            options.attn_backend, x.device, x.dtype, options.attn_block, spec.head_dim, repeating
         )
 
     def shapes(self, r: int, names: list[str]) -> list[torch.Size]:
@@ -95,7 +92,7 @@ class _Schedule:
             handle.wait()
             if r + 1 < self.D:
                 nxt = post(r + 1)
-                if not self.config.overlap:
+                if not self.options.overlap:
                     nxt[1].wait()
             yield r, dict(zip(names, comm.unpack(buf, shapes[r])))
 
@@ -114,10 +111,10 @@ class _Schedule:
         nxt = start(next(stream))
         for r in range(self.D):
             cur = nxt
-            if r + 1 < self.D and self.config.overlap:
+            if r + 1 < self.D and self.options.overlap:
                 nxt = start(next(stream))
             yield cur
-            if r + 1 < self.D and not self.config.overlap:
+            if r + 1 < self.D and not self.options.overlap:
                 nxt = start(next(stream))
 
     def natural_kv(self, kv_all: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -365,7 +362,7 @@ def tsp_attention(
     k_norm: torch.Tensor | None,
     spec: AttentionSpec,
     group,
-    config: TSPConfig,
+    options: EngineOptions,
     q_spans: tuple[Span, ...] | RowSpans | None = None,
 ) -> torch.Tensor:
     """TSP attention of this rank's tokens: ``x [B, S/D, h]`` -> ``Y_p [B, S/D, h]`` (no o bias).
@@ -375,7 +372,7 @@ def tsp_attention(
     ``q_norm, k_norm`` the replicated per-head norm weights or None; ``q_spans`` the local query
     spans of packed documents (``engine.documents.query_spans``; None: one causal stream).
     """
-    sched = _Schedule(spec, group, config, x, q_spans)
+    sched = _Schedule(spec, group, options, x, q_spans)
     B, T, _ = x.shape
     if cos.shape[-2:] != (T, spec.head_dim) or cos.shape != sin.shape:
         raise ValueError(

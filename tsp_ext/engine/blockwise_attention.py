@@ -20,12 +20,9 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from .layout import Span
+from .lse import stats_dtype
 
 KVSpan = tuple[Span, torch.Tensor, torch.Tensor]  # (positions, k [B, L, Hk, d], v [B, L, Hk, d])
-
-
-def _compute_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 def _blocks(span: Span, size: int) -> Iterator[Span]:
@@ -84,7 +81,7 @@ def attention_forward(
     """Causal attention output ``[B, T, Hq, d]`` (q's dtype) and log-sum-exp ``[B, Hq, T]``."""
     B, T, hq, _ = q.shape
     hk = kv[0][1].shape[2]
-    cdt = _compute_dtype(q)
+    cdt = stats_dtype(q)
     out = torch.empty_like(q)
     lse = torch.empty(B, hq, T, dtype=cdt, device=q.device)
     for qspan in q_spans:
@@ -124,7 +121,7 @@ def attention_backward(
     ``dkv`` (one ``(dk, dv)`` pair of ``[B, L, Hk, d]`` buffers per key span, float32/64)."""
     B = q.shape[0]
     hk = kv[0][1].shape[2]
-    cdt = _compute_dtype(q)
+    cdt = stats_dtype(q)
     dq = torch.empty_like(q)
     for qspan in q_spans:
         for qb in _blocks(qspan, block):

@@ -27,7 +27,8 @@ import torch.nn.functional as F
 
 from . import comm
 from .attention import AttentionSpec, expand_kv
-from .masked_attention import merge_partials, partial_attention
+from .lse import merge_partials
+from .masked_attention import partial_attention
 
 # tokens per block of a KV head's cache split across its replicas (D > n_kv_heads)
 KV_BLOCK = 32
@@ -70,7 +71,8 @@ def decode_attention(
     # (out, lse) of every rank in one message: [D, B, Tq, c·n_h/D, d + 1]
     parts, _ = comm.all_gather_seq(torch.cat([out, lse.transpose(1, 2)[..., None]], -1), group)
     mine = parts[first : first + c, :, :, j * hp : (j + 1) * hp]  # [c, B, Tq, n_h/D, d + 1]
-    return merge_partials(mine[..., :-1], mine[..., -1]).to(q.dtype)
+    out, _ = merge_partials(list(zip(mine[..., :-1], mine[..., -1])))
+    return out.to(q.dtype)
 
 
 def row_parallel(a: torch.Tensor, w: torch.Tensor, group, acc: torch.dtype) -> torch.Tensor:

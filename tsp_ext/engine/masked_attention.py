@@ -1,5 +1,5 @@
-"""Exact attention under an explicit key mask, returning the log-sum-exp, and the merge of
-partial results over disjoint key sets.
+"""Exact attention under an explicit key mask, returning the log-sum-exp (``lse.merge_partials``
+merges such partials over disjoint key sets).
 
 Inference uses it where the fused causal kernels do not fit: prompts with left padding (some
 keys hidden from every query) and decode steps against a KV cache whose tokens are not in one
@@ -16,13 +16,9 @@ from collections.abc import Sequence
 import torch
 
 from .layout import Span
+from .lse import stats_dtype
 
 _NEG_INF = float("-inf")
-
-
-def compute_dtype(t: torch.Tensor) -> torch.dtype:
-    """float32, or float64 for float64 inputs: the dtype of scores, partial outputs and lse."""
-    return torch.promote_types(t.dtype, torch.float32)
 
 
 def partial_attention(
@@ -31,12 +27,12 @@ def partial_attention(
     """Softmax attention of ``q [B, Tq, Hq, d]`` to ``k, v [B, L, Hk, d]`` (GQA: query head i
     uses KV head i // (Hq/Hk)) where ``allowed [B, Tq, L]`` (bool) says which keys each query sees.
 
-    Returns ``out [B, Tq, Hq, d]`` and ``lse [B, Hq, Tq]`` in ``compute_dtype``; a query that
+    Returns ``out [B, Tq, Hq, d]`` and ``lse [B, Hq, Tq]`` in ``stats_dtype``; a query that
     sees no key (or L = 0) gets out 0 and lse -inf, so merging it with other partials is exact.
     """
     B, Tq, Hq, d = q.shape
     Hk = k.shape[2]
-    cdt = compute_dtype(q)
+    cdt = stats_dtype(q)
     qf = q.to(cdt).view(B, Tq, Hk, Hq // Hk, d).permute(0, 2, 3, 1, 4)  # [B, Hk, g, Tq, d]
     kf, vf = k.to(cdt).transpose(1, 2), v.to(cdt).transpose(1, 2)  # [B, Hk, L, d]
     s = torch.einsum("bhgtd,bhld->bhgtl", qf, kf).mul_(scale)
@@ -46,23 +42,6 @@ def partial_attention(
     probs = torch.exp(s.sub_(ref[..., None]))  # exp(-inf) = 0 for hidden keys
     out = torch.einsum("bhgtl,bhld->bhgtd", probs, vf)  # [B, Hk, g, Tq, d]
     return out.permute(0, 3, 1, 2, 4).reshape(B, Tq, Hq, d), lse.reshape(B, Hq, Tq)
-
-
-def merge_partials(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """Merge ``c`` partial attentions over disjoint key sets: ``out [c, ..., d]`` and
-    ``lse [c, ...]`` -> ``[..., d]`` in ``compute_dtype``.
-
-    An empty partial may come as lse -inf, NaN or +inf (kernels differ): all are mapped to -inf
-    so that it gets weight 0; a query that saw no key at all gets 0.
-    """
-    cdt = compute_dtype(out)
-    lse = lse.to(cdt)
-    lse = torch.where(torch.isnan(lse) | (lse == float("inf")), _NEG_INF, lse)
-    top = lse.amax(0)
-    w = torch.exp(lse - top.masked_fill(top == _NEG_INF, 0.0))  # [c, ...]
-    num = torch.where(w[..., None] > 0, out.to(cdt) * w[..., None], 0.0).sum(0)
-    den = w.sum(0)
-    return num / torch.where(den > 0, den, 1.0)[..., None]
 
 
 def masked_chunked_attention(
@@ -83,11 +62,11 @@ def masked_chunked_attention(
             <= its own, and always itself (a padded query then stays finite; no real query
             ever sees it).
     Returns:
-        out ``[B, T, Hq, d]`` (q's dtype) and lse ``[B, Hq, T]`` (``compute_dtype``).
+        out ``[B, T, Hq, d]`` (q's dtype) and lse ``[B, Hq, T]`` (``stats_dtype``).
     """
     B, T, Hq, _ = q.shape
     out = torch.zeros_like(q)
-    lse = torch.full((B, Hq, T), _NEG_INF, dtype=compute_dtype(q), device=q.device)
+    lse = torch.full((B, Hq, T), _NEG_INF, dtype=stats_dtype(q), device=q.device)
     for s in q_spans:
         if s.length == 0:
             continue

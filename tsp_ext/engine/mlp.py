@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..config import TSPConfig
 from . import comm
+from .options import EngineOptions
 from .pointwise import add_matmul, matmul
 from .weight_ring import GradientRing, circulate
 
@@ -98,20 +98,20 @@ def _swiglu_weight_grads(x, dy, gu, dn, out, work: _Workspace, hidden=None) -> t
 class _RingSchedule:
     """Weight ring of one call: every owner's slice width, group, options."""
 
-    def __init__(self, group, config: TSPConfig, x: torch.Tensor, weights, sizes) -> None:
-        self.group, self.config = group, config
+    def __init__(self, group, options: EngineOptions, x: torch.Tensor, weights, sizes) -> None:
+        self.group, self.options = group, options
         self.ring = comm.Ring(group)
         self.D, self.p = self.ring.size, self.ring.rank
         self.h = x.shape[-1]
         self.sizes = sizes or [weights[0].shape[0]] * self.D  # f_q of every owner q
         self.numel = 3 * self.h * max(self.sizes)
-        self.acc = config.accum_for(x.dtype)
+        self.acc = options.accum_for(x.dtype)
 
     def shards(self, weights):
         """Yield ``(t, (GU, Dn))`` of owner q = p - t: ``GU = [G_q; U_q]`` ``[2 f_q, h]`` and
         ``Dn_q [h, f_q]``, views of the ring buffer; the next one arrives while the caller works."""
         packed = comm.pack(weights, numel=self.numel)  # a copy: it may serve as a receive buffer
-        for t, cur in circulate(self.ring, packed, self.config.overlap, reuse=True):
+        for t, cur in circulate(self.ring, packed, self.options.overlap, reuse=True):
             f, h = self.sizes[(self.p - t) % self.D], self.h
             yield t, (cur[: 2 * f * h].view(2 * f, h), cur[2 * f * h : 3 * f * h].view(h, f))
 
@@ -157,13 +157,13 @@ def tsp_mlp_backward(sched: _RingSchedule, dy: torch.Tensor, x: torch.Tensor, we
 
 class _TSPMLPFunction(torch.autograd.Function):
     """Autograd boundary of the ring schedule: saves X_p and the rank's own shards (plus every
-    step's gate/up pre-activations, D x ``[B, S/D, 2 f_q]``, when ``config.recompute_mlp`` is
+    step's gate/up pre-activations, D x ``[B, S/D, 2 f_q]``, when ``options.recompute_mlp`` is
     off)."""
 
     @staticmethod
-    def forward(ctx, group, config, sizes, x, g, u, dn):
-        sched = _RingSchedule(group, config, x, (g, u, dn), sizes)
-        keep = not config.recompute_mlp and any(ctx.needs_input_grad)
+    def forward(ctx, group, options, sizes, x, g, u, dn):
+        sched = _RingSchedule(group, options, x, (g, u, dn), sizes)
+        keep = not options.recompute_mlp and any(ctx.needs_input_grad)
         y, hidden = tsp_mlp_forward(sched, x, (g, u, dn), keep_hidden=keep)
         ctx.sched, ctx.n_hidden = sched, len(hidden or ())
         ctx.save_for_backward(x, g, u, dn, *(hidden or ()))
@@ -183,10 +183,10 @@ def tsp_mlp(
     up: torch.Tensor,
     down: torch.Tensor,
     group,
-    config: TSPConfig,
+    options: EngineOptions,
     sizes: list[int] | None = None,
 ) -> torch.Tensor:
     """Ring SwiGLU of this rank's tokens: ``x [B, S/D, h]`` -> ``[B, S/D, h]`` with this rank's
     slices ``gate, up [f_p, h]`` and ``down [h, f_p]``; ``sizes [D]``: every rank's ``f_q``
     (``partition.split_sizes(F, D)``; None: all equal to this rank's)."""
-    return _TSPMLPFunction.apply(group, config, sizes, x, gate, up, down)
+    return _TSPMLPFunction.apply(group, options, sizes, x, gate, up, down)

@@ -39,8 +39,8 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from ..config import TSPConfig
 from . import comm
+from .options import EngineOptions
 from .pointwise import add_matmul
 from .weight_ring import GradientRing, circulate
 
@@ -93,11 +93,11 @@ class _HeadRing:
     """One call's schedule: LM-head shards on the ring (in buffers of the largest shard, ``V_max``
     rows), local tokens in blocks."""
 
-    def __init__(self, group, config: TSPConfig, h: torch.Tensor, offsets: list[int]) -> None:
+    def __init__(self, group, options: EngineOptions, h: torch.Tensor, offsets: list[int]) -> None:
         self.ring = comm.Ring(group)
-        self.config, self.offsets = config, offsets
+        self.options, self.offsets = options, offsets
         self.max_rows = max(b - a for a, b in zip(offsets, offsets[1:]))
-        self.acc = config.accum_for(h.dtype)
+        self.acc = options.accum_for(h.dtype)
 
     def shards(
         self, weight: torch.Tensor, steps: int | None = None
@@ -108,12 +108,12 @@ class _HeadRing:
         w = weight.detach()
         if w.shape[0] < self.max_rows:  # a padded copy: every ring buffer has V_max rows
             w = torch.cat([w, w.new_zeros(self.max_rows - w.shape[0], w.shape[1])])
-        for t, buf in circulate(self.ring, w, self.config.overlap, steps=steps):
+        for t, buf in circulate(self.ring, w, self.options.overlap, steps=steps):
             q = (p - t) % D
             yield t, self.offsets[q], buf[: self.offsets[q + 1] - self.offsets[q]]
 
     def blocks(self, n: int) -> Iterator[slice]:
-        chunk = self.config.loss_chunk
+        chunk = self.options.loss_chunk
         return (slice(i, min(i + chunk, n)) for i in range(0, n, chunk))
 
     @staticmethod
@@ -162,8 +162,8 @@ class _RingCrossEntropy(torch.autograd.Function):
     """``H [N, h]``, ``labels [N]`` -> sum of the cross-entropy of the valid local tokens."""
 
     @staticmethod
-    def forward(ctx, h, labels, weight, offsets, group, config, ignore_index, differentiated):
-        sched = _HeadRing(group, config, h, offsets)
+    def forward(ctx, h, labels, weight, offsets, group, options, ignore_index, differentiated):
+        sched = _HeadRing(group, options, h, offsets)
         valid = labels != ignore_index
         n = h.shape[0]
         run_max = torch.full((n,), float("-inf"), dtype=sched.acc, device=h.device)
@@ -214,8 +214,8 @@ class _RingLogits(torch.autograd.Function):
     """``H [N, h]`` -> the full-vocabulary logits ``[N, V]`` of the local tokens (explicit)."""
 
     @staticmethod
-    def forward(ctx, h, weight, offsets, group, config):
-        sched = _HeadRing(group, config, h, offsets)
+    def forward(ctx, h, weight, offsets, group, options):
+        sched = _HeadRing(group, options, h, offsets)
         out = h.new_empty(h.shape[0], offsets[-1])
         for _, first, w in sched.shards(weight):
             out[:, first : first + w.shape[0]] = F.linear(h, w)
@@ -248,7 +248,7 @@ def ring_cross_entropy(
     weight: torch.Tensor,
     offsets: list[int],
     group,
-    config: TSPConfig,
+    options: EngineOptions,
     ignore_index: int,
 ) -> torch.Tensor:
     """Sum over the labelled local tokens of ``-log softmax(h·Wᵀ)[label]``: ``h [N, h]``,
@@ -256,12 +256,12 @@ def ring_cross_entropy(
     ``embedding_exchange``); no full logits."""
     differentiated = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
     return _RingCrossEntropy.apply(
-        h, labels, weight, offsets, group, config, ignore_index, differentiated
+        h, labels, weight, offsets, group, options, ignore_index, differentiated
     )
 
 
 def ring_logits(
-    h: torch.Tensor, weight: torch.Tensor, offsets: list[int], group, config: TSPConfig
+    h: torch.Tensor, weight: torch.Tensor, offsets: list[int], group, options: EngineOptions
 ) -> torch.Tensor:
     """Full-vocabulary logits ``[N, V]`` of the local tokens ``h [N, h]``, shard by shard."""
-    return _RingLogits.apply(h, weight, offsets, group, config)
+    return _RingLogits.apply(h, weight, offsets, group, options)

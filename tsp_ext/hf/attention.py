@@ -71,7 +71,8 @@ class TSPAttention(ShardedModule):
             raise ValueError(
                 "q_norm and k_norm must both be given exactly when spec.qk_norm_eps is set"
             )
-        self.spec, self.group, self.config = spec, group, config or TSPConfig()
+        self.spec, self.group = spec, group
+        self.options = (config or TSPConfig()).engine_options()
         h, d = spec.hidden_size, spec.head_dim
         kw = {"dtype": dtype, "device": device}
         nq, nk = spec.n_q(p) * d, spec.n_kv(p) * d  # this rank's head group (engine.heads)
@@ -180,7 +181,7 @@ class TSPAttention(ShardedModule):
             q_norm = comm.replicated(self.q_norm.weight, self.group)
             k_norm = comm.replicated(self.k_norm.weight, self.group)
         y = tsp_attention(
-            x, cos, sin, own, q_norm, k_norm, self.spec, self.group, self.config, spans
+            x, cos, sin, own, q_norm, k_norm, self.spec, self.group, self.options, spans
         )
         if self.o_proj.bias is not None:
             y = y + comm.replicated(self.o_proj.bias, self.group)

@@ -59,7 +59,7 @@ def check_same_on_all_ranks(ids: torch.Tensor, mask: torch.Tensor | None, group)
 def _prefill_attention(attn: TSPAttention, x, cos, sin, layer: TSPCacheLayer, key_valid, S: int):
     """TSP attention of the local prompt tokens ``x [B, S'/D, h]``; rank p's step p hands its
     all-gathered K/V (first ``S`` tokens, the real prompt) to the cache."""
-    sched = _Schedule(attn.spec, attn.group, attn.config, x)
+    sched = _Schedule(attn.spec, attn.group, attn.options, x)
     p = sched.p
 
     def keep(r: int, k_all: torch.Tensor, v_all: torch.Tensor) -> None:
@@ -93,7 +93,7 @@ def _decode_attention(attn: TSPAttention, x, cos, sin, layer: TSPCacheLayer, q_i
     if valid is not None:
         allowed = allowed & valid[:, None, index]
     a = decode_attention(q, keys.transpose(1, 2), values.transpose(1, 2), allowed, spec, attn.group)
-    acc = attn.config.accum_for(x.dtype)
+    acc = attn.options.accum_for(x.dtype)
     y = row_parallel(a.flatten(2), own["wo"], attn.group, acc)
     return y if attn.o_proj.bias is None else y + attn.o_proj.bias
 
@@ -164,7 +164,7 @@ def _decode(model, ids, mask, pos, cache: TSPCache) -> torch.Tensor:
 
     def mlp(m, h):
         w = (m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight)
-        return decode_mlp(h, *w, m.group, m.config.accum_for(h.dtype))
+        return decode_mlp(h, *w, m.group, m.options.accum_for(h.dtype))
 
     return _layers(model, x, pos, attention, mlp)
 

@@ -36,7 +36,7 @@ class TSPGatedMLP(ShardedModule):
         super().__init__()
         D, p = comm.size_and_rank(group)
         check_split(intermediate_size, D, "intermediate_size", "use a smaller TSP size")
-        self.group, self.config = group, config or TSPConfig()
+        self.group, self.options = group, (config or TSPConfig()).engine_options()
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.sizes = split_sizes(intermediate_size, D)  # rows of every rank's slice
         f = self.sizes[p]
@@ -70,4 +70,4 @@ class TSPGatedMLP(ShardedModule):
         if x.dim() != 3 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"x must be [B, S/D, {self.hidden_size}], got {tuple(x.shape)}")
         w = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
-        return tsp_mlp(x, *w, self.group, self.config, self.sizes)
+        return tsp_mlp(x, *w, self.group, self.options, self.sizes)

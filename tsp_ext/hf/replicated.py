@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from ..dp_storage import gathered_per_use
 from ..engine.comm import bucketed_replicated, replicated
 from ..engine.pointwise import rms_norm_keeping_input
 from .sharding import Role, param_roles
@@ -81,5 +81,5 @@ def bucketed_grads(model: nn.Module):
     group by one all-reduce at the end of backward instead of one per use. Parameters a DP engine
     gathers per layer (FSDP2 DTensors, ZeRO-3) keep their per-use all-reduce."""
     params = [model.get_parameter(n) for n in model.tsp.bucketed]
-    stays_put = [p for p in params if not isinstance(p, DTensor) and not hasattr(p, "ds_id")]
+    stays_put = [p for p in params if not gathered_per_use(p)]
     return bucketed_replicated([p for p in stays_put if p.requires_grad], model.tsp.group)

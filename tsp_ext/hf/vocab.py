@@ -63,7 +63,7 @@ class TSPVocabLMHead(_VocabRows):
 
     def __init__(self, weight: nn.Parameter, vocab_size: int, group, config: TSPConfig):
         super().__init__(vocab_size, weight.shape[1], group)
-        self.weight, self.config = weight, config
+        self.weight, self.options = weight, config.engine_options()
 
     @classmethod
     def from_hf(
@@ -94,12 +94,12 @@ class TSPVocabLMHead(_VocabRows):
         """
         flat = h.reshape(-1, h.shape[-1])
         if labels is None:
-            logits = ring_logits(flat, self.weight, self.offsets, self.group, self.config)
+            logits = ring_logits(flat, self.weight, self.offsets, self.group, self.options)
             return logits.view(*h.shape[:-1], self.vocab_size)
         flat_labels = labels.reshape(-1).to(h.device)
         out_of_range = (flat_labels < 0) | (flat_labels >= self.vocab_size)
         if (out_of_range & (flat_labels != ignore_index)).any():
             raise ValueError(f"labels must be in [0, {self.vocab_size}) or {ignore_index}")
         return ring_cross_entropy(
-            flat, flat_labels, self.weight, self.offsets, self.group, self.config, ignore_index
+            flat, flat_labels, self.weight, self.offsets, self.group, self.options, ignore_index
         )

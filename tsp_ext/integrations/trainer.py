@@ -32,16 +32,22 @@ import os
 import torch
 import torch.distributed as dist
 from accelerate.data_loader import prepare_data_loader
+from accelerate.utils import DeepSpeedOptimizerWrapper, DistributedType
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer, TrainingArguments
 
+from .. import checkpoint
+from ..checkpoint.export import save_pretrained
 from ..config import TSPConfig
+from ..dp.deepspeed import finish_trainer_config, initialize, trainer_config
+from ..dp.fsdp import shard_model
+from ..dp.grad_norm import clip_grad_norm_
 from ..dp.guard import accelerate_deepspeed_config
 from ..engine.layout import IGNORE_INDEX
+from ..hf.apply import apply_tsp
+from ..hf.batch import shard_batch, shifted_labels
 from ..mesh import init_tsp_mesh
-from .apply import apply_tsp
-from .batch import shard_batch, shifted_labels
 
 # varlen metadata of padding-free collators (flash attention): position_ids carry the same
 # document boundaries, which is what shard_batch and the TSP attention use
@@ -74,7 +80,8 @@ class TSPTrainerMixin:
         args.device  # noqa: B018  Accelerate sets up the process group (gloo / nccl)
         self.ds_config = self.ds_engine = None
         if data_parallel == "deepspeed":
-            self.ds_config, tsp = _take_deepspeed(args, model, tsp)
+            self.ds_config, tsp = trainer_config(args, model, tsp)
+            _hide_deepspeed_from_accelerate(args)
         self.tsp_mesh = _apply(model, tsp)
         if args.world_size != dist.get_world_size():
             raise ValueError(
@@ -84,11 +91,9 @@ class TSPTrainerMixin:
             )
         self.data_parallel = data_parallel
         if data_parallel == "fsdp2":
-            from ..dp.fsdp import shard_model
-
             shard_model(model, self.tsp_mesh)
         elif data_parallel == "deepspeed":
-            _finish_ds_config(self.ds_config, args, model, self.tsp_mesh)
+            finish_trainer_config(self.ds_config, args, model, self.tsp_mesh)
         super().__init__(model, args, *trainer_args, **kwargs)
         if data_parallel == "deepspeed":  # Trainer's no_sync would enter the engine's (ZeRO-2/3
             # refuse it: they reduce in every backward)
@@ -160,10 +165,6 @@ class TSPTrainerMixin:
         """``tsp_ext.deepspeed.initialize`` with Trainer's optimizer; Trainer keeps stepping its
         schedule, and its optimizer becomes Accelerate's no-op DeepSpeed wrapper (the engine
         steps at the accumulation boundary, in ``training_step``)."""
-        from accelerate.utils import DeepSpeedOptimizerWrapper
-
-        from ..dp.deepspeed import initialize
-
         if self.ds_engine is None:
             self.ds_engine, optimizer, _, _ = initialize(
                 self.model, self.ds_config.config, optimizer=self.optimizer
@@ -193,16 +194,12 @@ class TSPTrainerMixin:
     def _clip_grad_norm(self, model):
         if self.ds_engine is not None:  # clipped in engine.step; the norm before clipping
             return self._get_grad_norm(model)
-        from ..dp.grad_norm import clip_grad_norm_
-
         return clip_grad_norm_(self.model, self.args.max_grad_norm)
 
     def _get_grad_norm(self, model, grad_norm=None):
         if grad_norm is None and self.ds_engine is not None:
             grad_norm = self.ds_engine.get_global_grad_norm()
         elif grad_norm is None:
-            from ..dp.grad_norm import clip_grad_norm_
-
             grad_norm = clip_grad_norm_(self.model, float("inf"))
         return grad_norm.item() if torch.is_tensor(grad_norm) else grad_norm
 
@@ -212,8 +209,6 @@ class TSPTrainerMixin:
         """A plain Hugging Face checkpoint (``tsp_ext.save_pretrained``; collective). Into a
         directory that holds other files (``output_dir`` with its ``checkpoint-*``), the export
         is staged beside them and its files moved in, replacing only same-named ones."""
-        from ..checkpoint.export import save_pretrained
-
         output_dir = output_dir or self.args.output_dir
         # the writer's view, on every rank (other nodes may not share its file system)
         occupied = [
@@ -232,8 +227,6 @@ class TSPTrainerMixin:
         dist.barrier()
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        from .. import checkpoint
-
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # AcceleratedOptimizer
         path = os.path.join(output_dir, STATE_DIR)
         checkpoint.save(
@@ -252,8 +245,6 @@ class TSPTrainerMixin:
     def _load_optimizer_and_scheduler(self, checkpoint_dir: str | None) -> None:
         if checkpoint_dir is None:
             return
-        from .. import checkpoint
-
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
         path = os.path.join(checkpoint_dir, STATE_DIR)
         checkpoint.load(
@@ -341,63 +332,9 @@ def _check_args(args: TrainingArguments, data_parallel: str | None) -> str:
     return data_parallel
 
 
-def _take_deepspeed(args: TrainingArguments, model: nn.Module, tsp: int | TSPConfig | None):
-    """The DeepSpeed config of ``args`` (``HfTrainerDeepSpeedConfig``: ``"auto"`` values from the
-    arguments), hidden from Accelerate, and the TSP options to apply: the ``"tsp"`` block's,
-    whose size must agree with ``tsp`` / the model's."""
-    from accelerate.utils import DistributedType
-    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
-
-    from ..dp.deepspeed import tsp_config_from_ds
-
-    hf_config = HfTrainerDeepSpeedConfig(args.deepspeed)
-    for key in ("optimizer", "scheduler"):
-        if key in hf_config.config:
-            raise ValueError(
-                f'TSPTrainer trains with Trainer\'s optimizer and schedule: remove the "{key}" '
-                "block from the DeepSpeed config (set args.optim, learning_rate, "
-                "lr_scheduler_type, ... instead)"
-            )
-    # Accelerate would hand the model to plain deepspeed.initialize; on GPUs TrainingArguments
-    # already set its process state up for DeepSpeed
+def _hide_deepspeed_from_accelerate(args: TrainingArguments) -> None:
+    """Accelerate would hand the model to plain ``deepspeed.initialize``; on GPUs
+    TrainingArguments already set its process state up for DeepSpeed."""
     args.deepspeed_plugin = None
     if args.distributed_state.distributed_type == DistributedType.DEEPSPEED:
         args.distributed_state.distributed_type = DistributedType.MULTI_GPU
-    if "tsp" not in hf_config.config:
-        return hf_config, tsp
-    block = tsp_config_from_ds(hf_config.config)
-    state = getattr(model, "tsp", None)
-    given = tsp.tsp_size if isinstance(tsp, TSPConfig) else tsp
-    given = state.size if given is None and state is not None else given
-    if given is not None and given != block.tsp_size:
-        raise ValueError(
-            f'the DeepSpeed config\'s "tsp" block has size {block.tsp_size} but the TSP size is '
-            f"{given} (tsp= or the TSP model): make them agree, or leave one out"
-        )
-    return hf_config, (block if state is None and not isinstance(tsp, TSPConfig) else tsp)
-
-
-def _finish_ds_config(hf_config, args: TrainingArguments, model: nn.Module, mesh) -> None:
-    """Fill the ``"auto"`` values from ``args`` (absent batch sizes, accumulation and clipping
-    count as ``"auto"``); batch sizes count dp replicas, not processes; a config without a
-    ``"tsp"`` block gets the model's TSP options."""
-    config = hf_config.config
-    for key in (
-        "train_micro_batch_size_per_gpu",
-        "gradient_accumulation_steps",
-        "gradient_clipping",
-    ):
-        config.setdefault(key, "auto")
-    batch = config.pop("train_batch_size", "auto")
-    hf_config.trainer_config_process(args)  # would count every process as a replica
-    hf_config.trainer_config_finalize(args, model, 0)  # no "scheduler" block: no step counts
-    replicas = mesh["dp"].size() * args.gradient_accumulation_steps
-    expected = replicas * config["train_micro_batch_size_per_gpu"]
-    if batch not in ("auto", expected):
-        raise ValueError(
-            f"DeepSpeed train_batch_size={batch}, but micro batch x accumulation x dp replicas "
-            f'is {expected} (dp = processes / TSP size): set it to {expected} or "auto"'
-        )
-    config["train_batch_size"] = expected
-    config.setdefault("zero_allow_untested_optimizer", True)  # any Trainer optimizer, as HF does
-    config.setdefault("tsp", model.tsp.config.to_dict())

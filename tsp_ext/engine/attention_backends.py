@@ -1,20 +1,10 @@
-"""Fused attention kernels behind one interface, and the chunked causal attention TSP runs on them.
+"""Fused attention kernels behind one interface, and the registry that picks one.
 
 A kernel computes attention of ``q [B, Lq, Hq, d]`` against ``k, v [B, Lk, Hk, d]`` (GQA:
 Hq = g * Hk, query head i uses KV head i // g, Hugging Face order) and returns the output in q's
 dtype and the log-sum-exp ``lse [B, Hq, Lq]`` (float32; float64 for float64 inputs).
 ``backward`` takes the *merged* out and lse of all the pieces a query attends to, so it returns
 that piece's exact share of the gradients.
-
-The chunked functions take K/V in natural token order (position i at index i). A local query
-chunk at global positions ``[s, s+C)`` attends keys ``[0, s+C)`` causally. Where a kernel's
-``is_causal`` aligns a short query block with the *end* of its keys (bottom-right: query i of Lq
-sees keys <= i + Lk - Lq; ``one_call_causal``), that is one call. Otherwise (top-left kernels:
-query i sees keys <= i) it is two, merged by log-sum-exp: the prefix keys ``[0, s)`` with no mask
-and the square diagonal block ``[s, s+C)`` with ``is_causal=True``, where both alignments agree.
-The transients are one chunk's outputs and gradients; nothing of size T x S exists. In a packed
-row (``engine.documents``) chunks are cut where documents start and a span's keys begin at its
-document's first key (``Span.first_key``): no call ever touches another document's keys.
 
 Backends (``select_backend``):
 
@@ -47,20 +37,16 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from collections.abc import Sequence
 
 import torch
+from torch import Tensor
 
 from .blockwise_attention import attention_backward, attention_forward
-from .layout import RowSpans, Span
+from .layout import Span
+from .lse import stats_dtype
 
-Tensor = torch.Tensor
 aten = torch.ops.aten
 _HALF = frozenset({torch.bfloat16, torch.float16})
-
-
-def _stat_dtype(t: Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 def _bhld(x: Tensor) -> Tensor:
@@ -297,7 +283,7 @@ class Blockwise(AttentionKernel):
 
     def backward(self, dout, q, k, v, out, lse, scale, is_causal):
         q_spans, kspan = self._spans(q, k, is_causal)
-        dk, dv = (torch.zeros(k.shape, dtype=_stat_dtype(q), device=k.device) for _ in "kv")
+        dk, dv = (torch.zeros(k.shape, dtype=stats_dtype(q), device=k.device) for _ in "kv")
         kv, dkv = [(kspan, k, v)], [(dk, dv)]
         dq = attention_backward(dout, q, q_spans, kv, dkv, out, lse, scale, self.block)
         return dq, dk, dv
@@ -357,136 +343,3 @@ def select_backend(
             f"backends that can: {ok}"
         )
     return Blockwise(block) if name == "blockwise" else BACKENDS[name]
-
-
-def _merge(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> tuple[Tensor, Tensor]:
-    """Combine two partial softmaxes over disjoint key sets; ``o [B, C, H, d]``, ``lse [B, H, C]``.
-
-    Returns out in the statistics dtype and the merged lse. A row that saw no key in either
-    piece has lse -inf; its weights are taken against 0 so it yields 0, not NaN.
-    """
-    cdt = lse1.dtype
-    lse = torch.logaddexp(lse1, lse2)
-    ref = lse.masked_fill(lse == float("-inf"), 0.0)
-    w1 = torch.exp(lse1 - ref).transpose(1, 2)[..., None]  # [B, C, H, 1]
-    w2 = torch.exp(lse2 - ref).transpose(1, 2)[..., None]
-    return o1.to(cdt) * w1 + o2.to(cdt) * w2, lse
-
-
-def _check(q: Tensor, q_spans: Sequence[Span], k: Tensor, v: Tensor) -> None:
-    if k.shape != v.shape or k.shape[0] != q.shape[0] or q.shape[2] % k.shape[2]:
-        raise ValueError(f"bad shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    for s in q_spans:
-        if (
-            s.offset < 0
-            or s.offset + s.length > q.shape[1]
-            or not 0 <= s.first_key <= s.start
-            or s.stop > k.shape[1]
-        ):
-            raise ValueError(f"{s} does not fit q {tuple(q.shape)} and k {tuple(k.shape)}")
-
-
-def _pieces(s: Span, one_call: bool) -> list[tuple[slice, bool]]:
-    """Key ranges of a query span and whether each is causal: all of ``[first_key, stop)`` if
-    ``one_call`` (a bottom-right kernel), else the diagonal, then the prefix ``[first_key, start)``
-    if not empty."""
-    if one_call:
-        return [(slice(s.first_key, s.stop), True)]
-    prefix = [(slice(s.first_key, s.start), False)] if s.start > s.first_key else []
-    return [(slice(s.start, s.stop), True)] + prefix
-
-
-def _per_row(fn, q_spans: RowSpans, *tensors: Tensor) -> tuple[Tensor, ...]:
-    """``fn(row_spans, *row_tensors)`` for every batch row, results concatenated along dim 0."""
-    if len(q_spans.rows) != tensors[0].shape[0]:
-        raise ValueError(f"{len(q_spans.rows)} rows of spans for a batch of {tensors[0].shape[0]}")
-    outs = [fn(s, *(t[b : b + 1] for t in tensors)) for b, s in enumerate(q_spans.rows)]
-    return tuple(torch.cat(parts) for parts in zip(*outs))
-
-
-def chunked_attention_forward(
-    kernel: AttentionKernel,
-    q: Tensor,
-    q_spans: Sequence[Span] | RowSpans,
-    k: Tensor,
-    v: Tensor,
-    scale: float,
-) -> tuple[Tensor, Tensor]:
-    """Causal attention of local query chunks to keys in natural order.
-
-    Args:
-        q: ``[B, T, Hq, d]``; ``q_spans`` cover its rows: ``Span(offset, start, length,
-            first_key)`` = rows ``[offset, offset+length)`` hold global positions ``[start,
-            start+length)`` and see keys from ``first_key`` on. ``RowSpans``: per batch row.
-        k, v: ``[B, S, Hk, d]``, key i at position i. A query sees keys at positions <= its own.
-    Returns:
-        out ``[B, T, Hq, d]`` (q's dtype), lse ``[B, Hq, T]`` (float32; float64 for float64).
-    """
-    if isinstance(q_spans, RowSpans):
-
-        def fwd(spans, q, k, v):
-            return chunked_attention_forward(kernel, q, spans, k, v, scale)
-
-        return _per_row(fwd, q_spans, q, k, v)
-    _check(q, q_spans, k, v)
-    B, T, hq, _ = q.shape
-    out = torch.zeros_like(q)
-    lse = torch.full((B, hq, T), float("-inf"), dtype=_stat_dtype(q), device=q.device)
-    one_call = kernel.one_call_causal(q.device, q.dtype)
-    for s in q_spans:
-        if s.length == 0:
-            continue
-        rows = slice(s.offset, s.offset + s.length)
-        o = l = None
-        for keys, causal in _pieces(s, one_call):
-            o_p, l_p = kernel.forward(q[:, rows], k[:, keys], v[:, keys], scale, causal)
-            o, l = (o_p, l_p) if o is None else _merge(o, l, o_p, l_p.to(lse.dtype))
-        out[:, rows] = o
-        lse[:, :, rows] = l
-    return out, lse
-
-
-def chunked_attention_backward(
-    kernel: AttentionKernel,
-    dout: Tensor,
-    q: Tensor,
-    q_spans: Sequence[Span] | RowSpans,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    scale: float,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of ``chunked_attention_forward`` given its ``out`` and ``lse``.
-
-    Returns dq ``[B, T, Hq, d]`` in q's dtype and dk, dv ``[B, S, Hk, d]`` in float32 (float64
-    for float64 inputs): every key collects terms from several query chunks, and the caller
-    reduce-scatters them across ranks, so they are accumulated and returned at full precision.
-    Rows of q outside every span get dq = 0. Transient: one chunk's per-piece gradients.
-    """
-    if isinstance(q_spans, RowSpans):
-
-        def bwd(spans, dout, q, k, v, out, lse):
-            return chunked_attention_backward(kernel, dout, q, spans, k, v, out, lse, scale)
-
-        return _per_row(bwd, q_spans, dout, q, k, v, out, lse)
-    _check(q, q_spans, k, v)
-    cdt = _stat_dtype(q)
-    dq = torch.zeros_like(q)
-    dk = torch.zeros_like(k, dtype=cdt)  # k's memory layout, so the adds below are dense
-    dv = torch.zeros_like(v, dtype=cdt)
-    one_call = kernel.one_call_causal(q.device, q.dtype)
-    for s in q_spans:
-        if s.length == 0:
-            continue
-        rows = slice(s.offset, s.offset + s.length)
-        args = (dout[:, rows], q[:, rows])
-        o_c, l_c = out[:, rows], lse[:, :, rows].contiguous()
-        dq_c = None
-        for keys, causal in _pieces(s, one_call):
-            g_q, g_k, g_v = kernel.backward(*args, k[:, keys], v[:, keys], o_c, l_c, scale, causal)
-            dq_c = g_q.to(cdt) if dq_c is None else dq_c + g_q
-            dk[:, keys] += g_k
-            dv[:, keys] += g_v
-        dq[:, rows] = dq_c
-    return dq, dk, dv

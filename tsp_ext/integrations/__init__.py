@@ -1,0 +1,5 @@
+"""Integrations with training frameworks, above the ``hf``, ``dp`` and ``checkpoint`` layers.
+
+- ``trainer``: ``TSPTrainer`` / ``TSPTrainerMixin`` (Hugging Face ``Trainer``, TRL's
+  ``SFTTrainer``)
+"""
