@@ -3,6 +3,10 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+OPS := $(VENV)/.deepspeed_ops
+# DeepSpeed JIT-compiles its CPU ops (shared-memory collectives, CPU Adam) on first use: into this
+# venv, so that venvs built from other DeepSpeed copies never rebuild each other's ops
+export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 
 .PHONY: setup test test-unit lint demo bench gpu-check
 
@@ -13,6 +17,12 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
+# the suite's DeepSpeed runs use both ops: compiled here (~1.5 min, once), not inside a test
+$(OPS): $(STAMP)
+	$(PY) -c "from deepspeed.ops.op_builder.cpu import CPUAdamBuilder, ShareMemCommBuilder; \
+		[b().load() for b in (ShareMemCommBuilder, CPUAdamBuilder)]"
+	touch $(OPS)
+
 setup: $(STAMP)
 
 lint: $(STAMP)
@@ -20,7 +30,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check tsp_ext tests recipes benchmarks
 
 # the tests build every model from a config: nothing may reach a model or dataset hub
-test: lint
+test: lint $(OPS)
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -q
 
 # the single-process tests only (seconds): layout, kernels, planner, boundaries
