@@ -37,3 +37,13 @@ def test_engine_imports_torch_only():
 )
 def test_layers_do_not_pull_optional_integrations(statement, forbidden):
     assert not imported_after(statement) & forbidden
+
+
+def test_subpackages_are_attributes_after_import_tsp_ext():
+    """``import tsp_ext`` then ``tsp_ext.checkpoint.save`` (docs/deepspeed.md), in a fresh
+    interpreter where nothing imported the subpackage first."""
+    code = "import tsp_ext\n"
+    code += "print(tsp_ext.checkpoint.save.__module__, tsp_ext.deepspeed.initialize.__name__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["tsp_ext.checkpoint.training", "initialize"]
+    assert {"checkpoint", "deepspeed", "fsdp", "planner"} <= set(dir(tsp_ext))

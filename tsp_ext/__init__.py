@@ -46,10 +46,16 @@ _EXPORTS = {
     "TSPTrainerMixin": ".integrations.trainer",
 }
 
+# subpackages and modules reachable as attributes (``tsp_ext.checkpoint.save``) after
+# ``import tsp_ext``, imported on first use like the names above
+_MODULES = {"checkpoint", "config", "deepspeed", "fsdp", "memory", "mesh", "plan", "planner"}
+
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
+    if name in _MODULES:
+        return importlib.import_module(f".{name}", __name__)  # sets the attribute itself
     if name not in _EXPORTS:
         raise AttributeError(f"module 'tsp_ext' has no attribute {name!r}")
     value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
@@ -58,4 +64,4 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return sorted(set(globals()) | set(__all__) | _MODULES)
