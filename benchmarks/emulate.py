@@ -96,8 +96,10 @@ def emulate(
     timeout: float = 3600.0,
 ) -> dict:
     """Measure rank ``rank`` of a ``devices``-rank ``layout`` alone; returns a harness row with
-    ``emulated=True`` and ``rank`` (memory and communication bytes are this rank's; ``loss`` and
-    ``step_seconds`` mean nothing). ``model_cfg``: overrides of a 1-layer slice of the paper's 7B.
+    ``emulated=True`` and ``rank`` (memory and communication bytes are this rank's;
+    ``step_seconds`` means nothing, and ``loss`` / ``final_loss`` are None: the fake group's
+    collectives move no data, so the loss is not a number). ``model_cfg``: overrides of a 1-layer
+    slice of the paper's 7B.
     """
     model = {**PAPER_7B, "num_hidden_layers": 1, **(model_cfg or {})}
     tp, sp = tp_sp_split(layout, devices)
@@ -120,6 +122,7 @@ def emulate(
         ranks=[rank],
     )
     result.pop("times", None)
+    result.update(loss=None, final_loss=None)  # JSON has no NaN
     return {
         "layout": layout,
         "tp": tp,
@@ -161,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         args.dtype,
         device=args.device,
     )
-    text = json.dumps(row, indent=1)
+    text = json.dumps(row, indent=1, allow_nan=False)
     sys.stdout.write(text + "\n")
     if args.json:
         with open(args.json, "w") as f:

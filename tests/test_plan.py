@@ -52,6 +52,18 @@ def test_console_script():
     assert "recommended:" in table and "tsp=8" in table
 
 
+def test_cpu_calibration_needs_the_machines_peak(capsys):
+    """CPU runs (``--cores``) fitted against the default GPU peak are refused; a fit at the edge
+    of the searched mfu range is reported."""
+    runs = str(Path(__file__).parents[1] / "docs" / "benchmarks" / "results_cpu.json")
+    with pytest.raises(SystemExit, match="Pass the measured machine's peak, e.g. --peak-tflops"):
+        main([*EXAMPLE, "--calibrate", runs, "--cores", "2"])
+    assert main([*EXAMPLE, "--calibrate", runs, "--cores", "2", "--peak-tflops", "0.1"]) == 0
+    assert "warning" not in capsys.readouterr().err
+    assert main([*EXAMPLE, "--calibrate", runs, "--peak-tflops", "100"]) == 0
+    assert "is probably not the measured machine's peak" in capsys.readouterr().err
+
+
 def test_table(capsys):
     assert main(EXAMPLE) == 0
     out = capsys.readouterr().out

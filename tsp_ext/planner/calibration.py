@@ -84,6 +84,10 @@ def predict(run: MeasuredRun, c: Cluster, cores: int | None = None) -> float:
     return share * step_seconds(m, w, c, lay, per_layer, per_step)
 
 
+# the matmul efficiencies the fit searches (a fit at either end means the peak is wrong)
+MFU_RANGE = (0.02, 2.0)
+
+
 def _grid(lo: float, hi: float, n: int) -> list[float]:
     return [lo * (hi / lo) ** (i / (n - 1)) for i in range(n)]
 
@@ -101,7 +105,7 @@ def calibrate(
     if not runs:
         raise ValueError("no measured runs of a ranked layout (tsp, tp, ulysses, tpxsp) to fit")
     best: tuple[float, Cluster] | None = None
-    for mfu in _grid(0.02, 2.0, points):
+    for mfu in _grid(*MFU_RANGE, points):
         for gbs in _grid(0.05, 50.0, points):
             for latency in (10.0, 30.0, 100.0, 300.0, 1000.0):
                 for attn in _grid(0.25, 4.0, 9):

@@ -7,8 +7,18 @@ import json
 import sys
 from dataclasses import replace
 
-from .calibration import calibrate, measured_runs
-from .inputs import DTYPE_BYTES, GIB, LAYOUTS, OPTIMIZERS, RECOMPUTE, Cluster, Plan, Workload
+from .calibration import MFU_RANGE, calibrate, measured_runs
+from .inputs import (
+    DTYPE_BYTES,
+    GIB,
+    GPU_PEAK_TFLOPS,
+    LAYOUTS,
+    OPTIMIZERS,
+    RECOMPUTE,
+    Cluster,
+    Plan,
+    Workload,
+)
 from .ranking import plan
 from .shapes import PRESETS, load_model
 
@@ -40,7 +50,13 @@ def _parser() -> argparse.ArgumentParser:
     a("--no-overlap", action="store_true", help="TSP: no communication/compute overlap")
     a("--intra-node-bw", type=float, default=300.0, help="GB/s per device inside a node")
     a("--inter-node-bw", type=float, default=40.0, help="GB/s per device across nodes")
-    a("--peak-tflops", type=float, default=989.0, help="device peak in --dtype")
+    a(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help=f"device peak in --dtype (default {GPU_PEAK_TFLOPS:g}, an H100's dense bf16; "
+        "with --calibrate on CPU runs give the CPU's, e.g. 0.1 for 2 cores)",
+    )
     a("--mfu", type=float, default=0.4, help="fraction of peak the matmuls reach")
     a("--latency-us", type=float, default=10.0, help="fixed cost of one collective call")
     a(
@@ -69,13 +85,19 @@ def _inputs(args: argparse.Namespace):
         loss_chunk=args.loss_chunk,
         overlap=not args.no_overlap,
     )
+    if args.calibrate and args.cores and args.peak_tflops is None:
+        raise SystemExit(
+            "tsp-plan: --calibrate with --cores fits CPU runs, but --peak-tflops is a GPU's "
+            f"({GPU_PEAK_TFLOPS:g}): the fitted mfu would be meaningless. Pass the measured "
+            "machine's peak, e.g. --peak-tflops 0.1 for the 2-core runs of docs/benchmarks"
+        )
     cluster = Cluster(
         devices=args.devices,
         devices_per_node=args.devices_per_node,
         device_memory_gb=args.device_memory_gb,
         intra_node_gbs=args.intra_node_bw,
         inter_node_gbs=args.inter_node_bw,
-        peak_tflops=args.peak_tflops,
+        peak_tflops=args.peak_tflops or GPU_PEAK_TFLOPS,
         mfu=args.mfu,
         latency_us=args.latency_us,
     )
@@ -89,6 +111,13 @@ def _inputs(args: argparse.Namespace):
             f"step-time error {fit.worst_error:.0%}",
             file=sys.stderr,
         )
+        if not MFU_RANGE[0] < cluster.mfu < MFU_RANGE[1]:
+            print(
+                f"tsp-plan: warning: the fitted mfu {cluster.mfu:.3f} is at the edge of the range "
+                f"searched ({MFU_RANGE[0]:g}-{MFU_RANGE[1]:g}): --peak-tflops "
+                f"{cluster.peak_tflops:g} is probably not the measured machine's peak",
+                file=sys.stderr,
+            )
     return model, work, cluster
 
 

@@ -12,6 +12,7 @@ RECOMPUTE = ("none", "selective", "full")
 OPTIMIZERS = ("adamw", "adamw-master")
 LAYOUTS = ("tsp", "tp", "sp", "tpxsp")
 GIB = 2**30
+GPU_PEAK_TFLOPS = 989.0  # an H100 SXM's dense bf16 peak: the default device
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ class Cluster:
     device_memory_gb: float = 80.0
     intra_node_gbs: float = 300.0
     inter_node_gbs: float = 40.0
-    peak_tflops: float = 989.0
+    peak_tflops: float = GPU_PEAK_TFLOPS
     mfu: float = 0.4
     latency_us: float = 10.0
     attention_efficiency: float = 1.0  # attention kernels' FLOP rate relative to the matmuls'
