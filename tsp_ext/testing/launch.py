@@ -207,21 +207,20 @@ def _pool_worker(rank: int, world: int, port: int, backend: str, tasks, results,
     import torch
 
     environ = dict(os.environ)
-    groups = set(dist.distributed_c10d._world.pg_map)
     seed = torch.initial_seed()
     while (task := tasks.get()) is not None:
         fn, args, timeout, env = pickle.loads(task)
         os.environ.update(env)
         with open(stacks, "w") as stack_file:
             _run_one(fn, rank, world, args, timeout, results, stack_file)
-        # the next task starts as in a fresh process: environment, defaults, RNG, groups
+        # the next task starts as in a fresh process: environment, defaults, RNG. The process
+        # groups it created stay: DTensor caches sharding decisions by mesh *value*, so a later
+        # mesh of the same shape may be handed an earlier one whose groups must still exist
         os.environ.clear()
         os.environ.update(environ)
         torch.set_default_dtype(torch.float32)
         torch.set_grad_enabled(True)
         torch.manual_seed(seed)
-        for pg in set(dist.distributed_c10d._world.pg_map) - groups:
-            dist.destroy_process_group(pg)
         gc.collect()
         ctypes.CDLL("libc.so.6").malloc_trim(0)  # an idle rank gives its peak back
     dist.destroy_process_group()
@@ -232,7 +231,8 @@ class WorkerPool:
 
     ``run(fn, *args)`` is ``run_processes(fn, world, *args)`` without the start-up: each rank
     runs ``fn(rank, world, *args)`` and returns to wait for the next function, its environment,
-    default dtype, grad mode, RNG seed and process groups reset to how they were before. A
+    default dtype, grad mode and RNG seed reset to how they were before (process groups it
+    created stay alive). A
     function that fails, hangs past its timeout or kills a rank fails its caller with the same
     report as ``run_processes``, and the pool starts afresh for the next one.
 
