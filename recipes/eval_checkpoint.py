@@ -14,7 +14,7 @@ import argparse
 import json
 
 import torch
-from _data import SHAKESPEARE, load_texts, pack, pack_documents
+from _data import SHAKESPEARE, load_blocks, load_texts
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
@@ -45,10 +45,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
     model = AutoModelForCausalLM.from_pretrained(args.checkpoint).eval()
     texts = load_texts(args.dataset, args.text_column)
-    if args.packing == "documents":
-        blocks = pack_documents(texts, tokenizer, args.seq_len)
-    else:
-        blocks = {"input_ids": pack(texts, tokenizer, args.seq_len)}
+    blocks = load_blocks(texts, tokenizer, args.seq_len, args.packing)
     n = len(blocks["input_ids"])
     rows = range(n - min(args.eval_blocks, n - 1), n)
     with torch.no_grad():

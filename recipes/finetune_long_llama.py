@@ -1,7 +1,8 @@
 """Fine-tune a long-context Llama-family model with TSP (+ DDP, DeepSpeed ZeRO or FSDP2).
 
     accelerate launch --config_file recipes/configs/cpu_2proc.yaml recipes/finetune_long_llama.py \
-        --tsp-size 2 --seq-len 4096 --max-steps 40
+        --model smollm2-135m --tsp-size 2 --seq-len 2048 --max-steps 6 --lr 3e-5
+    python recipes/finetune_long_llama.py --max-steps 4    # no launcher: one process, TSP = 1
 
 Every rank holds 1/tsp of each layer's weights and 1/tsp of every sequence's tokens; the remaining
 processes (world / tsp) are data-parallel replicas. See docs/recipes.md for every argument.
@@ -15,7 +16,6 @@ import logging
 import math
 import os
 import re
-import resource
 import shutil
 import sys
 import time
@@ -23,49 +23,34 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from _data import SHAKESPEARE, load_texts, pack, pack_documents, train_tokenizer
+from _args import add_shared_args
+from _data import load_blocks, load_texts
 from _engines import Engine, tsp_config
 from _faults import maybe_kill, maybe_poison
 from _finish import finish
+from _metrics import open_metrics, peak_memory_bytes
+from _model import build_tokenizer, check_context, preset_model, pretrained_model, resolve_model
 from _presets import PRESETS
+from _sample import greedy_sample
+from _single_process import init_single_process
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, set_seed
 from tqdm.auto import tqdm
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    LlamaConfig,
-    LlamaForCausalLM,
-)
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from tsp_ext import init_tsp_mesh, load_pretrained, shard_batch
+from tsp_ext import init_tsp_mesh, shard_batch
 from tsp_ext.checkpoint import inspect
 from tsp_ext.dp.guard import accelerate_deepspeed_config
 from tsp_ext.memory import SavedTensorBytes
 
 log = logging.getLogger("finetune_long_llama")
 DEFAULT_DS_CONFIG = os.path.join(os.path.dirname(__file__), "configs", "ds_zero2.json")
+SAMPLE_PROMPT = "**ROMEO**  \nBut soft, what light through yonder window breaks?\n\n**JULIET**  \n"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="tiny-llama", help=f"{list(PRESETS)} or a path / hub id")
-    p.add_argument("--tokenizer", default=None, help="path / hub id (default: BPE on the data)")
-    p.add_argument("--vocab-size", type=int, default=2048, help="for the trained BPE")
-    p.add_argument(
-        "--dataset", default=SHAKESPEARE, help="shakespeare, text:<glob>, json:<glob> or a hub name"
-    )
-    p.add_argument("--text-column", default="text")
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument(
-        "--packing",
-        choices=("stream", "documents"),
-        default="stream",
-        help="stream: documents joined by EOS into one causal stream; documents: whole documents "
-        "per row, attention and positions per document",
-    )
-    p.add_argument("--tsp-size", type=int, default=None, help="default: all processes")
+    add_shared_args(p)
     p.add_argument(
         "--dist-timeout",
         type=float,
@@ -79,23 +64,20 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="default: the accelerate launch config's deepspeed_config_file, else "
         "configs/ds_zero2.json",
     )
-    p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per TSP group")
-    p.add_argument("--gradient-accumulation-steps", type=int, default=1)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup-steps", type=int, default=5)
-    p.add_argument("--max-steps", type=int, default=40)
-    p.add_argument("--max-grad-norm", type=float, default=1.0)
-    p.add_argument("--bf16", action="store_true")
     p.add_argument("--gradient-checkpointing", action="store_true")
-    p.add_argument("--eval-every", type=int, default=20)
-    p.add_argument("--eval-blocks", type=int, default=2, help="held-out blocks")
+    p.add_argument(
+        "--sample-tokens",
+        type=int,
+        default=0,
+        help="greedy tokens generated from --sample-prompt before and after fine-tuning (ddp)",
+    )
+    p.add_argument("--sample-prompt", default=SAMPLE_PROMPT)
     p.add_argument(
         "--save-every", type=int, default=0, help="training-state checkpoints (0: end only)"
     )
     p.add_argument(
         "--keep-last", type=int, default=0, help="keep the N newest checkpoints (0: all)"
     )
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", default="outputs/finetune")
     p.add_argument(
         "--resume-from",
@@ -154,6 +136,12 @@ def check_args(args, world: int) -> None:
         check_context(args.seq_len, AutoConfig.from_pretrained(args.model), args.model)
     if args.keep_last < 0:
         raise SystemExit(f"--keep-last {args.keep_last}: give 0 (keep all) or a positive count")
+    if args.sample_tokens and args.dp_engine != "ddp":
+        raise SystemExit(
+            f"--sample-tokens generates with the TSP model, which {args.dp_engine} shards "
+            "further: use --dp-engine ddp, or generate from <output-dir>/final with "
+            "recipes/generate.py"
+        )
     if args.resume_from == "auto":
         args.resume_from = newest_checkpoint(args.output_dir)
     if args.resume_from:
@@ -172,23 +160,6 @@ def check_args(args, world: int) -> None:
                 f"{saved.get('packing', 'stream')}, this run has {args.packing}: resume with the "
                 "same --packing"
             )
-
-
-def check_context(seq_len: int, hf_config, name: str) -> None:
-    """Refuse a ``--seq-len`` beyond the positions the model was trained (or scaled) for."""
-    limit = getattr(hf_config, "max_position_embeddings", None)
-    if limit is not None and seq_len > limit:
-        rope = {
-            "rope_type": "yarn",
-            "factor": float(-(-seq_len // limit)),
-            "original_max_position_embeddings": limit,
-        }
-        raise SystemExit(
-            f"--seq-len {seq_len} is beyond {name}'s max_position_embeddings={limit}: positions "
-            f"past it were never trained. Use --seq-len <= {limit}, or extend the context with "
-            'RoPE scaling in the model\'s config.json (e.g. "rope_parameters": '
-            f"{json.dumps(rope)}, keeping its rope_theta) and max_position_embeddings >= {seq_len}"
-        )
 
 
 def newest_checkpoint(output_dir: str) -> str | None:
@@ -243,39 +214,18 @@ def warn_restarts(args) -> None:
         )
 
 
-def build_tokenizer(args, texts, acc: Accelerator):
-    if args.tokenizer:
-        return AutoTokenizer.from_pretrained(args.tokenizer)
-    path = os.path.join(args.output_dir, "tokenizer")
-    if acc.is_main_process and not os.path.isdir(path):
-        train_tokenizer(texts, args.vocab_size).save_pretrained(path)
-    acc.wait_for_everyone()
-    return AutoTokenizer.from_pretrained(path)
-
-
 def build_model(args, vocab: int, mesh, device: torch.device):
     """``(model, full parameter count)``: a preset is built whole on every rank (the engine makes
-    it a TSP model); a path / hub id is loaded shard-on-read, already a TSP model, each rank
-    reading only its slices (``tsp_ext.load_pretrained``), so no rank ever holds the full model."""
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    it a TSP model); a checkpoint is loaded shard-on-read, already a TSP model, each rank reading
+    only its slices (``tsp_ext.load_pretrained``), so no rank ever holds the full model."""
     if args.model in PRESETS:
-        cfg = LlamaConfig(
-            **PRESETS[args.model], vocab_size=vocab, max_position_embeddings=max(args.seq_len, 4096)
-        )
-        torch.manual_seed(args.seed)  # the same weights on every rank
-        model = LlamaForCausalLM(cfg).to(device=device, dtype=dtype)
+        model = preset_model(args, vocab).to(device)
         return model, sum(p.numel() for p in model.parameters())
     hf_config = AutoConfig.from_pretrained(args.model)
-    if vocab > hf_config.vocab_size:
-        raise SystemExit(
-            f"the tokenizer has {vocab} tokens but {args.model} only {hf_config.vocab_size} "
-            "embeddings: pass the model's own tokenizer with --tokenizer"
-        )
     with torch.device("meta"):  # the full size, counted without allocating it
         shape_only = AutoModelForCausalLM.from_config(hf_config)
     full_params = sum(p.numel() for p in shape_only.parameters())
-    model = load_pretrained(args.model, mesh, tsp_config(args), device=device, dtype=dtype)
-    return model, full_params
+    return pretrained_model(args, vocab, mesh, tsp_config(args), device), full_params
 
 
 def block_ids(step: int, micro: int, args, dp: int, dp_rank: int, n: int) -> list[int]:
@@ -307,25 +257,6 @@ def save_checkpoint(engine: Engine, args, step: int) -> None:
             shutil.rmtree(os.path.join(args.output_dir, old))
 
 
-def open_metrics(path: str, start: int):
-    """``metrics.jsonl`` for appending, without the rows past ``start`` (written by an attempt
-    that was interrupted after its checkpoint, or by an earlier run), so a resumed or restarted
-    run reads like an uninterrupted one."""
-    kept = []
-    if os.path.isfile(path):
-        with open(path) as f:
-            for line in f:
-                try:
-                    if json.loads(line)["step"] <= start:
-                        kept.append(line)
-                except ValueError:  # the last row of a killed process, cut short
-                    continue
-    with open(path + ".tmp", "w") as f:
-        f.writelines(kept)
-    os.replace(path + ".tmp", path)
-    return open(path, "a")
-
-
 def nonfinite(args, step: int, loss: float, norm: float, updated: bool) -> None:
     """A non-finite loss or gradient norm at ``step`` (1-based): the same values on every rank,
     so every rank stops (``--on-nonfinite stop``) or skips the step together (``updated``: the
@@ -341,20 +272,6 @@ def nonfinite(args, step: int, loss: float, norm: float, updated: bool) -> None:
         log.warning(f"{msg}: DeepSpeed updated the weights (finite gradients)")
     else:
         log.warning(f"{msg}: skipped (no update, the schedule does not advance)")
-
-
-def peak_memory_bytes() -> int:
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def load_blocks(args, texts: list[str], tokenizer) -> dict[str, torch.Tensor]:
-    """The packed data, ``[N, seq_len]`` each: ``input_ids``, and with ``--packing documents``
-    ``position_ids`` restarting per document and ``attention_mask`` (0 on row-end padding)."""
-    if args.packing == "documents":
-        return pack_documents(texts, tokenizer, args.seq_len)
-    return {"input_ids": pack(texts, tokenizer, args.seq_len)}
 
 
 def local_batch(blocks: dict[str, torch.Tensor], index, mesh, device: torch.device) -> dict:
@@ -390,15 +307,17 @@ def main(argv=None) -> None:
         stream=sys.stdout,
     )
     warn_restarts(args)
+    init_single_process(timeout)
     acc = Accelerator(
         cpu=not torch.cuda.is_available(),
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)],
     )
+    resolve_model(args, acc)
     check_args(args, acc.num_processes)
     set_seed(args.seed)
     texts = load_texts(args.dataset, args.text_column)
     tokenizer = build_tokenizer(args, texts, acc)
-    blocks = load_blocks(args, texts, tokenizer)
+    blocks = load_blocks(texts, tokenizer, args.seq_len, args.packing)
     n_blocks = len(blocks["input_ids"])
     n_eval = min(args.eval_blocks, n_blocks - 1)
     train_blocks = {k: v[:-n_eval] for k, v in blocks.items()}
@@ -416,6 +335,10 @@ def main(argv=None) -> None:
         f"of {args.seq_len} tokens ({args.packing} packing); dp={dp} x tsp={args.tsp_size} "
         f"with {args.dp_engine}"
     )
+    before = None
+    if start == 0:  # what fine-tuning starts from
+        before = evaluate(engine, eval_blocks, mesh, acc.device), sample(engine, tokenizer, args)
+        log.info(f"eval loss before fine-tuning {before[0]:.4f}")
 
     os.makedirs(args.output_dir, exist_ok=True)
     metrics_file = os.path.join(args.output_dir, "metrics.jsonl")
@@ -475,10 +398,29 @@ def main(argv=None) -> None:
     engine.export(final, tokenizer)
     if activation_bytes:
         report_memory(model, full_params, activation_bytes, args, acc.device)
+    if before is not None:
+        report_fine_tuning(args, before, (eval_loss, sample(engine, tokenizer, args)))
     log.info(f"final eval loss {eval_loss:.4f}; Hugging Face checkpoint: {final}")
     if metrics:
         metrics.close()
     finish(acc, args.output_dir, eval_loss, final)
+
+
+def sample(engine: Engine, tokenizer, args) -> str | None:
+    """``--sample-tokens`` greedy tokens from ``--sample-prompt`` (None without them)."""
+    if not args.sample_tokens:
+        return None
+    return greedy_sample(engine.model, tokenizer, args.sample_prompt, args.sample_tokens)
+
+
+def report_fine_tuning(args, before: tuple, after: tuple) -> None:
+    """Eval loss and greedy sample, ``(loss, text)`` each, before and after fine-tuning."""
+    log.info(f"eval loss: {before[0]:.4f} before fine-tuning, {after[0]:.4f} after")
+    if args.sample_tokens:
+        log.info(
+            f"greedy continuation ({args.sample_tokens} tokens) of {args.sample_prompt!r}\n"
+            f"  before: {before[1]!r}\n  after:  {after[1]!r}"
+        )
 
 
 def report_memory(model, full_params: int, activation_bytes: int, args, device) -> None:

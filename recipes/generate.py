@@ -17,22 +17,18 @@ import argparse
 import logging
 import os
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from _data import SHAKESPEARE, load_texts, train_tokenizer
 from _presets import PRESETS
+from _single_process import init_single_process
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, LogitsProcessor
 
 from tsp_ext import apply_tsp, init_tsp_mesh, load_pretrained, tsp_group
 
 log = logging.getLogger("generate")
-_SINGLE_PROCESS = {
-    "MASTER_ADDR": "127.0.0.1",
-    "MASTER_PORT": "29511",
-    "RANK": "0",
-    "WORLD_SIZE": "1",
-}
 
 
 class StepClock(LogitsProcessor):
@@ -86,9 +82,10 @@ def build(args, mesh):
 def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = parse_args(argv)
-    for key, value in _SINGLE_PROCESS.items():  # plain `python recipes/generate.py`: 1 process
-        os.environ.setdefault(key, value)
-    mesh = init_tsp_mesh(args.tsp_size or int(os.environ["WORLD_SIZE"]), timeout=args.dist_timeout)
+    init_single_process(timedelta(seconds=args.dist_timeout))  # plain `python recipes/generate.py`
+    mesh = init_tsp_mesh(
+        args.tsp_size or int(os.environ.get("WORLD_SIZE", 1)), timeout=args.dist_timeout
+    )
     main_rank = dist.get_rank() == 0
     model, tokenizer = build(args, mesh)
     text = open(args.prompt_file).read() if args.prompt_file else args.prompt

@@ -19,15 +19,17 @@ import sys
 import time
 
 import torch
-from _data import SHAKESPEARE, load_texts
+from _args import add_shared_args
+from _data import load_blocks, load_texts
 from _finish import finish
+from _metrics import peak_memory_bytes
+from _model import build_tokenizer, preset_model, pretrained_model, resolve_model
 from _presets import PRESETS
 from accelerate import Accelerator
 from datasets import Dataset
-from finetune_long_llama import build_tokenizer, load_blocks, peak_memory_bytes
-from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
+from transformers import TrainerCallback
 
-from tsp_ext import TSPConfig, TSPTrainer, TSPTrainerMixin, init_tsp_mesh, load_pretrained
+from tsp_ext import TSPConfig, TSPTrainer, TSPTrainerMixin, init_tsp_mesh
 
 log = logging.getLogger("sft_trainer")
 
@@ -35,28 +37,12 @@ log = logging.getLogger("sft_trainer")
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trainer", choices=("sft", "hf"), default="sft", help="TRL or transformers")
-    p.add_argument("--model", default="tiny-llama", help=f"{list(PRESETS)} or a local path")
-    p.add_argument("--tokenizer", default=None, help="path (default: BPE on the data)")
-    p.add_argument("--vocab-size", type=int, default=2048, help="for the trained BPE")
-    p.add_argument("--dataset", default=SHAKESPEARE, help="shakespeare, text:<glob> or json:<glob>")
-    p.add_argument("--text-column", default="text")
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--packing", choices=("stream", "documents"), default="stream")
-    p.add_argument("--tsp-size", type=int, default=None, help="default: all processes")
+    add_shared_args(p)
     p.add_argument("--data-parallel", choices=("ddp", "fsdp2"), default="ddp")
-    p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per TSP group")
-    p.add_argument("--gradient-accumulation-steps", type=int, default=1)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup-steps", type=int, default=5)
-    p.add_argument("--max-steps", type=int, default=30)
-    p.add_argument("--max-grad-norm", type=float, default=1.0)
-    p.add_argument("--bf16", action="store_true")
-    p.add_argument("--eval-every", type=int, default=10)
-    p.add_argument("--eval-blocks", type=int, default=2, help="held-out blocks")
     p.add_argument("--save-every", type=int, default=0, help="Trainer checkpoints (0: none)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", default="outputs/sft")
     p.add_argument("--resume-from", default=None, help="a checkpoint-<step> directory")
+    p.set_defaults(max_steps=30, eval_every=10)
     return p.parse_args(argv)
 
 
@@ -170,30 +156,24 @@ def main(argv=None) -> None:
         format="%(message)s",
         stream=sys.stdout,
     )
+    resolve_model(args, acc)
     args.tsp_size = args.tsp_size or acc.num_processes
     if acc.num_processes % args.tsp_size:
         raise SystemExit(f"--tsp-size {args.tsp_size} does not divide {acc.num_processes}")
     texts = load_texts(args.dataset, args.text_column)
     tokenizer = build_tokenizer(args, texts, acc)
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-    blocks = {k: v.tolist() for k, v in load_blocks(args, texts, tokenizer).items()}
+    blocks = load_blocks(texts, tokenizer, args.seq_len, args.packing)
+    blocks = {k: v.tolist() for k, v in blocks.items()}
     n_eval = min(args.eval_blocks, len(blocks["input_ids"]) - 1)
     train = Dataset.from_dict({k: v[:-n_eval] for k, v in blocks.items()})
     held_out = Dataset.from_dict({k: v[-n_eval:] for k, v in blocks.items()})
 
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
-    if args.model in PRESETS:
-        cfg = LlamaConfig(
-            **PRESETS[args.model],
-            vocab_size=len(tokenizer),
-            max_position_embeddings=max(args.seq_len, 4096),
-        )
-        torch.manual_seed(args.seed)  # the same weights on every rank
-        model, tsp = LlamaForCausalLM(cfg).to(dtype), args.tsp_size
+    if args.model in PRESETS:  # the trainer makes it a TSP model
+        model, tsp = preset_model(args, len(tokenizer)), args.tsp_size
     else:  # each rank reads only its slices
-        mesh = init_tsp_mesh(args.tsp_size)
-        model = load_pretrained(args.model, mesh, TSPConfig(tsp_size=args.tsp_size), dtype=dtype)
-        tsp = None
+        mesh, config = init_tsp_mesh(args.tsp_size), TSPConfig(tsp_size=args.tsp_size)
+        model, tsp = pretrained_model(args, len(tokenizer), mesh, config), None
     os.makedirs(args.output_dir, exist_ok=True)
     dp = acc.num_processes // args.tsp_size
     tokens = args.micro_batch_size * args.gradient_accumulation_steps * dp * args.seq_len

@@ -245,3 +245,26 @@ def test_packing_documents_trains_and_matches_one_process(tmp):
     assert one.returncode == 0, one.stderr[-3000:]
     loss = json.loads(one.stdout.strip().splitlines()[-1])["eval_loss"]
     assert abs(loss - recipe_eval) < 1e-4 * recipe_eval, (loss, recipe_eval)
+
+
+def test_runs_without_a_launcher_as_one_process(tmp):
+    """A plain ``python recipes/finetune_long_llama.py`` (no accelerate launch, no torchrun) is
+    one process, TSP = 1; eval loss and a greedy sample are reported before and after."""
+    sys.path.insert(0, os.path.join(ROOT, "recipes"))
+    from _data import shakespeare_files
+
+    out = os.path.join(tmp, "one-process")
+    args = [*TINY[:-2], "--max-steps", "2", "--seq-len", "256", "--sample-tokens", "4"]
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in launcher}
+    res = subprocess.run(
+        [sys.executable, RECIPE, *args, "--dataset", f"text:{shakespeare_files()[0]}"]
+        + ["--output-dir", out],
+        capture_output=True, text=True, timeout=200, cwd=ROOT,
+        env={**env, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"},
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "dp=1 x tsp=1" in res.stdout
+    assert "before fine-tuning" in res.stdout and "  after:  " in res.stdout
+    assert [r["step"] for r in metrics(out)] == [1, 2]
+    assert os.path.isfile(os.path.join(out, "final", "model.safetensors"))

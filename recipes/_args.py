@@ -1,0 +1,52 @@
+"""The command-line arguments both fine-tuning recipes take (``finetune_long_llama.py`` and
+``sft_trainer.py``): the model, the data, the TSP size, the optimisation and evaluation."""
+
+from __future__ import annotations
+
+import argparse
+
+from _data import SHAKESPEARE
+from _gguf import DEFAULT_CACHE, SHORTCUTS
+from _presets import PRESETS
+
+
+def add_shared_args(p: argparse.ArgumentParser) -> None:
+    """The shared arguments, with their defaults (a recipe changes some by ``set_defaults``)."""
+    p.add_argument(
+        "--model",
+        default="tiny-llama",
+        help=f"a preset {list(PRESETS)}, a checkpoint directory / hub id, a .gguf file or "
+        f"{list(SHORTCUTS)}",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="path / hub id (default: the model's own; for a preset a BPE trained on the data)",
+    )
+    p.add_argument("--vocab-size", type=int, default=2048, help="for the trained BPE")
+    p.add_argument(
+        "--cache-dir", default=DEFAULT_CACHE, help="where GGUF files are converted to checkpoints"
+    )
+    p.add_argument(
+        "--dataset", default=SHAKESPEARE, help="shakespeare, text:<glob>, json:<glob> or a hub name"
+    )
+    p.add_argument("--text-column", default="text")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument(
+        "--packing",
+        choices=("stream", "documents"),
+        default="stream",
+        help="stream: documents joined by EOS into one causal stream; documents: whole documents "
+        "per row, attention and positions per document",
+    )
+    p.add_argument("--tsp-size", type=int, default=None, help="default: all processes")
+    p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per TSP group")
+    p.add_argument("--gradient-accumulation-steps", type=int, default=1)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup-steps", type=int, default=5)
+    p.add_argument("--max-steps", type=int, default=40)
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--eval-every", type=int, default=20)
+    p.add_argument("--eval-blocks", type=int, default=2, help="held-out blocks")
+    p.add_argument("--seed", type=int, default=0)
