@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 from models import batch, build, causal_lm_loss
+from test_recipe import DATASET
 
 pytestmark = pytest.mark.multiproc
 
@@ -181,6 +182,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = [os.path.join(ROOT, "recipes", "sft_trainer.py")]
 TINY = ["--seq-len", "512", "--vocab-size", "512", "--max-steps", "4", "--eval-every", "2"]
 TINY += ["--warmup-steps", "1", "--tsp-size", "2", "--packing", "documents"]
+TINY += ["--dataset", DATASET]  # four plays
 
 
 def launch_recipe(*args: str) -> None:
@@ -224,7 +226,7 @@ def test_sft_recipe_trl_equals_trainer_and_export_reloads(tmp):
         final = json.load(f)
     evaluate = [sys.executable, os.path.join(ROOT, "recipes", "eval_checkpoint.py"), "--json"]
     evaluate += ["--checkpoint", final["checkpoint"], "--seq-len", "512"]
-    evaluate += ["--packing", "documents"]
+    evaluate += ["--packing", "documents", "--dataset", DATASET]
     out = subprocess.run(evaluate, capture_output=True, text=True, check=True, timeout=300)
     assert json.loads(out.stdout.strip().splitlines()[-1])["eval_loss"] == pytest.approx(
         final["eval_loss"], rel=1e-5
