@@ -2,8 +2,8 @@
 with a sharded KV cache (each rank 1/D of the weights and of the cache).
 
     accelerate launch --config_file recipes/configs/cpu_2proc.yaml recipes/generate.py \\
-        --checkpoint outputs/finetune/final --prompt "Friends, Romans" --max-new-tokens 64
-    torchrun --nproc-per-node 2 recipes/generate.py --model tiny-llama --prompt-file play.md
+        --checkpoint outputs/demo/final --prompt "Friends, Romans" --max-new-tokens 64
+    torchrun --nproc-per-node 2 recipes/generate.py --model tiny-llama --prompt-file prompt.txt
 
 A checkpoint is read shard-on-read (``tsp_ext.load_pretrained``: no rank ever holds the full
 weights) with the tokenizer saved beside it; a preset builds a randomly initialised model and a
@@ -63,7 +63,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab-size", type=int, default=2048, help="preset tokenizer size")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_paths(args)
+    return args
+
+
+def check_paths(args: argparse.Namespace) -> None:
+    """Refuse a ``--checkpoint`` that is not a checkpoint directory or a missing
+    ``--prompt-file`` before any process group or model is built."""
+    if args.checkpoint and not os.path.isfile(os.path.join(args.checkpoint, "config.json")):
+        what = "has no config.json" if os.path.isdir(args.checkpoint) else "no such directory"
+        raise SystemExit(
+            f"--checkpoint {args.checkpoint}: {what}; give a Hugging Face checkpoint directory "
+            "(e.g. outputs/demo/final, which `make demo` writes)"
+        )
+    if args.prompt_file and not os.path.isfile(args.prompt_file):
+        raise SystemExit(f"--prompt-file {args.prompt_file}: no such file")
 
 
 def build(args, mesh):

@@ -15,6 +15,7 @@ from tsp_ext.hf.apply import check_supported
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "recipes"))
 
 import finetune_long_llama as recipe  # noqa: E402
+import generate  # noqa: E402
 from _data import load_texts  # noqa: E402
 
 
@@ -59,3 +60,15 @@ def test_gemma_norms_are_refused_naming_the_model_type():
         message
     )
     assert "supported: LlamaForCausalLM, MistralForCausalLM" in message
+
+
+def test_generate_refuses_a_missing_checkpoint_or_prompt_file(tmp_path):
+    """docs/inference.md once named outputs/finetune/final: the error says what is missing (not
+    a hub message from the tokenizer) and where make demo writes its checkpoint."""
+    missing = str(tmp_path / "outputs" / "finetune" / "final")
+    with pytest.raises(SystemExit, match="no such directory; give a Hugging Face checkpoint"):
+        generate.parse_args(["--checkpoint", missing])
+    with pytest.raises(SystemExit, match="has no config.json"):
+        generate.parse_args(["--checkpoint", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--prompt-file .*play.md: no such file"):
+        generate.parse_args(["--prompt-file", str(tmp_path / "play.md")])

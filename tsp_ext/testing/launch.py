@@ -201,15 +201,15 @@ def run_processes(
 
 
 def _pool_worker(rank: int, world: int, port: int, backend: str, tasks, results, stacks) -> None:
-    """Join the group once, then run each task from ``tasks`` until ``None`` arrives (a hung
-    task's stacks go to the file ``stacks``, which the parent quotes)."""
+    """Join the group once, then run each task from ``tasks`` in turn (a hung task's stacks go
+    to the file ``stacks``, which the parent quotes)."""
     _join_group(rank, world, port, backend, timeout=300)
     import torch
 
     environ = dict(os.environ)
     seed = torch.initial_seed()
-    while (task := tasks.get()) is not None:
-        fn, args, timeout, env = pickle.loads(task)
+    while True:  # until the pool kills this process
+        fn, args, timeout, env = pickle.loads(tasks.get())
         os.environ.update(env)
         with open(stacks, "w") as stack_file:
             _run_one(fn, rank, world, args, timeout, results, stack_file)
@@ -223,7 +223,6 @@ def _pool_worker(rank: int, world: int, port: int, backend: str, tasks, results,
         torch.manual_seed(seed)
         gc.collect()
         ctypes.CDLL("libc.so.6").malloc_trim(0)  # an idle rank gives its peak back
-    dist.destroy_process_group()
 
 
 class WorkerPool:
@@ -232,9 +231,8 @@ class WorkerPool:
     ``run(fn, *args)`` is ``run_processes(fn, world, *args)`` without the start-up: each rank
     runs ``fn(rank, world, *args)`` and returns to wait for the next function, its environment,
     default dtype, grad mode and RNG seed reset to how they were before (process groups it
-    created stay alive). A
-    function that fails, hangs past its timeout or kills a rank fails its caller with the same
-    report as ``run_processes``, and the pool starts afresh for the next one.
+    created stay alive). A function that fails, hangs past its timeout or kills a rank fails its
+    caller with the same report as ``run_processes``, and the pool starts afresh for the next.
 
     Not for functions that measure a process's peak memory, end the process group, or need a
     process of their own (faults, elastic restarts): use ``run_processes`` for those.
@@ -276,18 +274,12 @@ class WorkerPool:
         try:
             return _collect(self._procs, self._results, timeout, self._stacks, exit_ok=False)
         except BaseException:
-            self._kill()  # the other ranks may wait in a collective forever
+            self.close()  # the other ranks may wait in a collective forever
             raise
 
     def close(self) -> None:
-        """Stop the ranks (after the function they run, if any)."""
-        for q in self._tasks if self._procs else ():
-            q.put(None)
-        for p in self._procs.values():
-            p.join(timeout=30)
-        self._kill()
-
-    def _kill(self) -> None:
+        """Stop the ranks. They are killed: they hold nothing to save, and an orderly exit of a
+        process with many gloo groups takes seconds (or aborts: the gloo exit flake)."""
         for p in self._procs.values():
             if p.is_alive():
                 p.kill()
