@@ -24,9 +24,11 @@ allocation-heavy layouts unequally, so it is never on while timing.
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -38,7 +40,7 @@ from tsp_ext.planner import PRESETS
 from tsp_ext.testing.launch import run_processes
 
 from .comm_counter import CommCounter
-from .layouts import BUILDERS, Prepared, tp_sp_split
+from .layouts import BUILDERS, PROCESS_WIDE, Prepared, tp_sp_split
 
 # a small Llama every layout divides at D in {2, 4}: heads 8 / D, KV heads 4 / D, MLP 704 / D
 DEFAULT_MODEL = PRESETS["tiny"].hf_config_kwargs()
@@ -231,12 +233,17 @@ def measure(
     *,
     device: str = "cpu",
     timeout: float = 1800.0,
+    launch: Callable | None = None,
 ) -> dict:
     """Measure one layout at one sequence length; returns a result row (see the module docstring).
 
     ``layout="single"`` always runs one process (``devices`` is ignored, the row says 1).
     ``device="cuda"`` runs NCCL with one GPU per rank. A run that dies for memory gives
     ``status="oom"``; a layout that cannot be built here, ``status="unsupported: <reason>"``.
+    ``launch(fn, world, *args, timeout=...)`` runs the ranks (default: fresh gloo / NCCL
+    processes, ``run_processes``, which the layouts in ``PROCESS_WIDE`` always get; the tests
+    pass their kept pool, whose ranks' peak resident set is not their own: use its rows' tensor
+    byte counts, not ``peak``).
     """
     if warmup < 1 or steps < 1:
         raise ValueError(f"need warmup >= 1 and steps >= 1, got warmup={warmup}, steps={steps}")
@@ -267,8 +274,10 @@ def measure(
         device=device,
     )
     backend = "nccl" if device == "cuda" else "gloo"
+    if launch is None or layout in PROCESS_WIDE:  # those need processes of their own
+        launch = functools.partial(run_processes, backend=backend)
     try:
-        results = run_processes(_train_rank, world, spec, backend=backend, timeout=timeout)
+        results = launch(_train_rank, world, spec, timeout=timeout)
     except RuntimeError as e:
         if "exit code -9" in str(e):  # the kernel's OOM killer
             return {**row, "status": "oom"}

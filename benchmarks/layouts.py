@@ -211,6 +211,11 @@ def _sp_inputs(ids: torch.Tensor, size: int, rank: int):
     return inputs, _contiguous_shard(shifted_labels(ids), size, rank)
 
 
+# layouts that install their attention in transformers' registry for the whole process
+# (DeepSpeed's Ulysses replaces the "sdpa" function): never run two in one process
+PROCESS_WIDE = frozenset({"ulysses", "tpxsp"})
+
+
 def build_ulysses(model, ids, world, device) -> Prepared:
     import deepspeed.comm
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF

@@ -55,9 +55,9 @@ def test_comm_counter_bytes_received(workers):
 
 
 @pytest.fixture(scope="module")
-def rows() -> dict[str, dict]:
+def rows(workers) -> dict[str, dict]:
     return {
-        layout: measure(layout, 2, S, TINY, steps=1, warmup=1, timeout=120)
+        layout: measure(layout, 2, S, TINY, steps=1, warmup=1, timeout=120, launch=workers.run)
         for layout in ("single", "tsp", "tp")
     }
 

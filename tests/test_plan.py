@@ -186,10 +186,10 @@ STATE_AND_SAVED = ("params", "grads", "optimizer", "activations")
 
 
 @pytest.mark.parametrize("layout,devices,seq_len", MEASURED)
-def test_predicted_memory_within_10_percent_of_measured(layout, devices, seq_len):
+def test_predicted_memory_within_10_percent_of_measured(workers, layout, devices, seq_len):
     from benchmarks.harness import DEFAULT_MODEL, measure
 
-    row = measure(layout, devices, seq_len, steps=1, warmup=1, dtype="float32")
+    row = measure(layout, devices, seq_len, steps=1, warmup=1, launch=workers.run)
     assert row["status"] == "ok", row["status"]
     shape = planner.ModelShape.from_hf_config(DEFAULT_MODEL, name="harness")
     assert shape == replace(planner.PRESETS["tiny"], name="harness")
