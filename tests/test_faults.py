@@ -62,8 +62,8 @@ def one_bad_rank_worker(rank, world):
 
 
 @functools.cache
-def results():
-    return run_processes(one_bad_rank_worker, 2, timeout=120)
+def results(workers):
+    return workers.run(one_bad_rank_worker, 2, timeout=120)
 
 
 @pytest.mark.parametrize(
@@ -85,8 +85,8 @@ def results():
         ("positions", "TSP rank 0 of 2: position_ids row 0 has 1 at global position 0"),
     ],
 )
-def test_one_bad_rank_fails_every_rank(case, expected):
-    per_rank = [r[case] for r in results()]
+def test_one_bad_rank_fails_every_rank(workers, case, expected):
+    per_rank = [r[case] for r in results(workers)]
     messages = {message for message, *_ in per_rank}
     assert len(messages) == 1, messages  # the same error on every rank
     assert expected in messages.pop()
