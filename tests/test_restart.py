@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_recipe import ACCELERATE, CONFIG, RECIPE, ROOT, TINY, metrics, refusal
+from test_recipe import ACCELERATE, CONFIG, RECIPE, ROOT, TINY, metrics, refusal, side_by_side
 
 from tsp_ext.testing.launch import free_port
 
@@ -45,28 +45,25 @@ def weights(out: str) -> dict[str, torch.Tensor]:
 
 
 @functools.cache
-def uninterrupted(tmp: str) -> str:
-    """4 steps, checkpoints at 2 and 4; ``auto`` finds nothing in the new directory."""
-    out = os.path.join(tmp, "straight")
-    res = launch(*AUTO, "--output-dir", out)
+def runs(tmp: str) -> tuple[str, str, subprocess.CompletedProcess]:
+    """Side by side: 4 steps, checkpoints at 2 and 4 (``auto`` finds nothing in the new
+    directory); and the same run with rank 1 SIGKILLed at the start of step 4 (rows 1-3
+    written, checkpoint 2), restarted once by torchrun (docs/faults.md)."""
+    straight, out = os.path.join(tmp, "straight"), os.path.join(tmp, "killed")
+    res, killed = side_by_side(
+        functools.partial(launch, *AUTO, "--output-dir", straight),
+        functools.partial(
+            torchrun, *AUTO, "--output-dir", out, env={"TSP_EXT_FAULT_KILL_STEP": "4"}
+        ),
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "--resume-from auto: no complete checkpoint, a fresh start" in res.stdout
-    return out
-
-
-@functools.cache
-def killed(tmp: str) -> tuple[str, subprocess.CompletedProcess]:
-    """The same run, rank 1 SIGKILLed at the start of step 4 (rows 1-3 written, checkpoint 2),
-    restarted once by torchrun (docs/faults.md)."""
-    out = os.path.join(tmp, "killed")
-    res = torchrun(*AUTO, "--output-dir", out, env={"TSP_EXT_FAULT_KILL_STEP": "4"})
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return out, res
+    assert killed.returncode == 0, killed.stdout[-3000:] + killed.stderr[-3000:]
+    return straight, out, killed
 
 
 def test_killed_worker_restarts_and_ends_like_an_uninterrupted_run(tmp):
-    straight = uninterrupted(tmp)
-    out, res = killed(tmp)
+    straight, out, res = runs(tmp)
     assert "exitcode: -9" in res.stderr  # the worker was killed, and the job restarted
     assert f"--resume-from auto: {os.path.join(out, 'checkpoint-2')}" in res.stdout
     rows, expected = metrics(out), metrics(straight)
@@ -78,7 +75,7 @@ def test_killed_worker_restarts_and_ends_like_an_uninterrupted_run(tmp):
 
 
 def test_resume_auto_skips_damaged_and_interrupted_checkpoints(workers, tmp):
-    out, _ = killed(tmp)
+    straight, out, _ = runs(tmp)
     with open(os.path.join(out, "checkpoint-4", "trainer_state.json"), "r+") as f:
         f.truncate(10)
     os.makedirs(os.path.join(out, ".checkpoint-6.incomplete"))
@@ -96,21 +93,31 @@ def test_resume_auto_skips_damaged_and_interrupted_checkpoints(workers, tmp):
     assert f"skipping {os.path.join(out, '.checkpoint-6.incomplete')}: an interrupted save" in log
     assert f"skipping {state} is truncated or corrupt" in log
     assert f"--resume-from auto: {os.path.join(out, 'checkpoint-2')}" in log
-    rows, expected = metrics(out), metrics(uninterrupted(tmp))
+    rows, expected = metrics(out), metrics(straight)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]  # rows 3, 4 rewritten, not appended
     assert [r["loss"] for r in rows] == [r["loss"] for r in expected]
 
 
-@pytest.mark.parametrize(
-    "engine, mode", [("ddp", "skip"), ("deepspeed", "skip"), ("fsdp2", "stop")]
-)
+NAN_RUNS = [("ddp", "skip"), ("deepspeed", "skip"), ("fsdp2", "stop")]
+
+
+@functools.cache
+def nan_runs(tmp: str) -> dict[tuple[str, str], subprocess.CompletedProcess]:
+    """Per engine and --on-nonfinite mode, rank 1's loss NaN at step 2; side by side."""
+    return dict(zip(NAN_RUNS, side_by_side(*(
+        functools.partial(
+            launch, *TINY, "--max-steps", "3", "--save-every", "1", "--dp-engine", engine,
+            "--on-nonfinite", mode, "--output-dir", os.path.join(tmp, f"nan-{engine}"),
+            env={"TSP_EXT_FAULT_NAN_STEP": "2"},  # rank 1's loss at step 2
+        )
+        for engine, mode in NAN_RUNS
+    ))))  # fmt: skip
+
+
+@pytest.mark.parametrize("engine, mode", NAN_RUNS)
 def test_nan_loss_on_one_rank_is_detected_on_every_rank(engine, mode, tmp):
     out = os.path.join(tmp, f"nan-{engine}")
-    res = launch(
-        *TINY, "--max-steps", "3", "--save-every", "1", "--dp-engine", engine,
-        "--on-nonfinite", mode, "--output-dir", out,
-        env={"TSP_EXT_FAULT_NAN_STEP": "2"},  # rank 1's loss at step 2
-    )  # fmt: skip
+    res = nan_runs(tmp)[engine, mode]
     log = res.stdout + res.stderr
     for rank in (0, 1):
         assert f"rank {rank}: non-finite loss at step 2" in log, log[-3000:]

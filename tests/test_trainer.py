@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 from models import batch, build, causal_lm_loss
-from test_recipe import DATASET
+from test_recipe import DATASET, side_by_side
 
 pytestmark = pytest.mark.multiproc
 
@@ -214,8 +214,10 @@ def test_sft_recipe_trl_equals_trainer_and_export_reloads(tmp):
     import subprocess
     import sys
 
-    launch_recipe("--trainer", "sft", "--output-dir", f"{tmp}/sft")
-    launch_recipe("--trainer", "hf", "--output-dir", f"{tmp}/hf")
+    side_by_side(
+        functools.partial(launch_recipe, "--trainer", "sft", "--output-dir", f"{tmp}/sft"),
+        functools.partial(launch_recipe, "--trainer", "hf", "--output-dir", f"{tmp}/hf"),
+    )
     sft, hf = read_metrics(f"{tmp}/sft"), read_metrics(f"{tmp}/hf")
     assert [r["step"] for r in sft] == [1, 2, 3, 4]
     assert [r["step"] for r in sft if "eval_loss" in r] == [2, 4]
@@ -279,18 +281,15 @@ def test_deepspeed_configs_are_honoured_or_refused(tmp_path, monkeypatch):
         TSPTrainer(model=build("llama"), args=ds_args(), data_parallel="fsdp2")
 
 
-@pytest.mark.parametrize(
-    "script, out_dir",
-    [("train_tsp.py", "outputs/trainer"), ("train_tsp_zero2.py", "outputs/trainer_zero2")],
-)
-def test_docs_script_runs_as_written(tmp, script, out_dir):
-    """docs/trainer.md's scripts (DDP; DeepSpeed ZeRO-2 with a "tsp" block) under accelerate
-    launch, then the export in one process."""
+DOCS_SCRIPTS = {"train_tsp.py": "outputs/trainer", "train_tsp_zero2.py": "outputs/trainer_zero2"}
+
+
+def launch_docs_script(tmp: str, script: str, out_dir: str):
+    """docs/trainer.md's script that writes ``out_dir``, saved as ``script`` in a directory of
+    its own and run there under accelerate launch; (that directory, the finished process)."""
     import re
     import subprocess
     import sys
-
-    from transformers import AutoModelForCausalLM
 
     from tsp_ext.testing.launch import free_port
 
@@ -309,8 +308,27 @@ def test_docs_script_runs_as_written(tmp, script, out_dir):
     done = subprocess.run(
         [*cmd, script], capture_output=True, text=True, timeout=400, env=env, cwd=work
     )
+    return work, done
+
+
+@functools.cache
+def docs_scripts(tmp: str) -> dict:
+    """Both scripts, launched side by side."""
+    calls = [functools.partial(launch_docs_script, tmp, *item) for item in DOCS_SCRIPTS.items()]
+    return dict(zip(DOCS_SCRIPTS, side_by_side(*calls)))
+
+
+@pytest.mark.parametrize("script", DOCS_SCRIPTS)
+def test_docs_script_runs_as_written(tmp, script):
+    """docs/trainer.md's scripts (DDP; DeepSpeed ZeRO-2 with a "tsp" block) under accelerate
+    launch, then the export in one process."""
+    import re
+
+    from transformers import AutoModelForCausalLM
+
+    work, done = docs_scripts(tmp)[script]
     assert done.returncode == 0, done.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"'loss': '([0-9.]+)'", done.stdout + done.stderr)]
     assert len(losses) >= 10 and min(losses) > 5  # ~ln(512): random tokens
-    model = AutoModelForCausalLM.from_pretrained(os.path.join(work, out_dir, "hf"))
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(work, DOCS_SCRIPTS[script], "hf"))
     assert model.config.vocab_size == 512
