@@ -185,6 +185,7 @@ PLANNER_KIND = {"tsp": "tsp", "tp": "tp", "ulysses": "sp", "tpxsp": "tpxsp"}
 STATE_AND_SAVED = ("params", "grads", "optimizer", "activations")
 
 
+@pytest.mark.multiproc  # the harness runs the layouts on process groups
 @pytest.mark.parametrize("layout,devices,seq_len", MEASURED)
 def test_predicted_memory_within_10_percent_of_measured(workers, layout, devices, seq_len):
     from benchmarks.harness import DEFAULT_MODEL, measure
