@@ -28,6 +28,7 @@ import traceback
 import warnings
 from collections.abc import Callable
 from datetime import timedelta
+from unittest import mock
 
 import torch.distributed as dist
 
@@ -131,25 +132,6 @@ def _stack_dumps(stacks: dict[int, str] | None) -> str:
     return text
 
 
-class _environ:
-    """Extra environment variables set while a block runs (children started in it inherit
-    them), the previous values restored after."""
-
-    def __init__(self, env: dict[str, str] | None):
-        self.env = env or {}
-
-    def __enter__(self) -> None:
-        self.saved = {k: os.environ.get(k) for k in self.env}
-        os.environ.update(self.env)
-
-    def __exit__(self, *exc) -> None:
-        for k, v in self.saved.items():
-            if v is None:
-                os.environ.pop(k)
-            else:
-                os.environ[k] = v
-
-
 def run_processes(
     fn: Callable,
     world: int,
@@ -185,7 +167,7 @@ def run_processes(
         )
         for r in ranks
     }
-    with _environ(env):
+    with mock.patch.dict(os.environ, env or {}):  # inherited by the children at start
         for p in procs.values():
             p.start()
     failed = True
@@ -209,8 +191,7 @@ def _pool_worker(rank: int, world: int, port: int, backend: str, tasks, results,
     environ = dict(os.environ)
     seed = torch.initial_seed()
     while True:  # until the pool kills this process
-        fn, args, timeout, env = pickle.loads(tasks.get())
-        os.environ.update(env)
+        fn, args, timeout = pickle.loads(tasks.get())
         with open(stacks, "w") as stack_file:
             _run_one(fn, rank, world, args, timeout, results, stack_file)
         # the next task starts as in a fresh process: environment, defaults, RNG. The process
@@ -260,15 +241,13 @@ class WorkerPool:
         for p in self._procs.values():
             p.start()
 
-    def run(
-        self, fn: Callable, *args, timeout: float = 240.0, env: dict[str, str] | None = None
-    ) -> list:
+    def run(self, fn: Callable, *args, timeout: float = 240.0) -> list:
         """``fn(rank, world, *args)`` on every rank; the results in rank order (raises as
-        ``run_processes`` does). ``env``: environment variables set around the call."""
+        ``run_processes`` does)."""
         if not self._procs or any(p.exitcode is not None for p in self._procs.values()):
             self.close()
             self._start()
-        task = pickle.dumps((fn, args, timeout, env or {}))
+        task = pickle.dumps((fn, args, timeout))
         for q in self._tasks:
             q.put(task)
         try:
@@ -302,12 +281,11 @@ class WorkerPools:
         world: int,
         *args,
         timeout: float = 240.0,
-        env: dict[str, str] | None = None,
     ) -> list:
-        """``run_processes(fn, world, *args, timeout=timeout, env=env)`` on the kept ranks."""
+        """``run_processes(fn, world, *args, timeout=timeout)`` on the kept ranks."""
         if world not in self._pools:
             self._pools[world] = WorkerPool(world, self.backend)
-        return self._pools[world].run(fn, *args, timeout=timeout, env=env)
+        return self._pools[world].run(fn, *args, timeout=timeout)
 
     def close(self) -> None:
         for pool in self._pools.values():
