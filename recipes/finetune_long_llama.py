@@ -307,6 +307,7 @@ def main(argv=None) -> None:
         stream=sys.stdout,
     )
     warn_restarts(args)
+    owns_group = not dist.is_initialized()
     init_single_process(timeout)
     acc = Accelerator(
         cpu=not torch.cuda.is_available(),
@@ -403,7 +404,7 @@ def main(argv=None) -> None:
     log.info(f"final eval loss {eval_loss:.4f}; Hugging Face checkpoint: {final}")
     if metrics:
         metrics.close()
-    finish(acc, args.output_dir, eval_loss, final)
+    finish(acc, args.output_dir, eval_loss, final, owns_group)
 
 
 def sample(engine: Engine, tokenizer, args) -> str | None:

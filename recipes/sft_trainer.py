@@ -19,6 +19,7 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 from _args import add_shared_args
 from _data import load_blocks, load_texts
 from _finish import finish
@@ -150,6 +151,7 @@ def training_args(args, kind: str):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    owns_group = not dist.is_initialized()
     acc = Accelerator(cpu=not torch.cuda.is_available())
     logging.basicConfig(
         level=logging.INFO if acc.is_main_process else logging.WARNING,
@@ -198,7 +200,7 @@ def main(argv=None) -> None:
     final = os.path.join(args.output_dir, "final")
     trainer.save_model(final)
     log.info(f"final eval loss {eval_loss:.4f}; Hugging Face checkpoint: {final}")
-    finish(acc, args.output_dir, eval_loss, final)
+    finish(acc, args.output_dir, eval_loss, final, owns_group)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import io
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -70,30 +72,52 @@ def side_by_side(*calls: Callable[[], T]) -> list[T]:
         return [f.result() for f in [pool.submit(call) for call in calls]]
 
 
-def launch_together(*jobs: list[str]) -> list[subprocess.CompletedProcess]:
-    """``launch(*args)`` for each argument list, side by side."""
-    return side_by_side(*(functools.partial(launch, *args) for args in jobs))
-
-
 def metrics(out_dir: str) -> list[dict]:
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
 
 
-def refusal(rank: int, world: int, argv: list[str]) -> tuple[str, bool]:
-    """The recipe's ``main(argv)`` on this rank of a kept 2-process group (the launcher's
-    environment, as under ``accelerate launch``): the message it stops with, and whether it
-    began training (``metrics.jsonl`` is opened just before the first step)."""
+def recipe_main(rank: int, world: int, argv: list[str], env: dict | None = None) -> tuple[str, str]:
+    """The recipe's ``main(argv)`` on this rank of a kept group (the launcher's environment, as
+    under ``accelerate launch``; ``env`` added, the pool restores it after): the message it
+    stopped with ("" when it finished) and what it logged (rank 0 from INFO, the others from
+    WARNING, as the recipe configures its logging). The group outlives it: ``main`` destroys
+    only a group it created."""
     sys.path.insert(0, os.path.join(ROOT, "recipes"))
     import finetune_long_llama as recipe
 
+    os.environ.update(env or {})
+    log, root = io.StringIO(), logging.getLogger()
+    handler, level = logging.StreamHandler(log), root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     try:
         recipe.main(argv)
-        message = "<no error>"
+        error = ""
     except (SystemExit, ValueError) as e:  # what the launched process exits with, non-zero
-        message = str(e)
+        error = str(e) or "exit"
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+    return error, log.getvalue()
+
+
+def run_on(workers, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``launch(*args)`` on the kept 2-process group instead of fresh processes (the start-up
+    is most of a tiny run): returncode 1 when a rank stopped with an error, stdout the ranks'
+    logs and errors."""
+    ranks = workers.run(recipe_main, 2, list(args), env, timeout=300)
+    out = "".join(log + (error and error + "\n") for error, log in ranks)
+    return subprocess.CompletedProcess(args, int(any(error for error, _ in ranks)), out, "")
+
+
+def refusal(rank: int, world: int, argv: list[str]) -> tuple[str, bool]:
+    """The recipe's ``main(argv)`` on this rank of a kept 2-process group: the message it stops
+    with, and whether it began training (``metrics.jsonl`` is opened just before the first
+    step)."""
+    error, _ = recipe_main(rank, world, argv)
     out_dir = argv[argv.index("--output-dir") + 1]
-    return message, os.path.exists(os.path.join(out_dir, "metrics.jsonl"))
+    return error or "<no error>", os.path.exists(os.path.join(out_dir, "metrics.jsonl"))
 
 
 @functools.cache
@@ -120,44 +144,35 @@ ENGINES = ("ddp", "deepspeed", "fsdp2")
 
 
 @functools.cache
-def runs(tmp: str) -> dict[str, dict]:
+def runs(workers, tmp: str) -> dict[str, dict]:
     """Per engine: train 4 steps (checkpoint at 2) from a local checkpoint loaded shard-on-read,
-    then resume a second run from step 2; the engines' runs launched side by side."""
+    then resume a second run from step 2; on the kept ranks (``accelerate launch`` itself is
+    tested by the other launches here)."""
     model = ("--model", pretrained(tmp))
-    out = {e: os.path.join(tmp, e) for e in ENGINES}
-    resumed = {e: os.path.join(tmp, f"{e}-resumed") for e in ENGINES}
-    firsts = launch_together(
-        *(
-            [*TINY, *model, "--dp-engine", e, "--save-every", "1", "--keep-last", "3",
-             "--output-dir", out[e]]
-            for e in ENGINES
-        )
-    )  # fmt: skip
-    for first in firsts:
-        assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    out = {}
     for e in ENGINES:
-        os.makedirs(resumed[e])
-        os.symlink(os.path.join(out[e], "tokenizer"), os.path.join(resumed[e], "tokenizer"))
-    seconds = launch_together(
-        *(
-            [*TINY, *model, "--dp-engine", e, "--output-dir", resumed[e],
-             "--resume-from", os.path.join(out[e], "checkpoint-2")]
-            for e in ENGINES
-        )
-    )  # fmt: skip
-    for second in seconds:
-        assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    return {
-        e: {"out": out[e], "resumed": resumed[e], "log": first.stdout}
-        for e, first in zip(ENGINES, firsts)
-    }
+        out[e], resumed = os.path.join(tmp, e), os.path.join(tmp, f"{e}-resumed")
+        first = run_on(
+            workers, *TINY, *model, "--dp-engine", e, "--save-every", "1", "--keep-last", "3",
+            "--output-dir", out[e],
+        )  # fmt: skip
+        assert first.returncode == 0, first.stdout[-3000:]
+        os.makedirs(resumed)
+        os.symlink(os.path.join(out[e], "tokenizer"), os.path.join(resumed, "tokenizer"))
+        second = run_on(
+            workers, *TINY, *model, "--dp-engine", e, "--output-dir", resumed,
+            "--resume-from", os.path.join(out[e], "checkpoint-2"),
+        )  # fmt: skip
+        assert second.returncode == 0, second.stdout[-3000:]
+        out[e] = {"out": out[e], "resumed": resumed, "log": first.stdout}
+    return out
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_recipe_trains_exports_and_resumes(engine, tmp):
+def test_recipe_trains_exports_and_resumes(workers, engine, tmp):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    res = runs(tmp)[engine]
+    res = runs(workers, tmp)[engine]
     rows = metrics(res["out"])
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     kept = sorted(d for d in os.listdir(res["out"]) if d.startswith("checkpoint-"))
@@ -228,7 +243,7 @@ def test_ddp_checkpoint_reshards_from_tsp4_to_tsp2(tmp):
 
 
 def test_bad_resume_is_refused_before_training(workers, tmp):
-    res = runs(tmp)["fsdp2"]  # saved with --seq-len 512
+    res = runs(workers, tmp)["fsdp2"]  # saved with --seq-len 512
     base = TINY[:-2]
     ckpt = os.path.join(res["out"], "checkpoint-2")
     cases = {

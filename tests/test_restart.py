@@ -13,18 +13,13 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_recipe import ACCELERATE, CONFIG, RECIPE, ROOT, TINY, metrics, refusal, side_by_side
+from test_recipe import RECIPE, ROOT, TINY, metrics, refusal, run_on, side_by_side
 
 from tsp_ext.testing.launch import free_port
 
 pytestmark = pytest.mark.multiproc
 
 AUTO = [*TINY, "--save-every", "2", "--resume-from", "auto"]
-
-
-def launch(*args: str, env=None, timeout: float = 400) -> subprocess.CompletedProcess:
-    cmd = [ACCELERATE, "launch", "--config_file", CONFIG, "--main_process_port", str(free_port())]
-    return run([*cmd, RECIPE, *args], env, timeout)
 
 
 def torchrun(*args: str, env=None, timeout: float = 400) -> subprocess.CompletedProcess:
@@ -45,13 +40,13 @@ def weights(out: str) -> dict[str, torch.Tensor]:
 
 
 @functools.cache
-def runs(tmp: str) -> tuple[str, str, subprocess.CompletedProcess]:
+def runs(workers, tmp: str) -> tuple[str, str, subprocess.CompletedProcess]:
     """Side by side: 4 steps, checkpoints at 2 and 4 (``auto`` finds nothing in the new
-    directory); and the same run with rank 1 SIGKILLed at the start of step 4 (rows 1-3
-    written, checkpoint 2), restarted once by torchrun (docs/faults.md)."""
+    directory), on the kept ranks; and the same run with rank 1 SIGKILLed at the start of step 4
+    (rows 1-3 written, checkpoint 2), restarted once by torchrun (docs/faults.md)."""
     straight, out = os.path.join(tmp, "straight"), os.path.join(tmp, "killed")
     res, killed = side_by_side(
-        functools.partial(launch, *AUTO, "--output-dir", straight),
+        functools.partial(run_on, workers, *AUTO, "--output-dir", straight),
         functools.partial(
             torchrun, *AUTO, "--output-dir", out, env={"TSP_EXT_FAULT_KILL_STEP": "4"}
         ),
@@ -62,8 +57,8 @@ def runs(tmp: str) -> tuple[str, str, subprocess.CompletedProcess]:
     return straight, out, killed
 
 
-def test_killed_worker_restarts_and_ends_like_an_uninterrupted_run(tmp):
-    straight, out, res = runs(tmp)
+def test_killed_worker_restarts_and_ends_like_an_uninterrupted_run(workers, tmp):
+    straight, out, res = runs(workers, tmp)
     assert "exitcode: -9" in res.stderr  # the worker was killed, and the job restarted
     assert f"--resume-from auto: {os.path.join(out, 'checkpoint-2')}" in res.stdout
     rows, expected = metrics(out), metrics(straight)
@@ -75,7 +70,7 @@ def test_killed_worker_restarts_and_ends_like_an_uninterrupted_run(tmp):
 
 
 def test_resume_auto_skips_damaged_and_interrupted_checkpoints(workers, tmp):
-    straight, out, _ = runs(tmp)
+    straight, out, _ = runs(workers, tmp)
     with open(os.path.join(out, "checkpoint-4", "trainer_state.json"), "r+") as f:
         f.truncate(10)
     os.makedirs(os.path.join(out, ".checkpoint-6.incomplete"))
@@ -87,7 +82,7 @@ def test_resume_auto_skips_damaged_and_interrupted_checkpoints(workers, tmp):
         assert f"{state} is truncated or corrupt" in message, message
         assert "resume from another checkpoint" in message
     assert metrics(out) == rows
-    res = launch(*AUTO, "--output-dir", out)
+    res = run_on(workers, *AUTO, "--output-dir", out)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     log = res.stdout
     assert f"skipping {os.path.join(out, '.checkpoint-6.incomplete')}: an interrupted save" in log
@@ -102,22 +97,22 @@ NAN_RUNS = [("ddp", "skip"), ("deepspeed", "skip"), ("fsdp2", "stop")]
 
 
 @functools.cache
-def nan_runs(tmp: str) -> dict[tuple[str, str], subprocess.CompletedProcess]:
-    """Per engine and --on-nonfinite mode, rank 1's loss NaN at step 2; side by side."""
-    return dict(zip(NAN_RUNS, side_by_side(*(
-        functools.partial(
-            launch, *TINY, "--max-steps", "3", "--save-every", "1", "--dp-engine", engine,
+def nan_runs(workers, tmp: str) -> dict[tuple[str, str], subprocess.CompletedProcess]:
+    """Per engine and --on-nonfinite mode, rank 1's loss NaN at step 2 (on the kept ranks)."""
+    return {
+        (engine, mode): run_on(
+            workers, *TINY, "--max-steps", "3", "--save-every", "1", "--dp-engine", engine,
             "--on-nonfinite", mode, "--output-dir", os.path.join(tmp, f"nan-{engine}"),
             env={"TSP_EXT_FAULT_NAN_STEP": "2"},  # rank 1's loss at step 2
         )
         for engine, mode in NAN_RUNS
-    ))))  # fmt: skip
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize("engine, mode", NAN_RUNS)
-def test_nan_loss_on_one_rank_is_detected_on_every_rank(engine, mode, tmp):
+def test_nan_loss_on_one_rank_is_detected_on_every_rank(workers, engine, mode, tmp):
     out = os.path.join(tmp, f"nan-{engine}")
-    res = nan_runs(tmp)[engine, mode]
+    res = nan_runs(workers, tmp)[engine, mode]
     log = res.stdout + res.stderr
     for rank in (0, 1):
         assert f"rank {rank}: non-finite loss at step 2" in log, log[-3000:]
