@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import tempfile
 
 import pytest
 import torch
@@ -88,6 +89,17 @@ def deepspeed_save(model, world: int, out: str) -> dict[str, int]:
     res["ds_save_one_group"] = _peak(lambda: save(2**40))
     res["ds_rank_state"] = 3 * 4 * sum(p.numel() for p in model.parameters())  # master + moments
     return res
+
+
+@pytest.fixture(scope="module")
+def tmp():
+    """The ~5 GB this module writes go to memory (/dev/shm) where there is one, and are removed
+    after it: on disk their writeback stalls the tests that follow. The peaks are the same: a
+    mapped file page counts in a process's resident memory whether it is cached from disk or
+    shared memory, and a written one in neither."""
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.TemporaryDirectory(prefix="tsp_checkpoint_memory_", dir=shm) as path:
+        yield path
 
 
 @functools.cache

@@ -1,8 +1,10 @@
-"""The fine-tuning recipe end to end through `accelerate launch` (2 CPU processes)."""
+"""The fine-tuning recipe end to end (2 CPU processes): through `accelerate launch`, and its
+``main()`` on the kept ranks of the ``workers`` pool where the launcher is not the subject."""
 
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
 import io
 import json
@@ -48,7 +50,7 @@ TINY = [
 ]
 
 
-def launch(*args: str, timeout: float = 400, processes: int = 2) -> subprocess.CompletedProcess:
+def launch(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
     cmd = [
         ACCELERATE,
         "launch",
@@ -56,8 +58,6 @@ def launch(*args: str, timeout: float = 400, processes: int = 2) -> subprocess.C
         CONFIG,
         "--main_process_port",
         str(free_port()),
-        "--num_processes",
-        str(processes),
         RECIPE,
         *args,
     ]
@@ -77,15 +77,16 @@ def metrics(out_dir: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def recipe_main(rank: int, world: int, argv: list[str], env: dict | None = None) -> tuple[str, str]:
-    """The recipe's ``main(argv)`` on this rank of a kept group (the launcher's environment, as
+def recipe_main(
+    rank: int, world: int, argv: list[str], env: dict | None = None, script: str = RECIPE
+) -> tuple[str, str]:
+    """``script``'s ``main(argv)`` on this rank of a kept group (the launcher's environment, as
     under ``accelerate launch``; ``env`` added, the pool restores it after): the message it
     stopped with ("" when it finished) and what it logged (rank 0 from INFO, the others from
     WARNING, as the recipe configures its logging). The group outlives it: ``main`` destroys
     only a group it created."""
-    sys.path.insert(0, os.path.join(ROOT, "recipes"))
-    import finetune_long_llama as recipe
-
+    sys.path.insert(0, os.path.dirname(script))
+    recipe = importlib.import_module(os.path.basename(script).removesuffix(".py"))
     os.environ.update(env or {})
     log, root = io.StringIO(), logging.getLogger()
     handler, level = logging.StreamHandler(log), root.level
@@ -102,11 +103,13 @@ def recipe_main(rank: int, world: int, argv: list[str], env: dict | None = None)
     return error, log.getvalue()
 
 
-def run_on(workers, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    """``launch(*args)`` on the kept 2-process group instead of fresh processes (the start-up
-    is most of a tiny run): returncode 1 when a rank stopped with an error, stdout the ranks'
-    logs and errors."""
-    ranks = workers.run(recipe_main, 2, list(args), env, timeout=300)
+def run_on(
+    workers, *args: str, env: dict | None = None, processes: int = 2, script: str = RECIPE
+) -> subprocess.CompletedProcess:
+    """``launch(*args)`` on the kept group of ``processes`` ranks instead of fresh processes
+    (the start-up is most of a tiny run): returncode 1 when a rank stopped with an error, stdout
+    the ranks' logs and errors."""
+    ranks = workers.run(recipe_main, processes, list(args), env, script, timeout=300)
     out = "".join(log + (error and error + "\n") for error, log in ranks)
     return subprocess.CompletedProcess(args, int(any(error for error, _ in ranks)), out, "")
 
@@ -220,15 +223,18 @@ def test_bad_arguments_fail_before_training(workers, args, expected, tmp):
         assert not trained
 
 
-def test_ddp_checkpoint_reshards_from_tsp4_to_tsp2(tmp):
+def test_ddp_checkpoint_reshards_from_tsp4_to_tsp2(workers, tmp):
     """Saved at tsp=4 (4 processes), resumed at tsp=2 (2 processes): the same curve."""
     out, resumed = os.path.join(tmp, "tsp4"), os.path.join(tmp, "tsp4-on-tsp2")
     base = TINY[:-2]  # without "--tsp-size 2"
-    first = launch(*base, "--tsp-size", "4", "--save-every", "2", "--output-dir", out, processes=4)
-    assert first.returncode == 0, first.stderr[-3000:]
+    first = run_on(
+        workers, *base, "--tsp-size", "4", "--save-every", "2", "--output-dir", out, processes=4
+    )
+    assert first.returncode == 0, first.stdout[-3000:]
     os.makedirs(resumed)
     os.symlink(os.path.join(out, "tokenizer"), os.path.join(resumed, "tokenizer"))
-    second = launch(
+    second = run_on(
+        workers,
         *base,
         "--tsp-size",
         "2",
@@ -237,7 +243,7 @@ def test_ddp_checkpoint_reshards_from_tsp4_to_tsp2(tmp):
         "--resume-from",
         os.path.join(out, "checkpoint-2"),
     )
-    assert second.returncode == 0, second.stderr[-3000:]
+    assert second.returncode == 0, second.stdout[-3000:]
     for a, b in zip(metrics(out)[2:], metrics(resumed)):
         assert a["step"] == b["step"] and abs(a["loss"] - b["loss"]) < 1e-5 * a["loss"], (a, b)
 
@@ -307,26 +313,3 @@ def test_packing_documents_trains_and_matches_one_process(tmp):
     assert one.returncode == 0, one.stderr[-3000:]
     loss = json.loads(one.stdout.strip().splitlines()[-1])["eval_loss"]
     assert abs(loss - recipe_eval) < 1e-4 * recipe_eval, (loss, recipe_eval)
-
-
-def test_runs_without_a_launcher_as_one_process(tmp):
-    """A plain ``python recipes/finetune_long_llama.py`` (no accelerate launch, no torchrun) is
-    one process, TSP = 1; eval loss and a greedy sample are reported before and after."""
-    sys.path.insert(0, os.path.join(ROOT, "recipes"))
-    from _data import shakespeare_files
-
-    out = os.path.join(tmp, "one-process")
-    args = [*TINY[:-2], "--max-steps", "2", "--seq-len", "256", "--sample-tokens", "4"]
-    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if k not in launcher}
-    res = subprocess.run(
-        [sys.executable, RECIPE, *args, "--dataset", f"text:{shakespeare_files()[0]}"]
-        + ["--output-dir", out],
-        capture_output=True, text=True, timeout=200, cwd=ROOT,
-        env={**env, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"},
-    )  # fmt: skip
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert "dp=1 x tsp=1" in res.stdout
-    assert "before fine-tuning" in res.stdout and "  after:  " in res.stdout
-    assert [r["step"] for r in metrics(out)] == [1, 2]
-    assert os.path.isfile(os.path.join(out, "final", "model.safetensors"))

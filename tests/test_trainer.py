@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 from models import batch, build, causal_lm_loss
-from test_recipe import DATASET, side_by_side
+from test_recipe import DATASET, run_on
 
 pytestmark = pytest.mark.multiproc
 
@@ -179,25 +179,17 @@ def test_trainer_dp2_matches_plain_ddp(workers, tmp, data_parallel):
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RECIPE = [os.path.join(ROOT, "recipes", "sft_trainer.py")]
+RECIPE = os.path.join(ROOT, "recipes", "sft_trainer.py")
 TINY = ["--seq-len", "512", "--vocab-size", "512", "--max-steps", "4", "--eval-every", "2"]
 TINY += ["--warmup-steps", "1", "--tsp-size", "2", "--packing", "documents"]
 TINY += ["--dataset", DATASET]  # four plays
 
 
-def launch_recipe(*args: str) -> None:
-    import subprocess
-    import sys
-
-    from tsp_ext.testing.launch import free_port
-
-    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
-    config = os.path.join(ROOT, "recipes", "configs", "cpu_2proc.yaml")
-    port = ["--main_process_port", str(free_port())]
-    cmd = [accelerate, "launch", "--config_file", config, *port, *RECIPE, *TINY, *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env, cwd=ROOT)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+def run_recipe(workers, *args: str) -> None:
+    """``sft_trainer.py``'s ``main`` on the kept 2-process group, as ``accelerate launch``
+    would run it (the start-up is most of a tiny run)."""
+    done = run_on(workers, *TINY, *args, script=RECIPE)
+    assert done.returncode == 0, done.stdout[-3000:]
 
 
 def read_metrics(out_dir: str) -> list[dict]:
@@ -207,17 +199,15 @@ def read_metrics(out_dir: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def test_sft_recipe_trl_equals_trainer_and_export_reloads(tmp):
+def test_sft_recipe_trl_equals_trainer_and_export_reloads(workers, tmp):
     """TRL's SFTTrainer and transformers' Trainer with TSP (D=2, packed documents): the same
     curve; the export reloads in one plain process with the recipe's eval loss."""
     import json
     import subprocess
     import sys
 
-    side_by_side(
-        functools.partial(launch_recipe, "--trainer", "sft", "--output-dir", f"{tmp}/sft"),
-        functools.partial(launch_recipe, "--trainer", "hf", "--output-dir", f"{tmp}/hf"),
-    )
+    run_recipe(workers, "--trainer", "sft", "--output-dir", f"{tmp}/sft")
+    run_recipe(workers, "--trainer", "hf", "--output-dir", f"{tmp}/hf")
     sft, hf = read_metrics(f"{tmp}/sft"), read_metrics(f"{tmp}/hf")
     assert [r["step"] for r in sft] == [1, 2, 3, 4]
     assert [r["step"] for r in sft if "eval_loss" in r] == [2, 4]
@@ -279,56 +269,3 @@ def test_deepspeed_configs_are_honoured_or_refused(tmp_path, monkeypatch):
         TSPTrainer(model=build("llama"), args=ds_args(optimizer={"type": "AdamW"}), tsp=2)
     with pytest.raises(ValueError, match="DeepSpeed runs when TrainingArguments has a deepspeed"):
         TSPTrainer(model=build("llama"), args=ds_args(), data_parallel="fsdp2")
-
-
-DOCS_SCRIPTS = {"train_tsp.py": "outputs/trainer", "train_tsp_zero2.py": "outputs/trainer_zero2"}
-
-
-def launch_docs_script(tmp: str, script: str, out_dir: str):
-    """docs/trainer.md's script that writes ``out_dir``, saved as ``script`` in a directory of
-    its own and run there under accelerate launch; (that directory, the finished process)."""
-    import re
-    import subprocess
-    import sys
-
-    from tsp_ext.testing.launch import free_port
-
-    with open(os.path.join(ROOT, "docs", "trainer.md")) as f:
-        text = f.read()
-    [code] = [c for c in re.findall(r"```python\n(.*?)```", text, re.S) if f'"{out_dir}"' in c]
-    assert f"`{script}`" in text
-    work = os.path.join(tmp, "docs_" + script.removesuffix(".py"))
-    os.makedirs(work)
-    with open(os.path.join(work, script), "w") as f:
-        f.write(code)
-    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
-    config = os.path.join(ROOT, "recipes", "configs", "cpu_2proc.yaml")
-    cmd = [accelerate, "launch", "--config_file", config, "--main_process_port", str(free_port())]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    done = subprocess.run(
-        [*cmd, script], capture_output=True, text=True, timeout=400, env=env, cwd=work
-    )
-    return work, done
-
-
-@functools.cache
-def docs_scripts(tmp: str) -> dict:
-    """Both scripts, launched side by side."""
-    calls = [functools.partial(launch_docs_script, tmp, *item) for item in DOCS_SCRIPTS.items()]
-    return dict(zip(DOCS_SCRIPTS, side_by_side(*calls)))
-
-
-@pytest.mark.parametrize("script", DOCS_SCRIPTS)
-def test_docs_script_runs_as_written(tmp, script):
-    """docs/trainer.md's scripts (DDP; DeepSpeed ZeRO-2 with a "tsp" block) under accelerate
-    launch, then the export in one process."""
-    import re
-
-    from transformers import AutoModelForCausalLM
-
-    work, done = docs_scripts(tmp)[script]
-    assert done.returncode == 0, done.stderr[-3000:]
-    losses = [float(x) for x in re.findall(r"'loss': '([0-9.]+)'", done.stdout + done.stderr)]
-    assert len(losses) >= 10 and min(losses) > 5  # ~ln(512): random tokens
-    model = AutoModelForCausalLM.from_pretrained(os.path.join(work, DOCS_SCRIPTS[script], "hf"))
-    assert model.config.vocab_size == 512
