@@ -425,8 +425,12 @@ def report_fine_tuning(args, before: tuple, after: tuple) -> None:
 
 
 def report_memory(model, full_params: int, activation_bytes: int, args, device) -> None:
-    """Per-rank memory next to what one process would need for the same batch."""
-    local = sum(p.numel() for p in model.parameters())
+    """Per-rank memory (the largest rank's) next to what one process would need for the same
+    batch: logged, and written to ``<output-dir>/memory.json`` (bytes; the docs quote it)."""
+    largest = [sum(p.numel() for p in model.parameters()), activation_bytes]
+    largest = torch.tensor(largest, dtype=torch.int64, device=device)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    local, activation_bytes = (int(n) for n in largest.tolist())
     per_param = 2 if args.bf16 else 4
     state = lambda n: n * (2 * per_param + 8)  # noqa: E731  (weights, grads, two fp32 Adam moments)
     peak = torch.tensor([peak_memory_bytes()], dtype=torch.float64, device=device)
@@ -439,6 +443,18 @@ def report_memory(model, full_params: int, activation_bytes: int, args, device) 
         f"{state(full_params) / mb:.1f} MB, saved activations "
         f"~{activation_bytes * args.tsp_size / mb:.1f} MB (tsp x the per-rank bytes)"
     )
+    if dist.get_rank() == 0:
+        report = {
+            "processes": dist.get_world_size(),
+            "tsp_size": args.tsp_size,
+            "parameters": full_params,
+            "parameters_per_rank": local,
+            "model_state_bytes_per_rank": state(local),
+            "saved_activation_bytes_per_rank": activation_bytes,
+            "peak_process_bytes": int(peak.item()),
+        }
+        with open(os.path.join(args.output_dir, "memory.json"), "w") as f:
+            json.dump(report, f, indent=1)
 
 
 if __name__ == "__main__":

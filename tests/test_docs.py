@@ -190,6 +190,9 @@ def test_recipe_without_a_launcher_is_one_process(workers, tmp):
     rows = [json.loads(line) for line in open(where / "outputs/one/metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert (where / "outputs/one/final/model.safetensors").is_file()
+    memory = json.loads((where / "outputs/one/memory.json").read_text())
+    assert memory["processes"] == memory["tsp_size"] == 1
+    assert memory["model_state_bytes_per_rank"] == 16 * memory["parameters"]  # fp32 + AdamW
 
 
 @pytest.mark.parametrize("script", ["train_tsp.py", "train_tsp_zero2.py"])

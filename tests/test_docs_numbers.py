@@ -1,0 +1,101 @@
+"""The exact numbers the docs quote match the JSON each doc links (written by the command the
+doc names), and the cheap ones are derived again here from the model's shape."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "benchmarks"
+
+
+def table(doc: str, header: str) -> list[list[str]]:
+    """The cells of the markdown table in ``doc`` whose header row starts with ``header``."""
+    lines = (ROOT / doc).read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+def meta_parameters(**config) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for p in LlamaForCausalLM(LlamaConfig(**config)).parameters())
+
+
+def test_inference_table_is_its_json_and_the_bytes_follow_from_the_shape():
+    from benchmarks.decode import MODEL
+
+    runs = json.loads((RESULTS / "decode_cpu.json").read_text())
+    keys = {
+        "prefill seconds": ("prefill_s", "{:.3f}"),
+        "prefill peak tensor bytes": ("prefill_peak_bytes", "{:,}"),
+        "decode tokens/s, batch 1": ("decode_b1_tokens_per_s", "{:.1f}"),
+        "KV-cache bytes, batch 1": ("kv_b1_bytes", "{:,}"),
+        "decode tokens/s, batch 8": ("decode_b8_tokens_per_s", "{:.1f}"),
+        "KV-cache bytes, batch 8": ("kv_b8_bytes", "{:,}"),
+        "weight bytes": ("weight_bytes", "{:,}"),
+    }
+    rows = table("docs/inference.md", "| metric | 1 process")
+    assert [r[0] for r in rows] == list(keys)
+    for name, *cells in rows:
+        key, form = keys[name]
+        assert cells == [form.format(run[key]) for run in runs.values()], name
+    one, tsp = runs["1 process"], runs["TSP D=2"]
+    head_dim = MODEL["hidden_size"] // MODEL["num_attention_heads"]
+    cached = 1024 + 32 - 1  # the decode prompt and the new tokens but the last, float32
+    per_row = MODEL["num_hidden_layers"] * 2 * MODEL["num_key_value_heads"] * head_dim * cached * 4
+    assert (one["kv_b1_bytes"], one["kv_b8_bytes"]) == (per_row, 8 * per_row)
+    assert (tsp["kv_b1_bytes"], tsp["kv_b8_bytes"]) == (per_row // 2, 4 * per_row)
+    assert one["weight_bytes"] == 4 * meta_parameters(**MODEL)
+
+
+def test_uneven_table_is_its_json():
+    runs = json.loads((RESULTS / "uneven_cpu.json").read_text())
+    rows = table("docs/apply_tsp.md", "| model, TSP size |")
+    assert len(rows) == len(runs)
+    for (_, _, step, params), run in zip(rows, runs):
+        assert step == f"{run['step_s']:.3f}"
+        counts = [int(n.replace(",", "")) for n in re.findall(r"[\d,]{4,}", params)]
+        if "×" in params:  # "3 × n": every rank the same
+            counts = counts * int(params.split("×")[0])
+        assert counts == run["params_per_rank"], params
+
+
+def test_emulation_numbers_are_its_json():
+    run = json.loads((RESULTS / "emulate_tsp_d8.json").read_text())
+    text = " ".join((ROOT / "docs" / "benchmarks.md").read_text().split())
+    mib = {k: f"{v / 2**20:.1f}" for k, v in run["memory_bytes"].items()}
+    quoted = (
+        f"params {mib['params']} MiB, grads {mib['grads']}, optimizer {mib['optimizer']}, saved "
+        f"activations {mib['activations']}, peak above step start {mib['peak_delta']}, absolute "
+        f"peak {mib['peak']} MiB"
+    )
+    assert quoted in text
+    assert (run["layout"], run["devices"], run["seq_len"]) == ("tsp", 8, 8192)
+    assert run["memory_bytes"]["params"] == run["memory_bytes"]["grads"]
+
+
+def test_big_llama_table_is_its_json_and_the_state_follows_from_the_shape():
+    runs = json.loads((RESULTS / "big_llama_memory.json").read_text())
+    rows = {r[0]: r[1:] for r in table("docs/recipes.md", "| | per-rank model state |")}
+    mb = lambda n: round(n / 2**20)  # noqa: E731
+    for name, n in (("D=2", "2"), ("D=4", "4"), ("one process", "1")):
+        state, peak, _ = rows[name]
+        assert state.startswith(f"{mb(runs[n]['model_state_bytes_per_rank'])} MB"), name
+        assert peak == f"{mb(runs[n]['peak_process_bytes'])} MB", name
+    one = runs["1"]
+    saved = f"+ {one['saved_activation_bytes_per_rank'] / 2**20:.1f} MB saved activations"
+    assert saved in rows["one process"][0]
+    big = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, vocab_size=32000)
+    params = meta_parameters(**big, num_attention_heads=8, num_key_value_heads=8)
+    assert one["parameters"] == params and one["model_state_bytes_per_rank"] == 16 * params
+    assert {round(r["final_eval_loss"], 4) for r in runs.values()} == {8.8667}
