@@ -7,6 +7,10 @@ OPS := $(VENV)/.deepspeed_ops
 # DeepSpeed JIT-compiles its CPU ops (shared-memory collectives, CPU Adam) on first use: into this
 # venv, so that venvs built from other DeepSpeed copies never rebuild each other's ops
 export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
+# the venv's tools first, as after `source .venv/bin/activate`: above all its ninja, which builds
+# those ops; a second ninja (another version on the system PATH) reads the first one's build log
+# as changed commands and rebuilds every op, half a minute each time the two alternate
+export PATH := $(abspath $(VENV))/bin:$(PATH)
 
 .PHONY: setup test test-unit lint demo bench gpu-check
 
