@@ -119,13 +119,20 @@ def python_block(rank: int, world: int, code: str, given: list[str], where: str,
         os.chdir(here)
 
 
+_launcher = threading.Lock()
+
+
 def bash_block(block: Block, where: Path) -> subprocess.CompletedProcess:
+    """Blocks that start a launcher run one at a time: as written, each takes its default
+    rendezvous port (29500)."""
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "VIRTUAL_ENV": str(BIN.parent)}
     env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    return subprocess.run(
-        ["bash", "-c", "set -e\n" + block.code],
-        cwd=where, env=env, capture_output=True, text=True, timeout=400,
-    )  # fmt: skip
+    launches = re.search(r"\b(accelerate launch|torchrun)\b", block.code)
+    with _launcher if launches else contextlib.nullcontext():
+        return subprocess.run(
+            ["bash", "-c", "set -e\n" + block.code],
+            cwd=where, env=env, capture_output=True, text=True, timeout=400,
+        )  # fmt: skip
 
 
 @functools.cache

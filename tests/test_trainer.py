@@ -38,7 +38,8 @@ def rows(seed: int, n: int) -> list[dict]:
 
 def make_trainer(tsp, out_dir, data_parallel="ddp", **overrides):
     """2 sequences x 2 accumulation steps per replica and step, AdamW with clipping;
-    ``data_parallel="zero2"`` / ``"zero3"``: ``TrainingArguments(deepspeed=ZERO2)`` / stage 3."""
+    ``data_parallel="zero2"`` / ``"zero3"``: ``TrainingArguments(deepspeed=ZERO2)`` / stage 3
+    (``"zero3_offload"``: with ``offload_optimizer`` on the CPU)."""
     from transformers import Trainer, TrainingArguments, default_data_collator
 
     from tsp_ext import TSPTrainer
@@ -60,9 +61,11 @@ def make_trainer(tsp, out_dir, data_parallel="ddp", **overrides):
         use_cpu=True,
         seed=0,
     )
-    if data_parallel.startswith("zero"):
-        stage = {"zero_optimization": {"stage": int(data_parallel[-1])}}
-        settings["deepspeed"], data_parallel = {**ZERO2, **stage}, None
+    if data_parallel.startswith("zero"):  # "zero3_offload": the optimizer state on the CPU
+        zero = {"stage": int(data_parallel[4])}
+        if data_parallel.endswith("_offload"):
+            zero["offload_optimizer"] = {"device": "cpu"}
+        settings["deepspeed"], data_parallel = {**ZERO2, "zero_optimization": zero}, None
     kw = dict(
         model=build("llama", torch.float32),
         args=TrainingArguments(**{**settings, **overrides}),
@@ -114,6 +117,9 @@ def runs(workers, tmp: str) -> dict:
         "one_process": workers.run(trainer_run, 1, 0, f"{tmp}/one", timeout=300)[0],
         "tsp2": workers.run(tsp_runs_worker, 2, f"{tmp}/tsp2", timeout=300)[0],
         "zero2": workers.run(tsp_runs_worker, 2, f"{tmp}/zero2", "zero2", timeout=300)[0],
+        "zero3_offload": workers.run(
+            trainer_run, 2, 2, f"{tmp}/zero3_offload", "zero3_offload", timeout=300
+        )[0],
     }
 
 
@@ -142,8 +148,10 @@ def checkpointed(workers, tmp: str, run: str) -> tuple[dict, str]:
 CHECKPOINTED = ["tsp2", "zero2", "dp2_zero3"]
 
 
-@pytest.mark.parametrize("run", ["tsp2", "zero2"])
+@pytest.mark.parametrize("run", ["tsp2", "zero2", "zero3_offload"])
 def test_trainer_loss_curve_matches_one_process(workers, tmp, run):
+    """zero3_offload: ZeRO-3 with the optimizer state on the CPU, where Trainer's AdamW becomes
+    DeepSpeed's CPU Adam with the same hyperparameters (as Accelerate does)."""
     got, ref = runs(workers, tmp)[run], runs(workers, tmp)["one_process"]
     assert_same_curve(got, ref)
     assert got["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5)

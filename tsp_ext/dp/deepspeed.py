@@ -178,6 +178,35 @@ def _check_optimizer_params(model: nn.Module, optimizer, model_parameters) -> No
     return model_parameters
 
 
+def _cpu_optimizer(optimizer):
+    """Torch's Adam / AdamW / Adagrad as DeepSpeed's CPU version of it, over the same parameter
+    groups (the same dicts: a schedule that sets their ``lr`` still drives it); any other
+    optimizer unchanged (DeepSpeed accepts its own CPU optimizers and refuses the rest)."""
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        adamw = isinstance(optimizer, torch.optim.AdamW)  # decoupled decay, or Adam's L2
+        return DeepSpeedCPUAdam(optimizer.param_groups, adamw_mode=adamw)
+    if isinstance(optimizer, torch.optim.Adagrad):
+        from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
+
+        return DeepSpeedCPUAdagrad(optimizer.param_groups)
+    return optimizer
+
+
+def _offloaded_optimizer(cfg: dict, optimizer):
+    """With ``offload_optimizer`` on the CPU, DeepSpeed steps the optimizer on the host and takes
+    only its CPU optimizers (unless ``zero_force_ds_cpu_optimizer`` is false): a torch Adam,
+    AdamW or Adagrad, or a factory returning one, becomes DeepSpeed's CPU version, as Accelerate
+    and the HF Trainer do."""
+    device = cfg.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
+    if device != "cpu" or not cfg.get("zero_force_ds_cpu_optimizer", True) or optimizer is None:
+        return optimizer
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return _cpu_optimizer(optimizer)
+    return lambda params: _cpu_optimizer(optimizer(params))
+
+
 def initialize(
     model: nn.Module,
     config: str | dict[str, Any] | None = None,
@@ -222,7 +251,7 @@ def initialize(
     out = deepspeed.initialize(
         model=model,
         config=cfg,
-        optimizer=optimizer,
+        optimizer=_offloaded_optimizer(cfg, optimizer),
         model_parameters=model_parameters,
         mpu=mpu,
         **kwargs,
