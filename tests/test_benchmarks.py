@@ -143,3 +143,36 @@ def test_profile_step_names_the_tsp_functions():
     assert res["step_ms"] > 0 and res["device_busy_ms"] == 0  # CPU: no kernels
     assert "fwd:TSPAttention" in names and "_TSPMLPFunctionBackward" in names
     assert markdown(res).count("\n| ") == len(res["top"]) + 1
+
+
+def test_longest_bisects_to_within_a_sixteenth():
+    from benchmarks.maxlen import longest
+
+    for limit_fit in (100, 1000, 4096, 70000):
+        asked = []
+
+        def fits(s, limit_fit=limit_fit, asked=asked):
+            asked.append(s)
+            return s <= limit_fit
+
+        best = longest(fits, start=512, granule=16, limit=1 << 20)
+        assert best % 16 == 0 and best <= limit_fit, (limit_fit, best)
+        assert limit_fit - best <= max(16, best // 16), (limit_fit, best)
+        assert len(asked) < 20  # doubling, then bisection
+    assert longest(lambda s: False, start=512, granule=16, limit=1 << 20) is None
+    assert longest(lambda s: True, start=512, granule=16, limit=4096) == 4096
+
+
+@pytest.mark.multiproc
+def test_maxlen_search_finds_the_budgets_edge(workers):
+    """TSP at D = 2 on the tiny model: the longest S under a budget fits it, and the next
+    probe above it does not."""
+    from benchmarks.maxlen import rank_bytes, search
+
+    at_256 = measure("tsp", 2, 256, TINY, steps=1, warmup=1, timeout=120, launch=workers.run)
+    budget = int(rank_bytes(at_256) * 1.6)  # some length between 256 and a few thousand
+    row = search("tsp", 2, budget, start=256, model_cfg=TINY, launch=workers.run)
+    assert row["status"] == "ok" and row["max_seq_len"] >= 256, row
+    assert row["bytes_at_max"] <= budget
+    above = [p for p in row["probes"] if p["seq_len"] > row["max_seq_len"]]
+    assert above and all(p["bytes"] > budget for p in above), row["probes"]

@@ -99,3 +99,14 @@ def test_big_llama_table_is_its_json_and_the_state_follows_from_the_shape():
     params = meta_parameters(**big, num_attention_heads=8, num_key_value_heads=8)
     assert one["parameters"] == params and one["model_state_bytes_per_rank"] == 16 * params
     assert {round(r["final_eval_loss"], 4) for r in runs.values()} == {8.8667}
+
+
+def test_maxlen_table_is_its_json():
+    runs = json.loads((RESULTS / "maxlen_cpu_d2.json").read_text())
+    rows = table("docs/benchmarks.md", "| layout | D | max S |")
+    assert len(rows) == len(runs)
+    for (layout, devices, best, mib, step), run in zip(rows, runs):
+        assert (layout, int(devices)) == (run["layout"], run["devices"])
+        assert int(best) == run["max_seq_len"]
+        assert mib == f"{run['bytes_at_max'] / 2**20:.1f}" and step == f"{run['step_seconds']:.3f}"
+        assert run["bytes_at_max"] <= run["budget_bytes"]
