@@ -32,6 +32,7 @@ import shlex
 import subprocess
 import sys
 import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
@@ -267,8 +268,13 @@ def help_text(kind: str, target: str, *sub: str) -> str:
                     sys.path.insert(0, os.path.dirname(target))
                     runpy.run_path(target, run_name="__main__")
                 elif kind == "module":  # as `python -m` from the checkout
-                    sys.path.insert(0, str(ROOT)) if str(ROOT) not in sys.path else None
-                    runpy.run_module(target, run_name="__main__", alter_sys=True)
+                    if str(ROOT) not in sys.path:
+                        sys.path.insert(0, str(ROOT))
+                    with warnings.catch_warnings():  # imported already by other tests: fine
+                        warnings.filterwarnings(
+                            "ignore", "'.*' found in sys.modules", RuntimeWarning
+                        )
+                        runpy.run_module(target, run_name="__main__", alter_sys=True)
                 else:
                     [entry] = entry_points(group="console_scripts", name=target)
                     entry.load()()
