@@ -174,3 +174,22 @@ def fused_loss_worker(rank, world):
 def test_fused_loss_gradients_scale_and_retain(workers, world):
     for rank, errs in enumerate(workers.run(fused_loss_worker, world)):
         assert max(errs.values()) < 1e-12, (rank, errs)
+
+
+def test_engine_docs_table_is_what_this_measures(workers):
+    """docs/engine.md quotes this module's measurements (rank 0): they match exactly."""
+    from test_docs_numbers import table
+
+    rows = {r[0]: r[1:] for r in table("docs/engine.md", "| | D=1 | D=2 | D=4 |")}
+    got = {w: measured(workers, w)[0] for w in (1, 2, 4)}
+    expected = {
+        "embedding + LM head bytes per rank (untied)": "table_bytes_tied=False",
+        "the same, tied": "table_bytes_tied=True",
+        f"loss peak transient, S = {SEQ}": f"peak_seq={SEQ}",
+        f"loss peak transient, S = {2 * SEQ}": f"peak_seq={2 * SEQ}",
+        f"saved for backward, S = {SEQ}": f"saved_seq={SEQ}",
+    }
+    for name, key in expected.items():
+        assert rows[name] == [f"{got[w][key]:,}" for w in (1, 2, 4)], name
+    logits = rows[f"float32 logits of the local tokens alone, S = {SEQ}"]
+    assert logits == [f"{reference_logits_bytes(SEQ // w):,}" for w in (1, 2, 4)]
