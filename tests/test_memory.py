@@ -92,3 +92,18 @@ def test_nothing_full_size_is_saved(workers, world):
             for shape in res[f"{module}_shapes"]:
                 assert SEQ not in shape, f"{module} saved a full-sequence tensor {shape}"
                 assert shape not in full_weights, f"{module} saved a full weight {shape}"
+
+
+def test_engine_docs_table_is_what_this_measures(workers):
+    """docs/engine.md quotes this module's measurements (rank 0): they match exactly."""
+    from test_docs_numbers import table
+
+    rows = {r[0]: r[1:] for r in table("docs/engine.md", "| module | HF, 1 process |")}
+    one = measured(workers, 1)[0]
+    for name, key in [
+        ("attention", "attn"),
+        ("gated MLP (recompute)", "mlp"),
+        ("gated MLP (`recompute_mlp=False`)", "mlp_kept"),
+    ]:
+        got = [one[f"hf_{key}"]] + [measured(workers, w)[0][key] for w in (1, 2, 4)]
+        assert rows[name] == [f"{n:,}" for n in got], name
