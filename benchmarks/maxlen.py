@@ -71,16 +71,17 @@ def search(
     """``layout``'s longest S on ``devices`` ranks under ``budget_bytes`` per rank: a row with
     ``max_seq_len`` (None: not even the shortest fits), its memory and every probe."""
     probes: list[dict] = []
-    status = {"value": "ok"}
+    status = "ok"
 
     def fits(seq_len: int) -> bool:
-        if status["value"] != "ok":
+        nonlocal status
+        if status != "ok":  # unsupported: no length fits
             return False
         row = measure(layout, devices, seq_len, model_cfg, steps=1, warmup=1, launch=launch)
         used = rank_bytes(row) if row["status"] == "ok" else None
         probes.append({"seq_len": seq_len, "status": row["status"], "bytes": used})
         if row["status"].startswith("unsupported"):
-            status["value"] = row["status"]
+            status = row["status"]
         return used is not None and used <= budget_bytes
 
     step = granule * 2 * devices  # every layout shards S over D ranks (TSP: 2D zigzag chunks)
@@ -92,7 +93,7 @@ def search(
         "budget_bytes": budget_bytes,
         "max_seq_len": best,
         "bytes_at_max": at_best,
-        "status": status["value"],
+        "status": status,
         "probes": probes,
     }
 

@@ -427,19 +427,17 @@ def report_fine_tuning(args, before: tuple, after: tuple) -> None:
 def report_memory(model, full_params: int, activation_bytes: int, args, device) -> None:
     """Per-rank memory (the largest rank's) next to what one process would need for the same
     batch: logged, and written to ``<output-dir>/memory.json`` (bytes; the docs quote it)."""
-    largest = [sum(p.numel() for p in model.parameters()), activation_bytes]
+    largest = [sum(p.numel() for p in model.parameters()), activation_bytes, peak_memory_bytes()]
     largest = torch.tensor(largest, dtype=torch.int64, device=device)
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-    local, activation_bytes = (int(n) for n in largest.tolist())
+    local, activation_bytes, peak = (int(n) for n in largest.tolist())
     per_param = 2 if args.bf16 else 4
     state = lambda n: n * (2 * per_param + 8)  # noqa: E731  (weights, grads, two fp32 Adam moments)
-    peak = torch.tensor([peak_memory_bytes()], dtype=torch.float64, device=device)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     mb = 2**20
     log.info(
         f"per rank: model state {state(local) / mb:.1f} MB ({local / 1e6:.2f}M parameters), saved "
         f"activations {activation_bytes / mb:.1f} MB (measured), peak process memory "
-        f"{peak.item() / mb:.0f} MB\none process would need: model state "
+        f"{peak / mb:.0f} MB\none process would need: model state "
         f"{state(full_params) / mb:.1f} MB, saved activations "
         f"~{activation_bytes * args.tsp_size / mb:.1f} MB (tsp x the per-rank bytes)"
     )
@@ -451,7 +449,7 @@ def report_memory(model, full_params: int, activation_bytes: int, args, device) 
             "parameters_per_rank": local,
             "model_state_bytes_per_rank": state(local),
             "saved_activation_bytes_per_rank": activation_bytes,
-            "peak_process_bytes": int(peak.item()),
+            "peak_process_bytes": peak,
         }
         with open(os.path.join(args.output_dir, "memory.json"), "w") as f:
             json.dump(report, f, indent=1)

@@ -97,6 +97,7 @@ def build(args, mesh):
 def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = parse_args(argv)
+    owns_group = not dist.is_initialized()
     init_single_process(timedelta(seconds=args.dist_timeout))  # plain `python recipes/generate.py`
     mesh = init_tsp_mesh(
         args.tsp_size or int(os.environ.get("WORLD_SIZE", 1)), timeout=args.dist_timeout
@@ -141,7 +142,8 @@ def main(argv=None) -> None:
         for rank, (kv, w) in enumerate(sizes):
             log.info("rank %d: KV cache %d bytes, weights %d bytes", rank, kv, w)
     dist.barrier()
-    dist.destroy_process_group()
+    if owns_group:  # a caller's own group outlives this run, as in the other recipes
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,8 +1,12 @@
-"""Helpers the test workers use to compare tensors and capture error messages."""
+"""Helpers the tests use to compare tensors, capture error messages and read the docs' tables."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -18,3 +22,15 @@ def error_message(fn) -> str:
     except ValueError as e:
         return str(e)
     return "<no error>"
+
+
+def table(doc: str, header: str) -> list[list[str]]:
+    """The cells of the markdown table in ``doc`` whose header row starts with ``header``."""
+    lines = (ROOT / doc).read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows

@@ -94,6 +94,10 @@ def test_directives_are_known():
         assert b.lang in {"python", "bash", "json"}, b.name
 
 
+# the blocks that run: not checked-only, not a file= script (its shell block runs it)
+RUN = [b for b in BLOCKS if not {"check", "file"} & set(b.opts) and b.lang in ("python", "bash")]
+
+
 # ---- running ----------------------------------------------------------------------------------
 
 
@@ -141,14 +145,13 @@ def outcomes(workers, base: str) -> dict[str, object]:
     """Every run block's outcome by name: shell blocks in threads, side by side with the Python
     blocks on the kept ranks; None for a Python block that ran, or its error."""
     base = Path(base)
-    runs = [b for b in BLOCKS if "check" not in b.opts and "file" not in b.opts]
     done: dict[str, object] = {}
     with ThreadPoolExecutor(4) as pool:
         shells = {
-            b.name: pool.submit(bash_block, b, workdir(base, b)) for b in runs if b.lang == "bash"
+            b.name: pool.submit(bash_block, b, workdir(base, b)) for b in RUN if b.lang == "bash"
         }
         checks = {b.name: pool.submit(check_shell, b) for b in BLOCKS if b.lang == "bash"}
-        for b in runs:
+        for b in RUN:
             if b.lang != "python":
                 continue
             where, world = str(workdir(base, b)), int(b.opts.get("ranks", 1))
@@ -166,10 +169,6 @@ def outcomes(workers, base: str) -> dict[str, object]:
             except Exception as e:  # reported by the block's own test
                 done[name] = e
     return done
-
-
-RUN = [b for b in BLOCKS if "check" not in b.opts and b.lang in ("python", "bash")]
-RUN = [b for b in RUN if "file" not in b.opts]
 
 
 @pytest.mark.parametrize("block", RUN, ids=lambda b: b.name)

@@ -5,25 +5,12 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import torch
+from checks import ROOT, table
 from transformers import LlamaConfig, LlamaForCausalLM
 
-ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "benchmarks"
-
-
-def table(doc: str, header: str) -> list[list[str]]:
-    """The cells of the markdown table in ``doc`` whose header row starts with ``header``."""
-    lines = (ROOT / doc).read_text().splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith(header))
-    rows = []
-    for line in lines[start + 2 :]:
-        if not line.startswith("|"):
-            break
-        rows.append([cell.strip() for cell in line.strip("|").split("|")])
-    return rows
 
 
 def meta_parameters(**config) -> int:

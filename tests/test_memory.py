@@ -7,6 +7,7 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
+from checks import table
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRotaryEmbedding
 
@@ -96,8 +97,6 @@ def test_nothing_full_size_is_saved(workers, world):
 
 def test_engine_docs_table_is_what_this_measures(workers):
     """docs/engine.md quotes this module's measurements (rank 0): they match exactly."""
-    from test_docs_numbers import table
-
     rows = {r[0]: r[1:] for r in table("docs/engine.md", "| module | HF, 1 process |")}
     one = measured(workers, 1)[0]
     for name, key in [

@@ -10,7 +10,7 @@ import functools
 
 import pytest
 import torch
-from checks import rel_err
+from checks import rel_err, table
 from models import lm_loss
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -178,8 +178,6 @@ def test_fused_loss_gradients_scale_and_retain(workers, world):
 
 def test_engine_docs_table_is_what_this_measures(workers):
     """docs/engine.md quotes this module's measurements (rank 0): they match exactly."""
-    from test_docs_numbers import table
-
     rows = {r[0]: r[1:] for r in table("docs/engine.md", "| | D=1 | D=2 | D=4 |")}
     got = {w: measured(workers, w)[0] for w in (1, 2, 4)}
     expected = {
