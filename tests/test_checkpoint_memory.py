@@ -9,10 +9,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import re
 import tempfile
 
 import pytest
 import torch
+from checks import table
 
 from tsp_ext import checkpoint, init_tsp_mesh, load_pretrained, save_pretrained, shard_batch
 
@@ -29,6 +31,7 @@ BIG = dict(
 SHARD = 64 * 2**20  # export max_shard_size
 GROUP = 64 * 2**20  # DeepSpeed save: max_group_bytes (one decoder layer, 51 MB, per group)
 ALLOWANCE = 48 * 2**20  # allocator slack, libraries' buffers
+SPREAD = 24  # MB: how far a fresh run's rise may sit from the one docs/checkpoints.md quotes
 
 
 def _status_bytes(field: str) -> int:
@@ -131,3 +134,30 @@ def test_load_save_export_peaks_are_about_the_shard(workers, tmp):
         assert r["ds_save"] < 1.5 * 3 * max(GROUP // len(ranks), one) + ALLOWANCE, r
         assert r["ds_save"] < 0.5 * r["ds_rank_state"], r
         assert r["ds_save_one_group"] > 0.8 * r["ds_rank_state"], r  # the whole rank's at once
+
+
+def test_docs_table_is_this_measurement(workers, tmp):
+    """docs/checkpoints.md's table: the state sizes exactly, each measured rise within the
+    spread the doc states (``SPREAD``) of the quoted one."""
+    full, ranks = measured(workers, tmp)
+    mb = lambda n: round(n / 2**20)  # noqa: E731
+    rows = {r[0]: r[1:] for r in table("docs/checkpoints.md", "| phase | rank 0 |")}
+    keys = {
+        "`load_pretrained` (shard-on-read)": "load",
+        "`checkpoint.save` (DCP, params + both Adam moments)": "save",
+        '`save_pretrained(max_shard_size="64MB")`': "export",
+        f"DeepSpeed ZeRO-2 `checkpoint.save`, `max_group_bytes=64 MiB` ({ranks[0]['ds_groups']}"
+        " groups)": "ds_save",
+        "the same in one group (`max_group_bytes=2**40`, how it was before the groups)":
+            "ds_save_one_group",
+    }
+    assert list(rows) == list(keys)
+    for name, (first, rest, params, state, model) in rows.items():
+        assert params == f"{mb(ranks[0]['local_params'])} MB", name
+        assert state in ("—", f"{mb(3 * ranks[0]['local_params'])} MB"), name
+        assert model in ("", f"{mb(full)} MB") or model.startswith(f"{mb(full)} MB ("), name
+        quoted = [int(n) for n in re.findall(r"\d+", first + " " + rest)]
+        got = [mb(r[keys[name]]) for r in ranks]
+        lo, hi = quoted[1], quoted[-1]  # "+a..b MB" or "+a MB" for ranks 1-3
+        assert abs(got[0] - quoted[0]) <= SPREAD, (name, got)
+        assert lo - SPREAD <= min(got[1:]) and max(got[1:]) <= hi + SPREAD, (name, got)
