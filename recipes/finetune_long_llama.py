@@ -415,13 +415,24 @@ def sample(engine: Engine, tokenizer, args) -> str | None:
 
 
 def report_fine_tuning(args, before: tuple, after: tuple) -> None:
-    """Eval loss and greedy sample, ``(loss, text)`` each, before and after fine-tuning."""
+    """Eval loss and greedy sample, ``(loss, text)`` each, before and after fine-tuning: logged,
+    and written to ``<output-dir>/fine_tuning.json`` (the docs quote it)."""
     log.info(f"eval loss: {before[0]:.4f} before fine-tuning, {after[0]:.4f} after")
     if args.sample_tokens:
         log.info(
             f"greedy continuation ({args.sample_tokens} tokens) of {args.sample_prompt!r}\n"
             f"  before: {before[1]!r}\n  after:  {after[1]!r}"
         )
+    if dist.get_rank() == 0:
+        report = {
+            "eval_loss_before": before[0],
+            "eval_loss_after": after[0],
+            "sample_prompt": args.sample_prompt if args.sample_tokens else None,
+            "sample_before": before[1],
+            "sample_after": after[1],
+        }
+        with open(os.path.join(args.output_dir, "fine_tuning.json"), "w") as f:
+            json.dump(report, f, indent=1)
 
 
 def report_memory(model, full_params: int, activation_bytes: int, args, device) -> None:

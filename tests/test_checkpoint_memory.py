@@ -31,7 +31,7 @@ BIG = dict(
 SHARD = 64 * 2**20  # export max_shard_size
 GROUP = 64 * 2**20  # DeepSpeed save: max_group_bytes (one decoder layer, 51 MB, per group)
 ALLOWANCE = 48 * 2**20  # allocator slack, libraries' buffers
-SPREAD = 24  # MB: how far a fresh run's rise may sit from the one docs/checkpoints.md quotes
+SPREAD = 32  # MB: how far a fresh run's rise may sit from the one docs/checkpoints.md quotes
 
 
 def _status_bytes(field: str) -> int:
@@ -141,23 +141,15 @@ def test_docs_table_is_this_measurement(workers, tmp):
     spread the doc states (``SPREAD``) of the quoted one."""
     full, ranks = measured(workers, tmp)
     mb = lambda n: round(n / 2**20)  # noqa: E731
-    rows = {r[0]: r[1:] for r in table("docs/checkpoints.md", "| phase | rank 0 |")}
-    keys = {
-        "`load_pretrained` (shard-on-read)": "load",
-        "`checkpoint.save` (DCP, params + both Adam moments)": "save",
-        '`save_pretrained(max_shard_size="64MB")`': "export",
-        f"DeepSpeed ZeRO-2 `checkpoint.save`, `max_group_bytes=64 MiB` ({ranks[0]['ds_groups']}"
-        " groups)": "ds_save",
-        "the same in one group (`max_group_bytes=2**40`, how it was before the groups)":
-            "ds_save_one_group",
-    }
-    assert list(rows) == list(keys)
-    for name, (first, rest, params, state, model) in rows.items():
+    rows = table("docs/checkpoints.md", "| phase | rank 0 |")
+    keys = ("load", "save", "export", "ds_save", "ds_save_one_group")  # the table's order
+    assert len(rows) == len(keys) and f"({ranks[0]['ds_groups']} groups)" in rows[3][0]
+    for (name, first, rest, params, state, model), key in zip(rows, keys):
         assert params == f"{mb(ranks[0]['local_params'])} MB", name
         assert state in ("—", f"{mb(3 * ranks[0]['local_params'])} MB"), name
         assert model in ("", f"{mb(full)} MB") or model.startswith(f"{mb(full)} MB ("), name
         quoted = [int(n) for n in re.findall(r"\d+", first + " " + rest)]
-        got = [mb(r[keys[name]]) for r in ranks]
+        got = [mb(r[key]) for r in ranks]
         lo, hi = quoted[1], quoted[-1]  # "+a..b MB" or "+a MB" for ranks 1-3
-        assert abs(got[0] - quoted[0]) <= SPREAD, (name, got)
-        assert lo - SPREAD <= min(got[1:]) and max(got[1:]) <= hi + SPREAD, (name, got)
+        assert abs(got[0] - quoted[0]) <= SPREAD, (name, got, ranks)
+        assert lo - SPREAD <= min(got[1:]) and max(got[1:]) <= hi + SPREAD, (name, got, ranks)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
 import torch
 from checks import ROOT, table
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -97,3 +98,79 @@ def test_maxlen_table_is_its_json():
         assert int(best) == run["max_seq_len"]
         assert mib == f"{run['bytes_at_max'] / 2**20:.1f}" and step == f"{run['step_seconds']:.3f}"
         assert run["bytes_at_max"] <= run["budget_bytes"]
+
+
+def test_demo_numbers_are_its_json_and_the_parameters_follow_from_the_shape():
+    run = json.loads((RESULTS / "demo_cpu.json").read_text())
+    memory, tuned = run["memory.json"], run["fine_tuning.json"]
+    text = (ROOT / "docs" / "recipes.md").read_text()
+    log = text[text.index("```\neval loss:") :]
+    before, after = tuned["eval_loss_before"], tuned["eval_loss_after"]
+    assert f"eval loss: {before:.4f} before fine-tuning, {after:.4f} after" in log
+    assert f"of {tuned['sample_prompt']!r}" in log
+    assert f"  before: {tuned['sample_before']!r}\n  after:  {tuned['sample_after']!r}" in log
+    eval_loss = run["final_eval.json"]["eval_loss"]
+    assert f"single-process eval loss {eval_loss:.4f}" in log and round(eval_loss, 4) == round(
+        after, 4
+    )
+    mb = lambda n: round(n / 2**20)  # noqa: E731
+    prose = " ".join(text.split())
+    local, full = memory["parameters_per_rank"], memory["parameters"]
+    assert (
+        f"model state {mb(memory['model_state_bytes_per_rank'])} MB ({local / 1e6:.1f}M of the "
+        f"{full / 1e6:.1f}M parameters" in prose
+    )
+    assert f"saved activations {mb(memory['saved_activation_bytes_per_rank'])} MB" in prose
+    assert f"peak process memory {mb(memory['peak_process_bytes'])} MB" in prose
+    saved = memory["saved_activation_bytes_per_rank"]
+    assert f"{mb(16 * full)} MB of model state and ~{mb(2 * saved)} MB of activations" in prose
+    # SmolLM2-135M: 30 layers, h 576, 9 / 3 heads, F 1536, V 49152, tied embeddings; fp32 AdamW
+    smollm2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, vocab_size=49152)
+    shape = dict(num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
+    assert full == meta_parameters(**smollm2, **shape)
+    assert memory["model_state_bytes_per_rank"] == 16 * local
+
+
+# the layout names the sweep tables in docs/benchmarks.md print for the harness's layouts
+SWEEP_NAMES = {"tsp, overlap off": "tsp_no_overlap", "tpxsp (2×2)": "tpxsp"}
+
+
+@pytest.mark.parametrize(
+    "header,results",
+    [
+        ("| layout | D | seq | state | activations | peak Δ | step s (rounds) |", "rounds"),
+        ("| layout | D | seq | state | activations | peak Δ | step s |", "results_cpu.json"),
+    ],
+)
+def test_sweep_tables_are_their_json_and_the_state_is_the_planners(header, results):
+    from tsp_ext import plan as planner
+
+    name = "results_cpu_rounds.json" if results == "rounds" else results
+    runs = {
+        (r["layout"], r["devices"], r["seq_len"]): r
+        for r in json.loads((RESULTS / name).read_text())
+    }
+    shape = planner.PRESETS["tiny"]
+    kind = {"single": "sp", "tsp": "tsp", "tsp_no_overlap": "tsp", "ulysses": "sp", "tp": "tp"}
+    kind["tpxsp"] = "tpxsp"
+    mib = lambda n: f"{n / 2**20:.1f}"  # noqa: E731
+    rows = [r for r in table("docs/benchmarks.md", header) if r[1].isdigit()]  # not "unsupported"
+    assert rows
+    for layout, devices, seq, state, saved, peak, step, *_ in rows:
+        layout = SWEEP_NAMES.get(layout.strip("*"), layout.strip("*"))
+        run = runs[(layout, int(devices), int(seq))]
+        m = run["memory_bytes"]
+        cells = [
+            mib(m["params"] + m["grads"] + m["optimizer"]),
+            mib(m["activations"]),
+            mib(m["peak_delta"]),
+        ]
+        assert [c.strip("*") for c in (state, saved, peak)] == cells, (layout, devices, seq)
+        times = [run["step_seconds"], *run.get("step_seconds_rounds", [])]
+        assert step.replace("*", "").split(" (")[0] == f"{times[0]:.3f}", (layout, devices, seq)
+        if len(times) > 1:
+            assert step.split("(")[1].rstrip(")") == " ".join(f"{t:.3f}" for t in times[1:])
+        work = planner.Workload(seq_len=int(seq), dtype="float32", optimizer="adamw")
+        lay = planner.Layout(kind[layout], run["tp"], run["sp"], dp=1)
+        predicted = planner.MEMORY[lay.kind](shape, work, lay)
+        assert cells[0] == mib(predicted.params + predicted.grads + predicted.optimizer)

@@ -10,11 +10,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from checks import ROOT, table
 
 from tsp_ext import plan as planner
 from tsp_ext.planner.cli import main
 
 EXAMPLE = ["--model", "paper-7b", "--seq-len", "131072", "--devices", "8", "--recompute", "full"]
+RESULTS = ROOT / "docs" / "benchmarks"
 MEMORY_KEYS = {"params", "grads", "optimizer", "activations", "transient", "total"}
 
 
@@ -204,11 +206,40 @@ def test_predicted_memory_within_10_percent_of_measured(workers, layout, devices
         assert getattr(predicted, key) == pytest.approx(measured[key], rel=0.10), key
     total = sum(getattr(predicted, k) for k in STATE_AND_SAVED)
     assert total == pytest.approx(sum(measured[k] for k in STATE_AND_SAVED), rel=0.10)
+    # the bytes docs/planner.md quotes for this run are a fresh run's, to the byte
+    quoted = documented_runs()[(layout, devices, seq_len, "float32")]["memory_bytes"]
+    assert {k: quoted[k] for k in STATE_AND_SAVED} == {k: measured[k] for k in STATE_AND_SAVED}
+
+
+# the runs docs/planner.md's validation table quotes (written by the commands it names)
+PLANNER_RUNS = ("planner_check_cpu.json", "planner_check_cpu_bf16.json")
+
+
+def documented_runs() -> dict[tuple, dict]:
+    """The ``benchmarks.run`` rows behind docs/planner.md, by (layout, D, S, dtype)."""
+    rows = [r for f in PLANNER_RUNS for r in json.loads((RESULTS / f).read_text())]
+    return {(r["layout"], r["devices"], r["seq_len"], r["dtype"]): r for r in rows}
+
+
+def test_planner_docs_table_is_the_planner_and_its_json():
+    shape = replace(planner.PRESETS["tiny"], name="harness")
+    runs = documented_runs()
+    rows = table("docs/planner.md", "| layout | D | S | dtype |")
+    assert len(rows) == len(runs)
+    for layout, d, s, dtype, *cells, worst in rows:
+        run = runs[(layout, int(d), int(s), dtype)]
+        work = planner.Workload(seq_len=int(s), dtype=dtype, optimizer="adamw")
+        lay = planner.Layout(PLANNER_KIND[layout], run["tp"], run["sp"], dp=1)
+        predicted = planner.MEMORY[lay.kind](shape, work, lay)
+        pairs = [(getattr(predicted, k), run["memory_bytes"][k]) for k in STATE_AND_SAVED]
+        pairs.append(tuple(map(sum, zip(*pairs))))
+        assert cells == [f"{p / 1e6:.3f} / {m / 1e6:.3f}" for p, m in pairs], (layout, d, s)
+        assert worst == f"{max(abs(p - m) / m for p, m in pairs):.2%}", (layout, d, s)
 
 
 # ---- the step-time model against the measured CPU step times ---------------------------------
 
-RESULTS_CPU = Path(__file__).parent.parent / "docs" / "benchmarks" / "results_cpu.json"
+RESULTS_CPU = RESULTS / "results_cpu.json"
 
 
 def test_step_time_model_calibrates_within_25_percent_of_measured():
