@@ -17,8 +17,11 @@ from tsp_ext import TSPConfig, apply_tsp, init_tsp_mesh
 pytestmark = pytest.mark.multiproc
 
 
-def zero_run(tsp: int, stage: int, dtype: torch.dtype, model_kw=None, offload: bool = False):
-    """``offload``: the optimizer state on the CPU (``adamw`` becomes DeepSpeed's CPU Adam)."""
+def zero_run(
+    tsp: int, stage: int, dtype: torch.dtype, model_kw=None, offload: bool = False, **tsp_options
+):
+    """``offload``: the optimizer state on the CPU (``adamw`` becomes DeepSpeed's CPU Adam);
+    ``tsp_options``: more fields of the config's ``"tsp"`` block."""
     import tsp_ext.deepspeed as tds
     from tsp_ext import shard_batch
 
@@ -33,7 +36,7 @@ def zero_run(tsp: int, stage: int, dtype: torch.dtype, model_kw=None, offload: b
         "gradient_clipping": CLIP,
         "zero_optimization": {"stage": stage},
         "bf16": {"enabled": dtype == torch.bfloat16},
-        "tsp": {"size": tsp},
+        "tsp": {"size": tsp, **tsp_options},
     }
     if offload:
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
@@ -128,14 +131,16 @@ def offload_worker(rank, world):
 
 
 def cpu_adam_worker(rank, world):
-    return zero_run(2, 3, torch.float32, offload=True)
+    layers = {"checkpoint_layers": True, "offload_checkpoints": True}
+    return zero_run(2, 3, torch.float32, offload=True, **layers)
 
 
 def test_cpu_adam_offload_matches_reference(workers):
-    """ZeRO-3 with the optimizer state offloaded to the CPU: the torch AdamW factory's optimizer
-    becomes DeepSpeed's compiled CPU Adam with the same groups; dp=2 x tsp=2, float32: the
-    float32 reference's curve (torch AdamW) within the float32 tolerances of the plain ZeRO
-    runs."""
+    """The long-context configuration: ZeRO-3 with the optimizer state offloaded to the CPU (the
+    torch AdamW factory's optimizer becomes DeepSpeed's compiled CPU Adam with the same groups)
+    and every decoder layer checkpointed, its input offloaded to host memory; dp=2 x tsp=2,
+    float32: the float32 reference's curve (torch AdamW) within the float32 tolerances of the
+    plain ZeRO runs."""
     for rank, res in enumerate(workers.run(cpu_adam_worker, 4, timeout=600)):
         assert res["stepped_by"] == "DeepSpeedCPUAdam", res
         tols = {"loss": 1e-5, "norm0": 1e-6, "norm": 1e-4, "params_l2": 1e-4}

@@ -76,3 +76,5 @@ def test_spec_and_config_validation():
         TSPConfig(tsp_size=0)
     with pytest.raises(ValueError, match="floating dtype"):
         TSPConfig(accum_dtype=torch.int32)
+    with pytest.raises(ValueError, match="set checkpoint_layers=True too"):
+        TSPConfig(offload_checkpoints=True)

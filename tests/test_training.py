@@ -1,4 +1,5 @@
-"""Training under apply_tsp: optimizer steps, bf16, gradient checkpointing, parameter bytes."""
+"""Training under apply_tsp: optimizer steps, bf16, gradient checkpointing (Hugging Face's and
+``TSPConfig(checkpoint_layers, offload_checkpoints)``), parameter bytes."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import torch
 from checks import rel_err
 from models import batch, build, causal_lm_loss
 
-from tsp_ext import apply_tsp, full_grads, full_state_dict, init_tsp_mesh, shard_batch
+from tsp_ext import TSPConfig, apply_tsp, full_grads, full_state_dict, init_tsp_mesh, shard_batch
+from tsp_ext.memory import SavedTensorBytes
 
 pytestmark = pytest.mark.multiproc
 
@@ -59,6 +61,42 @@ def checkpointing_grads(mesh):
     return max(rel_err(grads[n], p.grad) for n, p in ref.named_parameters())
 
 
+def layer_checkpointing(mesh, offload: bool):
+    """``TSPConfig(checkpoint_layers=True[, offload_checkpoints])``: gradients against the
+    unmodified model, and what the decoder layers keep for backward (device / host bytes)."""
+    model = build("qwen2", torch.float64, num_hidden_layers=3)
+    ref = copy.deepcopy(model)
+    config = TSPConfig(checkpoint_layers=True, offload_checkpoints=offload)
+    apply_tsp(model, mesh, config=config).train()
+    data = batch(model.config.vocab_size, 2, 24)
+    inputs = dict(shard_batch(data, mesh))
+    hidden = model.model.embed_tokens(inputs["input_ids"])  # [B, S/D, h]: a layer's input
+    with SavedTensorBytes(ignore=model.parameters()) as saved:
+        loss = model(**inputs).loss
+    store = model.tsp.host_store
+    held = store.held if offload else 0
+    loss.backward()
+    ref_loss = causal_lm_loss(ref, data)
+    ref_loss.backward()
+    grads = full_grads(model)
+    return {
+        "loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
+        "grads": max(rel_err(grads[n], p.grad) for n, p in ref.named_parameters()),
+        "saved": saved.nbytes,
+        "held": held,
+        "held_after": store.held if offload else 0,
+        "layer_input": hidden.numel() * hidden.element_size(),
+    }
+
+
+def saved_without_layers(mesh) -> int:
+    """Bytes the TSP model saves for backward with no decoder layer (embedding, head, loss)."""
+    model = apply_tsp(build("qwen2", torch.float64, num_hidden_layers=0), mesh).train()
+    with SavedTensorBytes(ignore=model.parameters()) as saved:
+        model(**shard_batch(batch(model.config.vocab_size, 2, 24), mesh))
+    return saved.nbytes
+
+
 def param_bytes(mesh):
     """Per-rank parameter bytes by kind, before and after apply_tsp."""
 
@@ -86,6 +124,9 @@ def training_worker(rank, world):
         "adamw": adamw_steps(mesh),
         "bf16": bf16_loss(mesh),
         "checkpointing": checkpointing_grads(mesh),
+        "layers": layer_checkpointing(mesh, offload=False),
+        "offload": layer_checkpointing(mesh, offload=True),
+        "no_layers": saved_without_layers(mesh),
         "bytes": param_bytes(mesh),
     }
 
@@ -114,6 +155,18 @@ def test_bf16_loss_close_to_float32_at_d4(workers):
 def test_gradient_checkpointing_keeps_exact_grads(workers, world):
     for res in results(workers, world):
         assert res["checkpointing"] < 1e-10
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_checkpoint_layers_exact_and_keeps_one_input_per_layer(workers, world):
+    for res in results(workers, world):
+        plain, offload = res["layers"], res["offload"]
+        for r in (plain, offload):
+            assert r["loss"] < 1e-12 and r["grads"] < 1e-10, r
+        # per decoder layer only its input [B, S/D, h] is kept, on the device or in host memory
+        assert plain["saved"] == res["no_layers"] + 3 * plain["layer_input"], plain
+        assert offload["saved"] == res["no_layers"], offload
+        assert offload["held"] == 3 * offload["layer_input"] and offload["held_after"] == 0
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -38,6 +38,12 @@ class TSPConfig:
             returns full-vocabulary logits, as Hugging Face does.
         loss_chunk: tokens per block of the fused LM-head loss; bounds its transient logits
             block to ``loss_chunk x ⌈V/D⌉`` (float32).
+        checkpoint_layers: recompute each decoder layer in backward (its weight broadcasts,
+            K/V gathers and ring included), keeping only its input ``[B, S/D, h]`` per layer
+            instead of the engine's saved projections; one more forward per step.
+        offload_checkpoints: keep those layer inputs in host memory until backward (pinned,
+            copied on a side stream on CUDA; see ``tsp_ext.hf.checkpointing.HostStore``).
+            Needs ``checkpoint_layers``.
     """
 
     tsp_size: int | None = None
@@ -48,15 +54,22 @@ class TSPConfig:
     recompute_mlp: bool = True
     shard_vocab: bool = True
     loss_chunk: int = 1024
+    checkpoint_layers: bool = False
+    offload_checkpoints: bool = False
 
     def __post_init__(self) -> None:
         if self.tsp_size is not None and self.tsp_size < 1:
             raise ValueError(f"tsp_size must be >= 1, got {self.tsp_size}")
+        if self.offload_checkpoints and not self.checkpoint_layers:
+            raise ValueError(
+                "offload_checkpoints moves the decoder layers' checkpoints to host memory: "
+                "set checkpoint_layers=True too"
+            )
         self.engine_options()  # validates the engine's fields
 
     def engine_options(self) -> EngineOptions:
-        """The options the engine's schedules read: every field but ``tsp_size`` and
-        ``shard_vocab`` (which ``apply_tsp`` reads)."""
+        """The options the engine's schedules read: every field but ``tsp_size``,
+        ``shard_vocab`` and the checkpointing ones (which ``apply_tsp`` reads)."""
         return EngineOptions(**{f.name: getattr(self, f.name) for f in fields(EngineOptions)})
 
     def accum_for(self, dtype: torch.dtype) -> torch.dtype:

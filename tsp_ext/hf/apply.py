@@ -11,7 +11,9 @@ Steps, in order:
      KV cache in training calls, a loss that is the global token mean over the TSP group (with a
      sharded vocabulary: the fused ring LM head + cross-entropy, no full logits), an input check
      that rejects batches not made by ``shard_batch``, and ``generate`` with a sharded KV cache
-     (calls that carry a ``TSPCache`` take the inference path, ``hf.inference``).
+     (calls that carry a ``TSPCache`` take the inference path, ``hf.inference``);
+  4. with ``TSPConfig(checkpoint_layers=True)``, checkpoint every decoder layer (its input
+     offloaded to host memory with ``offload_checkpoints``: ``hf.checkpointing``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from ..engine.partition import check_split
 from ..mesh import init_tsp_mesh, tsp_group
 from .attention import TSPAttention
 from .causal_lm import TSPCausalLMLoss, check_inputs
+from .checkpointing import HostStore, enable_layer_checkpointing
 from .generate import tsp_forward, tsp_generate
 from .mlp import TSPGatedMLP
 from .replicated import TSPEmbedding, TSPLMHead, TSPRMSNorm, replicated_vectors
@@ -56,6 +59,7 @@ class TSPState:
     config: TSPConfig  # as applied: ``tsp_size`` is the mesh's
     hf_config_values: dict  # config fields apply_tsp changed, as they were (for export)
     bucketed: tuple[str, ...] = ()  # replicated vectors whose gradients share one all-reduce
+    host_store: HostStore | None = None  # the offloaded layer checkpoints (offload_checkpoints)
 
     @property
     def size(self) -> int:
@@ -122,6 +126,9 @@ def apply_tsp(
     model.loss_function = TSPCausalLMLoss(group)
     model.tsp = TSPState(mesh, group, replace(config, tsp_size=D), changed)
     model.tsp = replace(model.tsp, bucketed=replicated_vectors(model))
+    if config.checkpoint_layers:
+        store = enable_layer_checkpointing(model, config.offload_checkpoints)
+        model.tsp = replace(model.tsp, host_store=store)
     model.forward = types.MethodType(tsp_forward, model)
     model.generate = types.MethodType(tsp_generate, model)
     model.register_forward_pre_hook(check_inputs, with_kwargs=True)

@@ -1,0 +1,116 @@
+"""Decoder-layer checkpointing of a TSP model: backward keeps only each layer's input
+``[B, S/D, h]`` and re-runs the layer's forward (its weight broadcasts, K/V gathers and ring
+included) before the layer's backward (``TSPConfig(checkpoint_layers=True)``); with
+``offload_checkpoints=True`` those inputs wait for backward in host memory (``HostStore``)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import weakref
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+class _Offloaded:
+    """One saved tensor in host memory: a pinned tensor (CUDA) or a RAM-backed file (CPU)."""
+
+    def __init__(self, t: torch.Tensor, store: HostStore) -> None:
+        self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
+        self.nbytes = t.numel() * t.element_size()
+        if t.device.type == "cuda":
+            self.host, self.copied = store.copy_to_host(t)
+        else:
+            self.file = tempfile.TemporaryFile(dir=store.cpu_dir)
+            self.file.write(_bytes_view(t.detach().contiguous()).numpy())
+        store.held += self.nbytes
+        store.peak = max(store.peak, store.held)
+        weakref.finalize(self, store.release, self.nbytes, getattr(self, "file", None))
+
+    def load(self) -> torch.Tensor:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).wait_event(self.copied)
+            return self.host.to(self.device, non_blocking=True)
+        out = torch.empty(self.shape, dtype=self.dtype)
+        self.file.seek(0)
+        self.file.readinto(_bytes_view(out).numpy())
+        return out
+
+
+def _bytes_view(t: torch.Tensor) -> torch.Tensor:
+    return t.view(-1).view(torch.uint8)
+
+
+class HostStore:
+    """Host memory for the layer inputs a checkpointed model keeps for backward.
+
+    On CUDA each input is copied into a pinned host tensor on a side stream that waits for the
+    input's producer, so the copy overlaps the next layer's forward; backward copies it back
+    (non-blocking) when the layer is recomputed. On CPU the "device" is host memory already: the
+    input is written to a RAM-backed file (``/dev/shm`` where there is one), which keeps it out
+    of the process's resident set as a GPU's host memory is outside its device memory — so peak
+    RSS measurements on CPU see what a device would. ``held`` / ``peak``: bytes in host memory
+    now / at most since ``reset_peak``.
+    """
+
+    def __init__(self) -> None:
+        self.held = 0
+        self.peak = 0
+        self.cpu_dir = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def reset_peak(self) -> None:
+        self.peak = self.held
+
+    def release(self, nbytes: int, file=None) -> None:
+        """Forget ``nbytes`` of a tensor backward no longer needs (and close its file)."""
+        self.held -= nbytes
+        if file is not None:
+            file.close()
+
+    def copy_to_host(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """A pinned copy of CUDA tensor ``t``, made on a side stream, and the event it ends at."""
+        stream = self._streams.get(t.device)
+        if stream is None:
+            stream = self._streams[t.device] = torch.cuda.Stream(t.device)
+        stream.wait_stream(torch.cuda.current_stream(t.device))
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        with torch.cuda.stream(stream):
+            host.copy_(t, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(stream)
+        t.record_stream(stream)  # t's memory is not reused before the copy has read it
+        return host, copied
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """Saved-tensor hooks that put every tensor saved inside them into this store."""
+        return torch.autograd.graph.saved_tensors_hooks(
+            lambda t: _Offloaded(t, self) if t.numel() else t,
+            lambda h: h.load() if isinstance(h, _Offloaded) else h,
+        )
+
+
+def checkpoint_layer(store: HostStore | None) -> Callable[..., Any]:
+    """The function a decoder layer checkpoints its forward with: non-reentrant
+    ``torch.utils.checkpoint``; the input it saves goes to ``store`` when one is given."""
+
+    def run(function: Callable[..., Any], *args: Any) -> Any:
+        with store.hooks() if store is not None else nullcontext():
+            return checkpoint(function, *args, use_reentrant=False)
+
+    return run
+
+
+def enable_layer_checkpointing(model: nn.Module, offload: bool) -> HostStore | None:
+    """Checkpoint every decoder layer of ``model`` (Hugging Face ``GradientCheckpointingLayer``s)
+    in training; returns the host store of the offloaded inputs (None without offload)."""
+    store = HostStore() if offload else None
+    for layer in model.model.layers:
+        layer.gradient_checkpointing = True
+        layer._gradient_checkpointing_func = checkpoint_layer(store)
+    return store
