@@ -7,7 +7,9 @@ rank (seeded, nothing downloaded), parallelises it with the layout's library and
 - ``memory_bytes``: ``params``, ``grads``, ``optimizer`` (local storage, DTensor shards included),
   ``activations`` (saved for backward, parameters excluded), ``peak`` (CPU: the peak resident set,
   VmHWM, reset at the start of the step; CUDA: ``torch.cuda.max_memory_allocated``) and
-  ``peak_delta`` (peak minus the memory held when the step started);
+  ``peak_delta`` (peak minus the memory held when the step started), ``host`` (offloaded layer
+  checkpoints: the peak bytes in host memory, outside ``peak``), ``resident_grads`` (gradient
+  buffers that outlive the step, inside neither ``peak_delta`` nor the state: ZeRO-3's);
 - ``comm_bytes``: bytes received per collective type in one step (see ``comm_counter``);
 - ``step_seconds`` (median over ``steps`` uninstrumented steps after ``warmup``), ``tokens_per_s``;
 - ``loss``: the global loss of the first step (same weights everywhere, so every layout must agree
@@ -40,12 +42,11 @@ from tsp_ext.planner import PRESETS
 from tsp_ext.testing.launch import run_processes
 
 from .comm_counter import CommCounter
-from .layouts import BUILDERS, PROCESS_WIDE, Prepared, tp_sp_split
+from .layouts import BUILDERS, LR, PROCESS_WIDE, Prepared, tp_sp_split
 
 # a small Llama every layout divides at D in {2, 4}: heads 8 / D, KV heads 4 / D, MLP 704 / D
 DEFAULT_MODEL = PRESETS["tiny"].hf_config_kwargs()
 MODEL_KEYS = tuple(DEFAULT_MODEL)
-LR = 1e-3
 
 
 def build_model(
@@ -123,42 +124,69 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _step(prep: Prepared, opt: torch.optim.Optimizer) -> tuple[float, int]:
-    """One training step; returns (global loss, gradient bytes before the update)."""
-    opt.zero_grad(set_to_none=True)
-    with prep.context():
-        local, total = prep.loss()
-        local.backward()
+def _state_bytes(prep: Prepared, opt) -> tuple[int, int]:
+    """(parameters, optimizer state) this rank stores: under a ZeRO-3 engine its partitions
+    (``ds_tensor``) and the engine's fp32 partitions and moments."""
+    if prep.engine is None:
+        return _local_bytes(prep.model.parameters()), _optimizer_bytes(opt)
+    params = _local_bytes(getattr(p, "ds_tensor", p) for p in prep.model.parameters())
+    zero = prep.engine.optimizer
+    masters = getattr(zero, "fp32_partitioned_groups_flat", [])
+    return params, _optimizer_bytes(zero.optimizer) + _local_bytes(masters)
+
+
+def _backward_and_update(prep: Prepared, opt, local: torch.Tensor) -> int:
+    """Backward of ``local``, the layout's gradient sums, the update; returns gradient bytes."""
+    if prep.engine is not None:
+        prep.engine.backward(local)
+        flat = getattr(prep.engine.optimizer, "grad_partitions_flat_buffer", None)
+        grads = 0 if flat is None else _local_bytes([flat])  # ZeRO-3's gradient partitions
+        prep.engine.step()
+        return grads
+    local.backward()
     prep.reduce_grads()
     grads = _local_bytes(p.grad for p in prep.model.parameters() if p.grad is not None)
     opt.step()
-    return float(total), grads
+    return grads
+
+
+def _step(prep: Prepared, opt) -> float:
+    """One training step; returns the global loss."""
+    if opt is not None:
+        opt.zero_grad(set_to_none=True)
+    with prep.context():
+        local, total = prep.loss()
+        _backward_and_update(prep, opt, local)
+    return float(total)
 
 
 def _instrumented_step(prep: Prepared, opt, device) -> dict:
-    opt.zero_grad(set_to_none=True)
+    if opt is not None:
+        opt.zero_grad(set_to_none=True)
     gc.collect()
     base = _memory_now(device)
     _reset_peak(device)
+    if prep.host_store is not None:
+        prep.host_store.reset_peak()
     with CommCounter() as comm:
         with prep.context():
             with SavedTensorBytes(ignore=prep.model.parameters()) as saved:
                 local, _ = prep.loss()
-            local.backward()
+            grads = _backward_and_update(prep, opt, local)
             del local
-        prep.reduce_grads()
-        grads = _local_bytes(p.grad for p in prep.model.parameters() if p.grad is not None)
-        opt.step()
     _sync(device)
     peak = _peak(device)
+    params, optimizer = _state_bytes(prep, opt)
     return {
         "memory_bytes": {
-            "params": _local_bytes(prep.model.parameters()),
+            "params": params,
             "grads": grads,
-            "optimizer": _optimizer_bytes(opt),
+            "optimizer": optimizer,
             "activations": saved.nbytes,
             "peak": peak,
             "peak_delta": peak - base,
+            "host": 0 if prep.host_store is None else prep.host_store.peak,
+            "resident_grads": grads if prep.engine is not None else 0,
         },
         "comm_bytes": dict(comm.received),
     }
@@ -179,17 +207,19 @@ def _train_rank(rank: int, world: int, spec: dict) -> dict:
     try:
         model = build_model(spec["model"], dtype, spec["seq_len"]).to(device)
         ids = make_batch(model.config.vocab_size, spec["micro_batch"], spec["seq_len"]).to(device)
+        if spec["release_from_start"] and device.type == "cpu":
+            _mmap_large_allocations()
         prep = BUILDERS[spec["layout"]](model, ids, world, device)
         del model
-        opt = torch.optim.AdamW(prep.model.parameters(), lr=LR)
-        first = _step(prep, opt)[0]
+        opt = None if prep.engine else torch.optim.AdamW(prep.model.parameters(), lr=LR)
+        first = _step(prep, opt)
         for _ in range(spec["warmup"] - 1):
             _step(prep, opt)
         times = []
         for _ in range(spec["steps"]):
             dist.barrier()
             t0 = time.perf_counter()
-            last = _step(prep, opt)[0]
+            last = _step(prep, opt)
             _sync(device)
             times.append(time.perf_counter() - t0)
         if device.type == "cpu":
@@ -234,6 +264,7 @@ def measure(
     device: str = "cpu",
     timeout: float = 1800.0,
     launch: Callable | None = None,
+    release_from_start: bool = False,
 ) -> dict:
     """Measure one layout at one sequence length; returns a result row (see the module docstring).
 
@@ -243,7 +274,9 @@ def measure(
     ``launch(fn, world, *args, timeout=...)`` runs the ranks (default: fresh gloo / NCCL
     processes, ``run_processes``, which the layouts in ``PROCESS_WIDE`` always get; the tests
     pass their kept pool, whose ranks' peak resident set is not their own: use its rows' tensor
-    byte counts, not ``peak``).
+    byte counts, not ``peak``). ``release_from_start``: glibc returns freed memory from process
+    start, not only in the instrumented step (memory searches: memory freed by the first steps
+    does not stay resident; it slows allocation, so never for timings).
     """
     if warmup < 1 or steps < 1:
         raise ValueError(f"need warmup >= 1 and steps >= 1, got warmup={warmup}, steps={steps}")
@@ -272,6 +305,7 @@ def measure(
         warmup=warmup,
         dtype=dtype,
         device=device,
+        release_from_start=release_from_start,
     )
     backend = "nccl" if device == "cuda" else "gloo"
     if launch is None or layout in PROCESS_WIDE:  # those need processes of their own

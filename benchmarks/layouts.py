@@ -14,16 +14,23 @@ size, and returns a ``Prepared``: the parallelised model and the two calls of a 
 | ulysses | DeepSpeed ``UlyssesSPAttentionHF.register_with_transformers`` | all | 1/D |
 | tpxsp | torch TP on ``tp`` (inside) × DeepSpeed Ulysses on ``sp`` (across) | 1/tp | 1/sp |
 | ring | torch ``context_parallel`` (ring attention) | all | 1/D |
+| ulysses_zero3 | DeepSpeed ZeRO-3 over the SP ranks + Ulysses + HF checkpointing | 1/D | 1/D |
+| alst | ``ulysses_zero3`` + ``TiledMLP`` + ``TiledFusedLogitsLoss`` + offload | 1/D | 1/D |
 
-``tsp_no_overlap`` and ``tsp_keep_mlp`` are ``tsp`` with ``TSPConfig(overlap=False)`` and
-``TSPConfig(recompute_mlp=False)``.
+``ulysses`` and ``tpxsp`` keep every weight and checkpoint nothing (replicated weights); ``alst``
+is Arctic Long Sequence Training as DeepSpeed ships it (arXiv 2506.13996). ``tsp_no_overlap``,
+``tsp_keep_mlp``, ``tsp_layers`` and ``tsp_offload`` are ``tsp`` with ``TSPConfig(overlap=False)``,
+``TSPConfig(recompute_mlp=False)``, ``TSPConfig(checkpoint_layers=True)`` and that with
+``offload_checkpoints=True``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,6 +47,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 IGNORE_INDEX = -100
+LR = 1e-3  # AdamW's learning rate in every layout's step
 
 
 @dataclass
@@ -51,6 +59,10 @@ class Prepared:
     reduce_grads: Callable[[], None] = lambda: None
     # entered around forward and backward (ring attention's sequence sharding)
     context: Callable[[], AbstractContextManager] = field(default=nullcontext)
+    # a DeepSpeed engine that runs backward and the optimizer step itself (None: torch AdamW)
+    engine: Any = None
+    # host memory holding offloaded layer checkpoints (``tsp_ext.hf.checkpointing.HostStore``)
+    host_store: Any = None
 
 
 def tp_sp_split(layout: str, devices: int) -> tuple[int, int]:
@@ -61,7 +73,7 @@ def tp_sp_split(layout: str, devices: int) -> tuple[int, int]:
         return devices, devices
     if layout in ("tp", "tp_sp"):
         return devices, 1
-    if layout in ("ulysses", "ring"):
+    if layout in ("ulysses", "ring", "ulysses_zero3", "alst"):
         return 1, devices
     if layout == "tpxsp":
         tp = 2 if devices % 2 == 0 and devices > 2 else 1
@@ -143,7 +155,7 @@ def build_tsp(model, ids, world, device, **options) -> Prepared:
         out = model(**batch).loss
         return out, out.detach()
 
-    return Prepared(model, loss)
+    return Prepared(model, loss, host_store=model.tsp.host_store)
 
 
 def build_tp(model, ids, world, device) -> Prepared:
@@ -213,7 +225,7 @@ def _sp_inputs(ids: torch.Tensor, size: int, rank: int):
 
 # layouts that install their attention in transformers' registry for the whole process
 # (DeepSpeed's Ulysses replaces the "sdpa" function): never run two in one process
-PROCESS_WIDE = frozenset({"ulysses", "tpxsp"})
+PROCESS_WIDE = frozenset({"ulysses", "tpxsp", "ulysses_zero3", "alst"})
 
 
 def build_ulysses(model, ids, world, device) -> Prepared:
@@ -305,15 +317,94 @@ def build_ring(model, ids, world, device) -> Prepared:
     return Prepared(model, loss, _grad_all_reduce(model, group), context)
 
 
+def build_ulysses_zero3(model, ids, world, device, *, tiled: bool = False) -> Prepared:
+    """DeepSpeed's Ulysses SP with a ZeRO-3 engine over the same ranks and Hugging Face layer
+    checkpointing; ``tiled`` adds what makes it ALST: ``TiledMLP`` (tiles of ``h`` tokens, as
+    DeepSpeed's example), ``TiledFusedLogitsLoss`` (tiles of 1024 tokens, as TSP's loss) and
+    the layer checkpoints offloaded to host memory. DeepSpeed's own offload context does
+    nothing on CPU, so the checkpoints go to the same ``HostStore`` TSP's offload uses."""
+    import deepspeed
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import (
+        TiledFusedLogitsLoss,
+        UlyssesSPAttentionHF,
+    )
+
+    from tsp_ext.hf.checkpointing import enable_layer_checkpointing
+
+    deepspeed.comm.init_distributed(dist_backend=dist.get_backend())
+    B, S = ids.shape
+    mpu = UlyssesSPAttentionHF.register_with_transformers(
+        model, "sdpa", world, B, seq_length=S, seq_length_is_variable=False
+    )
+    store = enable_layer_checkpointing(model, offload=tiled)
+    if tiled:
+        for layer in model.model.layers:
+            _tile_mlp(layer.mlp, shards=math.ceil(S // world / model.config.hidden_size))
+    config = {"train_micro_batch_size_per_gpu": B, "zero_optimization": {"stage": 3}}
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        config=config,
+        mpu=mpu,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=LR),
+    )
+    group = mpu.get_sequence_parallel_group()
+    inputs, labels = _sp_inputs(ids, world, dist.get_rank(group))
+    # ZeRO averages the gradients over the SP ranks: each rank's share of the global mean, x D
+    scale = world / (B * (S - 1))
+
+    def loss():
+        if tiled:
+            hidden = engine.module.model(**inputs).last_hidden_state
+
+            def tile_loss(lm, x, y):  # the scale inside: the tiles' backward runs in forward
+                logits = lm.lm_head(x).float()  # [tile tokens, V]
+                return (
+                    F.cross_entropy(logits, y, ignore_index=IGNORE_INDEX, reduction="sum") * scale
+                )
+
+            params = [model.lm_head.weight]
+            shards = math.ceil(hidden.shape[1] / 1024)
+            local = TiledFusedLogitsLoss.apply(
+                tile_loss, engine.module, hidden, labels, None, shards, params, "sum"
+            )
+        else:
+            local = _sum_ce(engine(**inputs).logits, labels) * scale
+        total = local.detach() / world
+        dist.all_reduce(total, group=group)
+        return local, total
+
+    return Prepared(engine.module, loss, engine=engine, host_store=store)
+
+
+def _tile_mlp(mlp: nn.Module, shards: int) -> None:
+    """Run this Hugging Face gated MLP through DeepSpeed's ``TiledMLP`` in ``shards`` tiles."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+
+    def gated(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    def forward(x):
+        params = [mlp.down_proj.weight, mlp.gate_proj.weight, mlp.up_proj.weight]
+        return TiledMLP.apply(gated, mlp, x, shards, params)
+
+    mlp.forward = forward
+
+
 BUILDERS: dict[str, Callable[..., Prepared]] = {
     "single": build_single,
     "tsp": build_tsp,
     "tsp_no_overlap": lambda m, i, w, d: build_tsp(m, i, w, d, overlap=False),
     "tsp_keep_mlp": lambda m, i, w, d: build_tsp(m, i, w, d, recompute_mlp=False),
+    "tsp_layers": lambda m, i, w, d: build_tsp(m, i, w, d, checkpoint_layers=True),
+    "tsp_offload": lambda m, i, w, d: build_tsp(
+        m, i, w, d, checkpoint_layers=True, offload_checkpoints=True
+    ),
     "tp": build_tp,
     "tp_sp": build_tp_sp,
     "ulysses": build_ulysses,
     "tpxsp": build_tpxsp,
     "ring": build_ring,
+    "ulysses_zero3": build_ulysses_zero3,
+    "alst": lambda m, i, w, d: build_ulysses_zero3(m, i, w, d, tiled=True),
 }
 LAYOUTS = tuple(BUILDERS)

@@ -28,9 +28,10 @@ MIB = 2**20
 
 
 def rank_bytes(row: dict) -> int:
-    """A rank's device memory for the step: state plus the step's peak rise (max over ranks)."""
+    """A rank's device memory for the step: state (gradient buffers that outlive the step
+    included) plus the step's peak rise (max over ranks); offloaded bytes are host memory."""
     mem = row["memory_bytes"]
-    return mem["params"] + mem["optimizer"] + mem["peak_delta"]
+    return mem["params"] + mem["optimizer"] + mem.get("resident_grads", 0) + mem["peak_delta"]
 
 
 def longest(fits: Callable[[int], bool], start: int, granule: int, limit: int) -> int | None:
@@ -77,37 +78,56 @@ def search(
         nonlocal status
         if status != "ok":  # unsupported: no length fits
             return False
-        row = measure(layout, devices, seq_len, model_cfg, steps=1, warmup=1, launch=launch)
-        used = rank_bytes(row) if row["status"] == "ok" else None
-        probes.append({"seq_len": seq_len, "status": row["status"], "bytes": used})
+        row = measure(
+            layout, devices, seq_len, model_cfg, steps=1, warmup=1, launch=launch,
+            release_from_start=True,
+        )  # fmt: skip
+        ok = row["status"] == "ok"
+        used = rank_bytes(row) if ok else None
+        host = row["memory_bytes"]["host"] if ok else None
+        probes.append({"seq_len": seq_len, "status": row["status"], "bytes": used, "host": host})
         if row["status"].startswith("unsupported"):
             status = row["status"]
         return used is not None and used <= budget_bytes
 
     step = granule * 2 * devices  # every layout shards S over D ranks (TSP: 2D zigzag chunks)
     best = longest(fits, start, step, limit)
-    at_best = next((p["bytes"] for p in probes if p["seq_len"] == best), None)
+    at_best = next((p for p in probes if p["seq_len"] == best), {})
     return {
         "layout": layout,
         "devices": devices,
         "budget_bytes": budget_bytes,
         "max_seq_len": best,
-        "bytes_at_max": at_best,
+        "bytes_at_max": at_best.get("bytes"),
+        "host_bytes_at_max": at_best.get("host"),
         "status": status,
         "probes": probes,
     }
 
 
-def markdown(rows: list[dict]) -> str:
+def markdown(rows: list[dict], versus: str = "alst") -> str:
+    """The table: per layout and D its longest S, memory there (device; offloaded checkpoints
+    in host memory apart) and step time at the common S, with ratios to ``versus`` at that D."""
     lines = [
-        "| layout | D | max S | MiB per rank at max S | step s at common S |",
-        "|---|---|---|---|---|",
+        f"| layout | D | max S | vs {versus} | MiB per rank at max S | host MiB at max S "
+        f"| step s at common S | vs {versus} |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+    base = {r["devices"]: r for r in rows if r["layout"] == versus}
+
+    def ratio(r: dict, key: str) -> str:
+        b = base.get(r["devices"], {}).get(key)
+        return f"{r[key] / b:.2f}" if r.get(key) and b else "—"
+
     for r in rows:
         mib = f"{r['bytes_at_max'] / MIB:.1f}" if r["bytes_at_max"] else "—"
+        host = f"{r['host_bytes_at_max'] / MIB:.1f}" if r.get("host_bytes_at_max") else "—"
         step = f"{r['step_seconds']:.3f}" if r.get("step_seconds") else "—"
         best = r["max_seq_len"] if r["status"] == "ok" else r["status"]
-        lines.append(f"| {r['layout']} | {r['devices']} | {best} | {mib} | {step} |")
+        lines.append(
+            f"| {r['layout']} | {r['devices']} | {best} | {ratio(r, 'max_seq_len')} | {mib} "
+            f"| {host} | {step} | {ratio(r, 'step_seconds')} |"
+        )
     return "\n".join(lines)
 
 

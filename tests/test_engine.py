@@ -103,8 +103,9 @@ def _parity_case(rank, world, name, dtype_name, B, S, backend):
     t_attn = TSPAttention.from_hf(attn, group, tsp_cfg)
     t_mlp = TSPGatedMLP.from_hf(mlp, group, tsp_cfg)
     t_mlp_kept = TSPGatedMLP.from_hf(
-        mlp, group, TSPConfig(attn_backend=backend, recompute_mlp=False)
+        mlp, group, TSPConfig(attn_backend=backend, recompute_mlp=False, mlp_tile=5)
     )
+    t_mlp_tiled = TSPGatedMLP.from_hf(mlp, group, TSPConfig(attn_backend=backend, mlp_tile=3))
 
     def local(t):  # this rank's real tokens of a full [B, S, ...] tensor
         return lay.shard(pad_sequence(t, world, 0.0), rank)[:, real]
@@ -113,7 +114,8 @@ def _parity_case(rank, world, name, dtype_name, B, S, backend):
     for mod_name, ref_mod, t_mod, ref_x, ref_y in (
         ("attn", attn, t_attn, xa, ya),
         ("mlp", mlp, t_mlp, xm, ym),
-        ("mlp_kept", mlp, t_mlp_kept, xm, ym),  # gate/up activations saved, not recomputed
+        ("mlp_kept", mlp, t_mlp_kept, xm, ym),  # gate/up activations saved, in tiles of 5
+        ("mlp_tiled", mlp, t_mlp_tiled, xm, ym),  # tiles of 3 tokens (the last one shorter)
     ):
         xl = lay.shard(pad_sequence(x, world, 0.0), rank).requires_grad_()
         if mod_name == "attn":

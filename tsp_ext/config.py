@@ -32,6 +32,9 @@ class TSPConfig:
         recompute_mlp: recompute the MLP's gate/up projections shard by shard in backward (saves
             only X_p). Off keeps them: ``2 x B x S/D x F`` more saved elements per layer, two
             fewer matmuls per ring step in backward.
+        mlp_tile: tokens per tile of an MLP ring step: a step's intermediates (gate/up
+            pre-activations, their gradients) are ``mlp_tile x 2F/D`` instead of
+            ``B·S/D x 2F/D``; the weight gradients accumulate over the tiles. None: no tiling.
         shard_vocab: shard the embedding and LM head by vocabulary rows (rank p keeps ⌊V/D⌋ or
             ⌈V/D⌉ rows, any V) and compute the loss with a fused ring LM head + cross-entropy
             that never builds the ``[S/D, V]`` logits. Off: both stay replicated and the model
@@ -52,6 +55,7 @@ class TSPConfig:
     attn_backend: str = "auto"
     attn_block: int = 512
     recompute_mlp: bool = True
+    mlp_tile: int | None = 4096
     shard_vocab: bool = True
     loss_chunk: int = 1024
     checkpoint_layers: bool = False

@@ -16,6 +16,10 @@ at step t >= 1 rank p adds its tokens' contribution to shard p - t's accumulator
 on, so after the last hop every accumulator lands at its owner with all D contributions (the
 owner adds its own, computed at t = 0). dX_p accumulates locally. Saved per rank: X_p and the
 rank's own shards; the intermediate activations are recomputed shard by shard in backward.
+
+Within a ring step the tokens are processed in tiles of ``options.mlp_tile`` rows (the weight
+gradients accumulate over the tiles), so a step's intermediates are ``mlp_tile x 2f`` whatever
+S/D is.
 """
 
 from __future__ import annotations
@@ -45,54 +49,54 @@ def swiglu_pointwise_backward(dm: torch.Tensor, hid: torch.Tensor, s=None, act=N
 
 
 class _Workspace:
-    """Flat buffers reused by every step of one ring pass (sized for the largest shard): on CPU
-    a fresh ``[B, T, 2f]`` tensor per step is a fresh mapping whose first touch page-faults."""
+    """Flat buffers reused by every tile of every step of one ring pass (sized for the largest
+    tile and shard): on CPU a fresh ``[n, 2f]`` tensor per step is a fresh mapping whose first
+    touch page-faults."""
 
-    def __init__(self, x: torch.Tensor, f_max: int) -> None:
-        self.x, self.f_max, self.buffers = x, f_max, {}
+    def __init__(self, like: torch.Tensor, rows: int, f_max: int) -> None:
+        self.like, self.rows, self.f_max, self.buffers = like, rows, f_max, {}
 
-    def get(self, name: str, f: int, per_f: int = 1) -> torch.Tensor:
-        """Buffer ``name`` as ``[*x.shape[:-1], per_f · f]`` for a shard of width ``f`` (its
-        capacity: ``per_f · f_max`` columns)."""
-        rows = self.x.shape[:-1]
+    def get(self, name: str, n: int, f: int, per_f: int = 1) -> torch.Tensor:
+        """Buffer ``name`` as ``[n, per_f · f]`` for ``n`` rows of a shard of width ``f`` (its
+        capacity: ``rows`` x ``per_f · f_max``)."""
         if name not in self.buffers:
-            self.buffers[name] = self.x.new_empty(rows.numel() * per_f * self.f_max)
-        return self.buffers[name][: rows.numel() * per_f * f].view(*rows, per_f * f)
+            self.buffers[name] = self.like.new_empty(self.rows * per_f * self.f_max)
+        return self.buffers[name][: n * per_f * f].view(n, per_f * f)
 
 
-def _pre_activations(x: torch.Tensor, gu: torch.Tensor, work: _Workspace) -> torch.Tensor:
-    """``[X·Gᵀ | X·Uᵀ]`` ``[B, T, 2f]`` of ``gu = [G; U]``, one GEMM into the workspace."""
-    hid = work.get("hid", gu.shape[0] // 2, 2)
-    torch.mm(x.reshape(-1, x.shape[-1]), gu.t(), out=hid.view(-1, gu.shape[0]))
-    return hid
+def _pre_activations(x2: torch.Tensor, gu: torch.Tensor, work: _Workspace) -> torch.Tensor:
+    """``[X·Gᵀ | X·Uᵀ]`` ``[n, 2f]`` of ``x2 [n, h]`` and ``gu = [G; U]``, one GEMM into the
+    workspace."""
+    hid = work.get("hid", x2.shape[0], gu.shape[0] // 2, 2)
+    return torch.mm(x2, gu.t(), out=hid)
 
 
-def _swiglu_weight_grads(x, dy, gu, dn, out, work: _Workspace, hidden=None) -> torch.Tensor:
-    """Backward of one shard's ``(silu(X·Gᵀ) ⊙ (X·Uᵀ))·Dnᵀ`` with ``gu = [G; U]`` (``[2f, h]``):
-    writes ``[dG; dU]`` (``[2f, h]``) and ``dDn`` (``[h, f]``) into ``out``, a flat buffer in the
-    accumulation dtype laid out like the shard, and returns ``dH [B·T, 2f]`` (in ``work``, valid
-    until the next shard), the gradient of the gate/up pre-activations: the caller adds
-    ``dX = dH · [G; U]`` once ``out`` is on its way.
+def _swiglu_weight_grads(x2, dy2, gu, dn, out, work: _Workspace, hidden=None, add=False):
+    """Backward of one shard's ``(silu(X·Gᵀ) ⊙ (X·Uᵀ))·Dnᵀ`` for the rows ``x2, dy2 [n, h]``
+    with ``gu = [G; U]`` (``[2f, h]``): writes (``add``: adds) ``[dG; dU]`` (``[2f, h]``) and
+    ``dDn`` (``[h, f]``) into ``out``, a flat buffer in the accumulation dtype laid out like the
+    shard, and returns ``dH [n, 2f]`` (in ``work``, valid until the next tile), the gradient of
+    the gate/up pre-activations: the caller adds ``dX = dH · [G; U]``.
 
-    ``hidden``: the saved gate/up pre-activations ``[B, T, 2f]`` (left intact); recomputed if
-    None.
+    ``hidden``: the saved gate/up pre-activations ``[n, 2f]`` (left intact); recomputed if None.
     """
     two_f, h = gu.shape
-    f = two_f // 2
-    x2, dy2 = x.reshape(-1, h), dy.reshape(-1, h)
+    f, n = two_f // 2, x2.shape[0]
     if hidden is None:
-        hid = _pre_activations(x, gu, work)
+        hid = _pre_activations(x2, gu, work)
     else:
-        hid = work.get("hid", f, 2)
+        hid = work.get("hid", n, f, 2)
         hid.copy_(hidden)
-    dm = work.get("dm", f)
-    torch.mm(dy2, dn, out=dm.view(-1, f))
-    dh, act = swiglu_pointwise_backward(dm, hid, work.get("s", f), work.get("act", f))
-    dh2 = dh.view(-1, two_f)
-    acc = out.dtype
-    matmul(dh2.t(), x2, acc, out=out[: two_f * h].view(two_f, h))
-    matmul(dy2.t(), act.view(-1, f), acc, out=out[two_f * h : 3 * f * h].view(h, f))
-    return dh2
+    dm = torch.mm(dy2, dn, out=work.get("dm", n, f))
+    dh, act = swiglu_pointwise_backward(dm, hid, work.get("s", n, f), work.get("act", n, f))
+    d_gu, d_dn = out[: two_f * h].view(two_f, h), out[two_f * h : 3 * f * h].view(h, f)
+    if add:
+        add_matmul(d_gu, dh.t(), x2)
+        add_matmul(d_dn, dy2.t(), act)
+    else:
+        matmul(dh.t(), x2, out.dtype, out=d_gu)
+        matmul(dy2.t(), act, out.dtype, out=d_dn)
+    return dh
 
 
 class _RingSchedule:
@@ -106,6 +110,15 @@ class _RingSchedule:
         self.sizes = sizes or [weights[0].shape[0]] * self.D  # f_q of every owner q
         self.numel = 3 * self.h * max(self.sizes)
         self.acc = options.accum_for(x.dtype)
+        self.rows = x.shape[:-1].numel()  # B x S/D tokens
+        self.tile = min(options.mlp_tile or self.rows, self.rows)
+
+    def tiles(self) -> list[slice]:
+        """The token rows of each tile, in order."""
+        return [slice(r, min(r + self.tile, self.rows)) for r in range(0, self.rows, self.tile)]
+
+    def workspace(self, x: torch.Tensor) -> _Workspace:
+        return _Workspace(x, self.tile, max(self.sizes))
 
     def shards(self, weights):
         """Yield ``(t, (GU, Dn))`` of owner q = p - t: ``GU = [G_q; U_q]`` ``[2 f_q, h]`` and
@@ -120,35 +133,42 @@ def tsp_mlp_forward(sched: _RingSchedule, x: torch.Tensor, weights, keep_hidden:
     """Forward ring: ``X_p [B, T, h]`` -> ``Y_p [B, T, h]``, plus, if ``keep_hidden``, every
     step's gate/up pre-activations, a list of D ``[B, T, 2 f_q]`` (else None)."""
     y = torch.zeros(x.shape, dtype=sched.acc, device=x.device)
+    x2, y2 = x.reshape(-1, sched.h), y.view(-1, sched.h)
     hidden = [] if keep_hidden else None
-    work = _Workspace(x, max(sched.sizes))
+    work = sched.workspace(x)
     for _, (gu, dn) in sched.shards(weights):
-        two_f = gu.shape[0]
+        f = gu.shape[0] // 2
         if keep_hidden:
-            hid = F.linear(x, gu)
-            hidden.append(hid)
-        else:
-            hid = _pre_activations(x, gu, work)
-        hg, hu = hid.chunk(2, dim=-1)
-        act = torch.ops.aten.silu.out(hg, out=work.get("act", two_f // 2)).mul_(hu)
-        add_matmul(y.view(-1, sched.h), act.view(-1, act.shape[-1]), dn.t())
+            hidden.append(F.linear(x, gu))
+        for rows in sched.tiles():
+            if keep_hidden:
+                hid = hidden[-1].view(-1, 2 * f)[rows]
+            else:
+                hid = _pre_activations(x2[rows], gu, work)
+            hg, hu = hid.chunk(2, dim=-1)
+            act = torch.ops.aten.silu.out(hg, out=work.get("act", hid.shape[0], f)).mul_(hu)
+            add_matmul(y2[rows], act, dn.t())
     return y.to(x.dtype), hidden
 
 
 def tsp_mlp_backward(sched: _RingSchedule, dy: torch.Tensor, x: torch.Tensor, weights, hidden=None):
     """Backward rings: returns ``dX_p`` and the fully reduced gradients of this rank's shards.
     ``hidden``: what ``tsp_mlp_forward(keep_hidden=True)`` returned, or None to recompute."""
-    dy = dy.contiguous()
+    dy2, x2 = dy.contiguous().view(-1, sched.h), x.reshape(-1, sched.h)
     dx = torch.zeros(x.shape, dtype=sched.acc, device=x.device)
+    dx2 = dx.view(-1, sched.h)
     owner_grads = GradientRing(sched.ring)
-    work = _Workspace(x, max(sched.sizes))
+    work = sched.workspace(x)
+    tiles = sched.tiles()
     for t, (gu, dn) in sched.shards(weights):
         share = torch.empty(sched.numel, dtype=sched.acc, device=x.device)
         share[dn.numel() * 3 :].zero_()  # a smaller shard's padding travels (and is summed) too
-        h_t = hidden[t] if hidden is not None else None
-        dh = _swiglu_weight_grads(x, dy, gu, dn, share, work, h_t)
-        owner_grads.add(t, share)  # on its way (the last hop too) while dX is computed
-        add_matmul(dx.view(-1, sched.h), dh, gu)
+        for i, rows in enumerate(tiles):
+            h_t = hidden[t].view(-1, gu.shape[0])[rows] if hidden is not None else None
+            dh = _swiglu_weight_grads(x2[rows], dy2[rows], gu, dn, share, work, h_t, add=i > 0)
+            if i == len(tiles) - 1:
+                owner_grads.add(t, share)  # on its way (the last hop too) while dX is computed
+            add_matmul(dx2[rows], dh, gu)
     f, h = sched.sizes[sched.p], sched.h
     shapes = [torch.Size((f, h))] * 2 + [torch.Size((h, f))]
     grads = comm.unpack(owner_grads.result(), shapes)

@@ -21,6 +21,7 @@ class EngineOptions:
         attn_backend: ``"auto"`` or a name in ``BACKENDS``.
         attn_block: query and key block size of the ``blockwise`` kernel.
         recompute_mlp: recompute the MLP's gate/up projections in backward.
+        mlp_tile: tokens per tile of an MLP ring step (None: all of the rank's at once).
         loss_chunk: tokens per block of the fused LM-head loss.
     """
 
@@ -29,6 +30,7 @@ class EngineOptions:
     attn_backend: str = "auto"
     attn_block: int = 512
     recompute_mlp: bool = True
+    mlp_tile: int | None = 4096
     loss_chunk: int = 1024
 
     def __post_init__(self) -> None:
@@ -40,6 +42,8 @@ class EngineOptions:
             )
         if self.attn_block < 1:
             raise ValueError(f"attn_block must be >= 1, got {self.attn_block}")
+        if self.mlp_tile is not None and self.mlp_tile < 1:
+            raise ValueError(f"mlp_tile must be >= 1 or None, got {self.mlp_tile}")
         if self.loss_chunk < 1:
             raise ValueError(f"loss_chunk must be >= 1, got {self.loss_chunk}")
 
