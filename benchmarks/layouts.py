@@ -20,8 +20,9 @@ size, and returns a ``Prepared``: the parallelised model and the two calls of a 
 ``ulysses`` and ``tpxsp`` keep every weight and checkpoint nothing (replicated weights); ``alst``
 is Arctic Long Sequence Training as DeepSpeed ships it (arXiv 2506.13996). ``tsp_no_overlap``,
 ``tsp_keep_mlp``, ``tsp_layers`` and ``tsp_offload`` are ``tsp`` with ``TSPConfig(overlap=False)``,
-``TSPConfig(recompute_mlp=False)``, ``TSPConfig(checkpoint_layers=True)`` and that with
-``offload_checkpoints=True``.
+``TSPConfig(recompute_mlp=False)``, ``TSPConfig(checkpoint_layers=True, mlp_tile=h)``, that with
+``offload_checkpoints=True``; ``tsp_long`` (the longest context) is ``tsp_offload`` with
+``overlap=False`` (one head group's buffers at a time).
 """
 
 from __future__ import annotations
@@ -317,6 +318,11 @@ def build_ring(model, ids, world, device) -> Prepared:
     return Prepared(model, loss, _grad_all_reduce(model, group), context)
 
 
+def _long_context(model) -> dict:
+    """TSP's long-context options: layers checkpointed, MLP tiles of ``h`` tokens (as ALST's)."""
+    return {"checkpoint_layers": True, "mlp_tile": model.config.hidden_size}
+
+
 def build_ulysses_zero3(model, ids, world, device, *, tiled: bool = False) -> Prepared:
     """DeepSpeed's Ulysses SP with a ZeRO-3 engine over the same ranks and Hugging Face layer
     checkpointing; ``tiled`` adds what makes it ALST: ``TiledMLP`` (tiles of ``h`` tokens, as
@@ -395,9 +401,12 @@ BUILDERS: dict[str, Callable[..., Prepared]] = {
     "tsp": build_tsp,
     "tsp_no_overlap": lambda m, i, w, d: build_tsp(m, i, w, d, overlap=False),
     "tsp_keep_mlp": lambda m, i, w, d: build_tsp(m, i, w, d, recompute_mlp=False),
-    "tsp_layers": lambda m, i, w, d: build_tsp(m, i, w, d, checkpoint_layers=True),
+    "tsp_layers": lambda m, i, w, d: build_tsp(m, i, w, d, **_long_context(m)),
     "tsp_offload": lambda m, i, w, d: build_tsp(
-        m, i, w, d, checkpoint_layers=True, offload_checkpoints=True
+        m, i, w, d, **_long_context(m), offload_checkpoints=True
+    ),
+    "tsp_long": lambda m, i, w, d: build_tsp(
+        m, i, w, d, **_long_context(m), offload_checkpoints=True, overlap=False
     ),
     "tp": build_tp,
     "tp_sp": build_tp_sp,

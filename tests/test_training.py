@@ -62,11 +62,17 @@ def checkpointing_grads(mesh):
 
 
 def layer_checkpointing(mesh, offload: bool):
-    """``TSPConfig(checkpoint_layers=True[, offload_checkpoints])``: gradients against the
-    unmodified model, and what the decoder layers keep for backward (device / host bytes)."""
+    """``TSPConfig(checkpoint_layers=True)``, and with ``offload`` the longest-context options
+    (layer inputs offloaded, MLP tiles of 7 tokens, one head group at a time): gradients
+    against the unmodified model, and what the decoder layers keep for backward (device / host
+    bytes)."""
     model = build("qwen2", torch.float64, num_hidden_layers=3)
     ref = copy.deepcopy(model)
-    config = TSPConfig(checkpoint_layers=True, offload_checkpoints=offload)
+    config = TSPConfig(checkpoint_layers=True)
+    if offload:
+        config = TSPConfig(
+            checkpoint_layers=True, offload_checkpoints=True, mlp_tile=7, overlap=False
+        )
     apply_tsp(model, mesh, config=config).train()
     data = batch(model.config.vocab_size, 2, 24)
     inputs = dict(shard_batch(data, mesh))

@@ -21,7 +21,9 @@ class TSPConfig:
             accumulate in float64).
         overlap: prefetch the next weight shard (broadcast / ring) while computing the current
             one, and post the next head group's K/V all-gather before the current group
-            attends. Off makes every transfer synchronous (debugging, profiling).
+            attends. Off makes every transfer synchronous and keeps one head group's buffers
+            (projections, gathered K/V, their gradients) alive at a time: less memory at long
+            context (debugging, profiling, the longest sequences).
         attn_backend: attention kernel: ``"auto"`` (fused where the device and dtype allow:
             ``cpu_flash`` on CPU; for bf16/fp16 on CUDA ``cuda_cudnn`` on Hopper and newer when
             the shapes repeat every step, else ``flash_attn`` / ``cuda_flash``; ``cuda_efficient``

@@ -253,7 +253,8 @@ def tsp_attention_backward(sched: _Schedule, dy, x, phases, own, q_norm, k_norm,
 
     Per group r: dA_r = dY_p · Wo_r, the attention backward, then the dK/dV reduce-scatter is
     started; group r's projection backward (it needs the reduced dK/dV) runs after group r+1's
-    attention, so the reduce-scatter flies behind a whole kernel. Each group's gradients are
+    attention, so the reduce-scatter flies behind a whole kernel (without ``overlap``: right
+    away, so that one group's buffers are alive at a time). Each group's gradients are
     reduced to their owner; then the rows of each KV head shared by several groups
     (``spec.shared_kv``) are summed among its users only (``comm.sum_among``), so every copy gets
     the sum over all of its users and no buffer exceeds a group's own rows."""
@@ -268,9 +269,11 @@ def tsp_attention_backward(sched: _Schedule, dy, x, phases, own, q_norm, k_norm,
     reductions: list[tuple[int, torch.Tensor, comm.Pending]] = []
 
     def recompute(w):
-        """Q, K, V of group r from the saved X_p (plus its projection and stacked weights)."""
+        """Q, K, V of group r from the saved X_p, its projection (only q/k norms read it: None
+        without them, so that it is not kept) and its stacked weights."""
         weight = stacked_weights(w, spec.head_dim)
-        return *project_qkv(x, w, phases, q_norm, k_norm, spec, weight), weight
+        q, kv, lin = project_qkv(x, w, phases, q_norm, k_norm, spec, weight)
+        return q, kv, lin if q_norm is not None else None, weight
 
     def finish(r, w, weight, lin, dq, dkv, handle, dwo):
         """Group r's projection backward once its dK/dV arrived: dW_r, whose reduction to r is
@@ -315,11 +318,16 @@ def tsp_attention_backward(sched: _Schedule, dy, x, phases, own, q_norm, k_norm,
         dk_all, dv_all = (fold_kv(t, spec.kv_map(r), hk) for t in (dk_all, dv_all))
         dkv, handle = comm.reduce_scatter_seq(sched.rank_major(dk_all, dv_all), sched.group, True)
         del dk_all, dv_all
+        if not sched.options.overlap:  # one group at a time: finished before the next starts
+            finish(r, w, weight, lin, dq, dkv, handle, dwo)
+            collect(keep=0)
+            continue
         if waiting is not None:
             finish(*waiting)
             collect(keep=1)
         waiting = (r, w, weight, lin, dq, dkv, handle, dwo)
-    finish(*waiting)
+    if waiting is not None:
+        finish(*waiting)
     collect(keep=0)
     share_kv(d_own, spec, p, sched.group)
     d_own = {n: d_own[n].to(own[n].dtype) for n in names}
