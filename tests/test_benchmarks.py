@@ -58,7 +58,7 @@ def test_comm_counter_bytes_received(workers):
 def rows(workers) -> dict[str, dict]:
     return {
         layout: measure(layout, 2, S, TINY, steps=1, warmup=1, timeout=120, launch=workers.run)
-        for layout in ("single", "tsp", "tp")
+        for layout in ("single", "tsp", "tp", "tsp_long")
     }
 
 
@@ -85,6 +85,58 @@ def test_tsp_model_state_is_sharded(rows):
         rows["tsp"]["memory_bytes"]["activations"] < rows["single"]["memory_bytes"]["activations"]
     )
     assert rows["tp"]["comm_bytes"]["all_reduce"] > 0  # TP's activation all-reduces were counted
+
+
+def _alst_gradient_errors(rank: int, world: int) -> dict[str, float]:
+    """The ``alst`` layout's loss and gradients (gathered from ZeRO-3's partitions) against the
+    unmodified model's on the whole sequence, relative to the largest reference value."""
+    import copy
+
+    from deepspeed.utils import safe_get_full_grad
+
+    from benchmarks.harness import build_model, make_batch
+    from benchmarks.layouts import BUILDERS
+
+    seq = 256  # 4 MLP tiles of h = 32 tokens per rank
+    model = build_model(TINY, torch.float32, seq)
+    ref = copy.deepcopy(model)
+    ids = make_batch(model.config.vocab_size, 1, seq)
+    ref_loss = ref(input_ids=ids, labels=ids).loss
+    ref_loss.backward()
+    prep = BUILDERS["alst"](model, ids, world, torch.device("cpu"))
+    local, total = prep.loss()
+    prep.engine.backward(local)
+    errs = {"loss": abs(float(total) - ref_loss.item()) / ref_loss.item()}
+    for (name, p), q in zip(prep.model.named_parameters(), ref.parameters()):
+        errs[name] = ((safe_get_full_grad(p) - q.grad).abs().max() / q.grad.abs().max()).item()
+    errs["host"] = prep.host_store.held  # the offloaded layer inputs, released by backward
+    return errs
+
+
+def test_alst_baseline_is_exact():
+    """DeepSpeed's ALST as the benchmarks run it (ZeRO-3 over the SP ranks, Ulysses, TiledMLP,
+    TiledFusedLogitsLoss, layer checkpoints offloaded): the loss and every gradient of one
+    process, in float32 (its own processes: Ulysses patches transformers process-wide)."""
+    from tsp_ext.testing.launch import run_processes
+
+    for errs in run_processes(_alst_gradient_errors, 2, timeout=180):
+        assert errs.pop("host") == 0
+        assert len(errs) == 1 + 2 + 9 + 1  # loss, embedding and head, a layer, the final norm
+        assert max(errs.values()) < 1e-5, errs
+
+
+def test_maxlen_table_has_ratios_to_alst():
+    from benchmarks.maxlen import markdown
+
+    row = dict(status="ok", budget_bytes=64 * 2**20, host_bytes_at_max=None)
+    rows = [
+        {**row, "layout": "alst", "devices": 2, "max_seq_len": 4000, "bytes_at_max": 60 * 2**20},
+        {**row, "layout": "tsp", "devices": 2, "max_seq_len": 6000, "bytes_at_max": 63 * 2**20},
+    ]
+    rows[0]["step_seconds"], rows[1]["step_seconds"] = 2.0, 1.5
+    table = markdown(rows)
+    assert "| tsp | 2 | 6000 | 1.50 | 63.0 | — | 1.500 | 0.75 |" in table
+    assert "| alst | 2 | 4000 | 1.00 | 60.0 | — | 2.000 | 1.00 |" in table
 
 
 def test_combine_rounds_takes_medians_and_keeps_failures():
