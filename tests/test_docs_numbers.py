@@ -90,14 +90,15 @@ def test_big_llama_table_is_its_json_and_the_state_follows_from_the_shape():
 
 
 def test_maxlen_table_is_its_json():
-    runs = json.loads((RESULTS / "maxlen_cpu_d2.json").read_text())
-    rows = table("docs/benchmarks.md", "| layout | D | max S |")
-    assert len(rows) == len(runs)
-    for (layout, devices, best, mib, step), run in zip(rows, runs):
-        assert (layout, int(devices)) == (run["layout"], run["devices"])
-        assert int(best) == run["max_seq_len"]
-        assert mib == f"{run['bytes_at_max'] / 2**20:.1f}" and step == f"{run['step_seconds']:.3f}"
+    from benchmarks.maxlen import markdown
+
+    runs = json.loads((RESULTS / "maxlen_cpu.json").read_text())
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert markdown(runs) in text  # the table maxlen printed, as it printed it
+    for run in runs:
         assert run["bytes_at_max"] <= run["budget_bytes"]
+        above = [p for p in run["probes"] if p["seq_len"] > run["max_seq_len"]]
+        assert all(p["bytes"] is None or p["bytes"] > run["budget_bytes"] for p in above)
 
 
 def test_demo_numbers_are_its_json_and_the_parameters_follow_from_the_shape():
@@ -174,3 +175,49 @@ def test_sweep_tables_are_their_json_and_the_state_is_the_planners(header, resul
         lay = planner.Layout(kind[layout], run["tp"], run["sp"], dp=1)
         predicted = planner.MEMORY[lay.kind](shape, work, lay)
         assert cells[0] == mib(predicted.params + predicted.grads + predicted.optimizer)
+
+
+def test_maxlen_accounting_is_its_probes():
+    """docs/benchmarks.md's fixed part and per-token slope of tsp_long and alst, from the
+    probes at (4096, 8192) for D = 2 and (8192, 16384) for D = 4."""
+    runs = {
+        (r["layout"], r["devices"]): r
+        for r in json.loads((RESULTS / "maxlen_cpu.json").read_text())
+    }
+    text = " ".join((ROOT / "docs" / "benchmarks.md").read_text().split())
+    fixed, slope = {}, {}
+    for (layout, d), run in runs.items():
+        probes = {p["seq_len"]: p["bytes"] for p in run["probes"]}
+        lo, hi = (4096, 8192) if d == 2 else (8192, 16384)
+        if layout in ("tsp_long", "alst"):
+            rise = probes[hi] - probes[lo]
+            slope[layout, d] = f"{rise / (hi - lo) / 1024:.2f}"
+            fixed[layout, d] = f"{(probes[lo] - rise * lo / (hi - lo)) / 2**20:.1f}"
+    assert (
+        f"`tsp_long` {fixed['tsp_long', 2]} / {fixed['tsp_long', 4]} MiB, `alst` "
+        f"{fixed['alst', 2]} / {fixed['alst', 4]} MiB" in text
+    )
+    assert (
+        f"{slope['tsp_long', 2]} vs {slope['alst', 2]} KiB per token of S at D = 2, "
+        f"{slope['tsp_long', 4]} vs {slope['alst', 4]} at D = 4" in text
+    )
+
+
+def test_readme_headline_is_the_maxlen_run():
+    runs = {
+        (r["layout"], r["devices"]): r
+        for r in json.loads((RESULTS / "maxlen_cpu.json").read_text())
+    }
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    bench = " ".join((ROOT / "docs" / "benchmarks.md").read_text().split())
+
+    def ratios(a, b, key="max_seq_len", digits=2):
+        return [f"{runs[a, d][key] / runs[b, d][key]:.{digits}f}×" for d in (2, 4)]
+
+    length = ratios("tsp_long", "alst")
+    assert f"train **{length[0]} (D = 2) and {length[1]} (D = 4) ALST's sequence length" in readme
+    assert (
+        "with a step {} / {} as long".format(*ratios("tsp_long", "alst", "step_seconds")) in readme
+    )
+    versus = "{} / {}".format(*ratios("tsp", "ulysses", digits=1))
+    assert f"{versus} the length" in readme and f"{versus} its length" in bench
