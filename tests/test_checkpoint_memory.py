@@ -1,8 +1,9 @@
 """Peak host memory per rank of shard-on-read loading, a training-state save (DCP), the
 streaming HF export and a DeepSpeed ZeRO-2 training-state save, at D=4, next to the rank's own
 state and the full model (a 673 MB float32 Llama). Each phase's peak is the rise of VmHWM over the
-RSS just before it (VmHWM is reset, freed heap memory handed back first), so the kept ranks of
-the ``workers`` pool measure what fresh processes do (checked: within 30 MB of them)."""
+RSS just before it (VmHWM is reset, freed heap memory handed back first), in fresh processes:
+the kept ranks of the ``workers`` pool reuse memory earlier tests freed (their load rise was
+49 MB lower late in a full suite run), and docs/checkpoints.md quotes a fresh run."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 from checks import table
 
 from tsp_ext import checkpoint, init_tsp_mesh, load_pretrained, save_pretrained, shard_batch
+from tsp_ext.testing.launch import run_processes
 
 pytestmark = pytest.mark.multiproc
 
@@ -106,18 +108,18 @@ def tmp():
 
 
 @functools.cache
-def measured(workers, tmp: str):
+def measured(tmp: str):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     source = os.path.join(tmp, "source")
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(**BIG)).save_pretrained(source)
     full = sum(os.path.getsize(os.path.join(source, f)) for f in os.listdir(source) if "safet" in f)
-    return full, workers.run(memory_worker, 4, source, tmp, timeout=300)
+    return full, run_processes(memory_worker, 4, source, tmp, timeout=300)
 
 
-def test_load_save_export_peaks_are_about_the_shard(workers, tmp):
-    full, ranks = measured(workers, tmp)
+def test_load_save_export_peaks_are_about_the_shard(tmp):
+    full, ranks = measured(tmp)
     largest_full = BIG["vocab_size"] * BIG["hidden_size"] * 4  # the embedding / LM head
     for rank, r in enumerate(ranks):
         local, one = r["local_params"], r["largest_local"]
@@ -136,10 +138,10 @@ def test_load_save_export_peaks_are_about_the_shard(workers, tmp):
         assert r["ds_save_one_group"] > 0.8 * r["ds_rank_state"], r  # the whole rank's at once
 
 
-def test_docs_table_is_this_measurement(workers, tmp):
+def test_docs_table_is_this_measurement(tmp):
     """docs/checkpoints.md's table: the state sizes exactly, each measured rise within the
     spread the doc states (``SPREAD``) of the quoted one."""
-    full, ranks = measured(workers, tmp)
+    full, ranks = measured(tmp)
     mb = lambda n: round(n / 2**20)  # noqa: E731
     rows = table("docs/checkpoints.md", "| phase | rank 0 |")
     keys = ("load", "save", "export", "ds_save", "ds_save_one_group")  # the table's order

@@ -228,6 +228,9 @@ def test_tsp_block_takes_every_config_field():
         "recompute_mlp": False,
         "shard_vocab": False,
         "loss_chunk": 7,
+        "mlp_tile": 5,
+        "checkpoint_layers": True,
+        "offload_checkpoints": True,
     }
     expected = TSPConfig(
         tsp_size=4,
@@ -238,6 +241,9 @@ def test_tsp_block_takes_every_config_field():
         recompute_mlp=False,
         shard_vocab=False,
         loss_chunk=7,
+        mlp_tile=5,
+        checkpoint_layers=True,
+        offload_checkpoints=True,
     )
     assert tsp_config_from_ds({"tsp": block}) == expected
     assert {f.name for f in dataclasses.fields(TSPConfig)} == set(block) - {"size"} | {"tsp_size"}

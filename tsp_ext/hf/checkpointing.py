@@ -23,11 +23,18 @@ class _Offloaded:
     def __init__(self, t: torch.Tensor, store: HostStore) -> None:
         self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
         self.nbytes = t.numel() * t.element_size()
-        if t.device.type == "cuda":
-            self.host, self.copied = store.copy_to_host(t)
-        else:
-            self.file = tempfile.TemporaryFile(dir=store.cpu_dir)
-            self.file.write(_bytes_view(t.detach().contiguous()).numpy())
+        try:
+            if t.device.type == "cuda":
+                self.host, self.copied = store.copy_to_host(t)
+            else:
+                self.file = tempfile.TemporaryFile(dir=store.cpu_dir)
+                self.file.write(_bytes_view(t.detach().contiguous()).numpy())
+        except (OSError, RuntimeError) as e:  # no space left / pinned allocation failed
+            raise MemoryError(
+                f"offload_checkpoints: host memory ran out at {store.held + self.nbytes:,} bytes "
+                f"of offloaded layer inputs ({e}); give the job more host memory (pinned on "
+                "CUDA; /dev/shm on CPU), shorten the sequence, or set offload_checkpoints=False"
+            ) from e
         store.held += self.nbytes
         store.peak = max(store.peak, store.held)
         weakref.finalize(self, store.release, self.nbytes, getattr(self, "file", None))
