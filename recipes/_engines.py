@@ -39,18 +39,26 @@ def ds_config(args) -> dict:
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         gradient_clipping=args.max_grad_norm,
     )
-    cfg["tsp"] = {**cfg.get("tsp", {}), "size": args.tsp_size}
+    cfg["tsp"] = {**cfg.get("tsp", {}), "size": args.tsp_size, **checkpointing(args)}
     cfg["bf16"] = {"enabled": bool(args.bf16)}
     return cfg
 
 
+def checkpointing(args) -> dict:
+    """The ``TSPConfig`` fields of ``--gradient-checkpointing`` / ``--offload-checkpoints``."""
+    if not args.gradient_checkpointing:
+        return {}
+    return {"checkpoint_layers": True, "offload_checkpoints": args.offload_checkpoints}
+
+
 def tsp_config(args) -> TSPConfig:
-    """The TSP options of the run: DeepSpeed's ``"tsp"`` block, or the defaults."""
+    """The TSP options of the run: DeepSpeed's ``"tsp"`` block, or the defaults; layer
+    checkpointing from the arguments either way."""
     if args.dp_engine == "deepspeed":
         from tsp_ext.deepspeed import tsp_config_from_ds
 
         return tsp_config_from_ds(ds_config(args))
-    return TSPConfig(tsp_size=args.tsp_size)
+    return TSPConfig(tsp_size=args.tsp_size, **checkpointing(args))
 
 
 class Engine:
@@ -78,12 +86,12 @@ class Engine:
             )
             self.forward_model = self.engine
             return
+        if getattr(model, "tsp", None) is None:
+            apply_tsp(model, mesh, config=tsp_config(args))
         if kind == "fsdp2":
             tsp_ext.fsdp.shard_model(model, mesh)
             self.forward_model = model
         elif kind == "ddp":
-            if getattr(model, "tsp", None) is None:
-                apply_tsp(model, mesh)
             # the gradients live in DDP's buckets (no second copy of every gradient)
             self.forward_model = DistributedDataParallel(
                 model, process_group=self.dp_group, gradient_as_bucket_view=True

@@ -64,7 +64,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="default: the accelerate launch config's deepspeed_config_file, else "
         "configs/ds_zero2.json",
     )
-    p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="recompute each decoder layer in backward, keeping only its input "
+        "(TSPConfig checkpoint_layers)",
+    )
+    p.add_argument(
+        "--offload-checkpoints",
+        action="store_true",
+        help="with --gradient-checkpointing: those inputs wait for backward in host memory",
+    )
     p.add_argument(
         "--sample-tokens",
         type=int,
@@ -134,6 +144,10 @@ def check_args(args, world: int) -> None:
         )
     if args.model not in PRESETS:
         check_context(args.seq_len, AutoConfig.from_pretrained(args.model), args.model)
+    if args.offload_checkpoints and not args.gradient_checkpointing:
+        raise SystemExit(
+            "--offload-checkpoints offloads layer checkpoints: add --gradient-checkpointing"
+        )
     if args.keep_last < 0:
         raise SystemExit(f"--keep-last {args.keep_last}: give 0 (keep all) or a positive count")
     if args.sample_tokens and args.dp_engine != "ddp":
@@ -327,8 +341,6 @@ def main(argv=None) -> None:
     mesh = init_tsp_mesh(args.tsp_size, timeout=timeout)
     dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
     model, full_params = build_model(args, len(tokenizer), mesh, acc.device)
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
     engine = Engine(args.dp_engine, model, mesh, args)
     start = engine.load(args.resume_from) if args.resume_from else 0
     log.info(

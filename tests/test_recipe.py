@@ -150,8 +150,9 @@ ENGINES = ("ddp", "deepspeed", "fsdp2")
 def runs(workers, tmp: str) -> dict[str, dict]:
     """Per engine: train 4 steps (checkpoint at 2) from a local checkpoint loaded shard-on-read,
     then resume a second run from step 2; on the kept ranks (``accelerate launch`` itself is
-    tested by the other launches here)."""
-    model = ("--model", pretrained(tmp))
+    tested by the other launches here). Every decoder layer is recomputed in backward, its input
+    offloaded to host memory (``--gradient-checkpointing --offload-checkpoints``)."""
+    model = ("--model", pretrained(tmp), "--gradient-checkpointing", "--offload-checkpoints")
     out = {}
     for e in ENGINES:
         out[e], resumed = os.path.join(tmp, e), os.path.join(tmp, f"{e}-resumed")
@@ -212,6 +213,7 @@ def test_recipe_trains_exports_and_resumes(workers, engine, tmp):
         (["--tsp-size", "3"], "--tsp-size 3 does not divide the 2 processes"),
         (["--tsp-size", "2", "--seq-len", "3"], "--seq-len 3 is shorter than 2 x tsp size = 4"),
         (["--dataset", "json:{tmp}/data.jsonl"], "has no column 'text'"),
+        (["--offload-checkpoints"], "--offload-checkpoints offloads layer checkpoints: add"),
     ],
 )
 def test_bad_arguments_fail_before_training(workers, args, expected, tmp):
