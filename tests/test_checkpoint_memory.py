@@ -1,9 +1,10 @@
 """Peak host memory per rank of shard-on-read loading, a training-state save (DCP), the
 streaming HF export and a DeepSpeed ZeRO-2 training-state save, at D=4, next to the rank's own
 state and the full model (a 673 MB float32 Llama). Each phase's peak is the rise of VmHWM over the
-RSS just before it (VmHWM is reset, freed heap memory handed back first), in fresh processes:
-the kept ranks of the ``workers`` pool reuse memory earlier tests freed (their load rise was
-49 MB lower late in a full suite run), and docs/checkpoints.md quotes a fresh run."""
+RSS just before it (VmHWM is reset, freed heap memory handed back first), in fresh processes
+whose glibc maps every allocation from 128 KiB on by itself: the kept ranks of the ``workers``
+pool reuse memory earlier tests freed (their load rise was 49 MB lower late in a full suite run),
+and docs/checkpoints.md quotes a fresh run."""
 
 from __future__ import annotations
 
@@ -33,7 +34,10 @@ BIG = dict(
 SHARD = 64 * 2**20  # export max_shard_size
 GROUP = 64 * 2**20  # DeepSpeed save: max_group_bytes (one decoder layer, 51 MB, per group)
 ALLOWANCE = 48 * 2**20  # allocator slack, libraries' buffers
-SPREAD = 32  # MB: how far a fresh run's rise may sit from the one docs/checkpoints.md quotes
+SPREAD = 8  # MB: how far a fresh run's rise may sit from the one docs/checkpoints.md quotes
+
+
+M_MMAP_THRESHOLD = -3  # mallopt's parameter
 
 
 def _status_bytes(field: str) -> int:
@@ -53,6 +57,9 @@ def _peak(fn) -> int:
 
 
 def memory_worker(rank, world, source, out):
+    # every allocation from 128 KiB on is its own mapping, returned at once when freed (glibc
+    # otherwise raises this threshold as blocks are freed, and the rises vary by ~25 MB)
+    ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 128 * 1024)
     mesh = init_tsp_mesh(world)
     box = {}
     res = {"load": _peak(lambda: box.update(m=load_pretrained(source, mesh, dtype=torch.float32)))}
