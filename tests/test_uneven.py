@@ -30,7 +30,6 @@ from tsp_ext import (
 )
 from tsp_ext.dp.grad_norm import clip_grad_norm_
 from tsp_ext.engine.heads import AttentionSpec
-from tsp_ext.testing.launch import run_processes
 
 pytestmark = pytest.mark.multiproc
 
@@ -159,6 +158,19 @@ def test_uneven_parameter_bytes_within_one_head_or_row(workers, world):
         assert max(total_local) > 0 and min(total_local) > 0
 
 
+def on_fake_group(fn, rank: int, world: int, *args):
+    """``fn(rank, world, *args)`` in this process as rank ``rank`` of a fake process group of
+    ``world`` (shape-only collectives; no processes to start), which is torn down after."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    assert not dist.is_initialized(), "the test process has a process group of its own"
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        return fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
 def shape_worker(rank, world, n_heads, n_kv, head_dim, hidden, ffn, vocab):
     """Build the TSP modules of a large layout on the fake process group; return their shapes."""
     from torch import nn
@@ -186,18 +198,8 @@ LARGE = [(28, 4, 8, 3584, 18944, 152064), (40, 8, 16, 5120, 13824, 32001)]
 @pytest.mark.parametrize("n_heads, n_kv, world, hidden, ffn, vocab", LARGE)
 def test_large_layouts_shapes_on_fake_group(n_heads, n_kv, world, hidden, ffn, vocab):
     d = hidden // n_heads
-    first, last = run_processes(
-        shape_worker,
-        world,
-        n_heads,
-        n_kv,
-        d,
-        hidden,
-        ffn,
-        vocab,
-        backend="fake",
-        ranks=[0, world - 1],
-    )
+    args = (n_heads, n_kv, d, hidden, ffn, vocab)
+    first, last = (on_fake_group(shape_worker, r, world, *args) for r in (0, world - 1))
     hq, g = -(-n_heads // world), n_heads // n_kv
     lq = n_heads // world
     assert first["q_proj.weight"] == (hq * d, hidden)
