@@ -417,3 +417,6 @@ BUILDERS: dict[str, Callable[..., Prepared]] = {
     "alst": lambda m, i, w, d: build_ulysses_zero3(m, i, w, d, tiled=True),
 }
 LAYOUTS = tuple(BUILDERS)
+# what a sweep runs unless told: every layout but the steps between TSP's defaults and tsp_long
+# and between Ulysses and ALST (select those by name)
+SWEEP_LAYOUTS = tuple(n for n in LAYOUTS if n not in ("tsp_layers", "tsp_offload", "ulysses_zero3"))

@@ -22,7 +22,7 @@ import sys
 import time
 
 from .harness import measure
-from .layouts import LAYOUTS, tp_sp_split
+from .layouts import LAYOUTS, SWEEP_LAYOUTS, tp_sp_split
 from .plots import write_plots
 from .report import add_loss_check, add_ulysses_ratio, markdown_table
 
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--devices", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--seq-lens", type=int, nargs="+", default=None)
-    ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
+    ap.add_argument("--layouts", nargs="+", default=list(SWEEP_LAYOUTS), choices=LAYOUTS)
     ap.add_argument("--steps", type=int, default=5, help="timed steps (median)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument(
