@@ -386,12 +386,11 @@ def _tile_mlp(mlp: nn.Module, shards: int) -> None:
     """Run this Hugging Face gated MLP through DeepSpeed's ``TiledMLP`` in ``shards`` tiles."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 
-    def gated(self, x):
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+    hf_forward = type(mlp).forward  # the class's own, untouched by the instance's below
 
     def forward(x):
         params = [mlp.down_proj.weight, mlp.gate_proj.weight, mlp.up_proj.weight]
-        return TiledMLP.apply(gated, mlp, x, shards, params)
+        return TiledMLP.apply(hf_forward, mlp, x, shards, params)
 
     mlp.forward = forward
 

@@ -76,7 +76,6 @@ def layer_checkpointing(mesh, offload: bool):
     apply_tsp(model, mesh, config=config).train()
     data = batch(model.config.vocab_size, 2, 24)
     inputs = dict(shard_batch(data, mesh))
-    hidden = model.model.embed_tokens(inputs["input_ids"])  # [B, S/D, h]: a layer's input
     with SavedTensorBytes(ignore=model.parameters()) as saved:
         loss = model(**inputs).loss
     store = model.tsp.host_store
@@ -91,7 +90,7 @@ def layer_checkpointing(mesh, offload: bool):
         "saved": saved.nbytes,
         "held": held,
         "held_after": store.held if offload else 0,
-        "layer_input": hidden.numel() * hidden.element_size(),
+        "layer_input": inputs["input_ids"].numel() * model.config.hidden_size * 8,  # [B, S/D, h]
     }
 
 
