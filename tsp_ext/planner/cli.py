@@ -19,6 +19,7 @@ from .inputs import (
     Plan,
     Workload,
 )
+from .longest import Longest, longest_per_layout
 from .ranking import plan
 from .shapes import PRESETS, load_model
 
@@ -31,11 +32,30 @@ def _parser() -> argparse.ArgumentParser:
     )
     a = p.add_argument
     a("--model", required=True, help=f"preset ({', '.join(PRESETS)}) or an HF config.json / dir")
-    a("--seq-len", type=int, required=True, help="tokens per sequence")
+    a("--seq-len", type=int, help="tokens per sequence (required unless --max-seq-len)")
+    a(
+        "--max-seq-len",
+        action="store_true",
+        help="instead of one length: each layout's longest trainable sequence, every layout in "
+        "its long-context configuration (docs/planner.md)",
+    )
     a("--micro-batch", type=int, default=1, help="sequences per step per model replica")
     a("--devices", type=int, default=8, help="devices in all")
     a("--devices-per-node", type=int, default=8)
     a("--device-memory-gb", type=float, default=80.0, help="memory per device, GiB")
+    a(
+        "--reserved-gb",
+        type=float,
+        default=4.0,
+        help="GiB per device no tensor can use: CUDA context, NCCL buffers, fragmentation",
+    )
+    a(
+        "--host-memory-gb",
+        type=float,
+        default=2048.0,
+        help="host memory per node, GiB (a DGX H100's 2 TiB): holds offloaded checkpoints "
+        "and optimizer state",
+    )
     a("--recompute", choices=RECOMPUTE, default="selective", help="activation recompute")
     a("--dtype", choices=tuple(DTYPE_BYTES), default="bfloat16", help="weights and activations")
     a(
@@ -48,6 +68,22 @@ def _parser() -> argparse.ArgumentParser:
     a("--no-shard-vocab", action="store_true", help="TSP: replicated embedding and LM head")
     a("--loss-chunk", type=int, default=1024, help="TSP: tokens per fused LM-head/loss block")
     a("--no-overlap", action="store_true", help="TSP: no communication/compute overlap")
+    a(
+        "--mlp-tile",
+        type=int,
+        default=4096,
+        help="tokens per MLP tile (TSP's mlp_tile, ALST's TiledMLP); 0: untiled",
+    )
+    a(
+        "--offload-checkpoints",
+        action="store_true",
+        help="with --recompute full: layer checkpoints in host memory (TSP, ALST)",
+    )
+    a(
+        "--offload-optimizer",
+        action="store_true",
+        help="optimizer state and float32 master weights in host memory (DeepSpeed)",
+    )
     a("--intra-node-bw", type=float, default=300.0, help="GB/s per device inside a node")
     a("--inter-node-bw", type=float, default=40.0, help="GB/s per device across nodes")
     a(
@@ -74,8 +110,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def _inputs(args: argparse.Namespace):
     model = load_model(args.model)
+    if args.seq_len is None and not args.max_seq_len:
+        raise ValueError("give --seq-len (tokens per sequence) or --max-seq-len")
     work = Workload(
-        seq_len=args.seq_len,
+        seq_len=args.seq_len or 1,
         micro_batch=args.micro_batch,
         dtype=args.dtype,
         optimizer=args.optimizer,
@@ -84,6 +122,9 @@ def _inputs(args: argparse.Namespace):
         shard_vocab=not args.no_shard_vocab,
         loss_chunk=args.loss_chunk,
         overlap=not args.no_overlap,
+        mlp_tile=args.mlp_tile or None,
+        offload_checkpoints=args.offload_checkpoints,
+        offload_optimizer=args.offload_optimizer,
     )
     if args.calibrate and args.cores and args.peak_tflops is None:
         raise SystemExit(
@@ -95,6 +136,8 @@ def _inputs(args: argparse.Namespace):
         devices=args.devices,
         devices_per_node=args.devices_per_node,
         device_memory_gb=args.device_memory_gb,
+        reserved_gb=args.reserved_gb,
+        host_memory_gb=args.host_memory_gb,
         intra_node_gbs=args.intra_node_bw,
         inter_node_gbs=args.inter_node_bw,
         peak_tflops=args.peak_tflops or GPU_PEAK_TFLOPS,
@@ -159,6 +202,45 @@ def format_table(result: Plan) -> str:
     return "\n".join(lines)
 
 
+def format_longest(m, w: Workload, c: Cluster, rows: list[Longest], skipped) -> str:
+    """The ``--max-seq-len`` table: each layout's longest sequence, its device and host memory
+    there and what stops it, with its ratio to ALST's on all devices."""
+    host = "no host limit" if c.host_memory_gb is None else f"{c.host_memory_gb:g} GiB host/node"
+    lines = [
+        f"{m.name}: {m.params / 1e6:,.1f}M params; micro-batch {w.micro_batch}, {w.dtype}, "
+        f"{w.optimizer}; {c.devices} devices ({c.devices_per_node}/node, "
+        f"{c.device_memory_gb:g} GiB each, {c.reserved_gb:g} reserved), {host}",
+        "each layout in its long-context configuration (layer checkpointing; TSP and ALST: "
+        "checkpoints and optimizer in host memory, MLP tiles of h tokens)",
+        "",
+    ]
+    alst = next((r for r in rows if r.layout.kind == "alst" and r.layout.sp == c.devices), None)
+    head = ("layout", "max seq len", "vs alst", "device GiB", "host GiB/node", "limited by")
+    table = [head]
+    per_node = min(c.devices, c.devices_per_node)
+    for r in rows:
+        if r.seq_len is None:
+            table.append((str(r.layout), "none fits", "", "", "", f"{r.limit} memory"))
+            continue
+        ratio = f"{r.seq_len / alst.seq_len:.2f}" if alst and alst.seq_len else ""
+        table.append(
+            (
+                str(r.layout),
+                f"{r.seq_len:,}",
+                ratio,
+                f"{r.memory.total / GIB:.1f}",
+                f"{r.memory.host * per_node / GIB:.1f}",
+                f"{r.limit} memory" if r.limit != "search limit" else r.limit,
+            )
+        )
+    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+    for row in table:
+        cells = [row[0].ljust(widths[0])] + [x.rjust(wd) for x, wd in zip(row[1:], widths[1:])]
+        lines.append("  ".join(cells).rstrip())
+    lines += [f"skipped {lay}: {why}" for lay, why in skipped]
+    return "\n".join(lines)
+
+
 def plot_memory(result: Plan, path: str) -> None:
     """Write total memory per device vs sequence length (log-log) for every layout to ``path``."""
     try:
@@ -178,9 +260,11 @@ def plot_memory(result: Plan, path: str) -> None:
             if e.layout in curves:
                 curves[e.layout].append((n, e.memory.total / GIB))
     fig, ax = plt.subplots(figsize=(10, 5.5))
-    style = {"tsp": "-", "tp": "--", "sp": ":", "tpxsp": "-."}
+    style = {"tsp": "-", "tp": "--", "sp": ":", "tpxsp": "-.", "alst": (0, (5, 1))}
     for i, (lay, points) in enumerate(curves.items()):
-        ax.plot(*zip(*points), style[lay.kind], color=f"C{i % 10}", marker=".", label=str(lay))
+        ax.plot(
+            *zip(*points), linestyle=style[lay.kind], color=f"C{i % 10}", marker=".", label=str(lay)
+        )
     ax.axhline(c.device_memory_gb, color="k", linestyle="--", label="device memory")
     ax.axvline(w.seq_len, color="grey", linestyle=":")
     ax.set(xscale="log", yscale="log", xlabel="sequence length", ylabel="GiB per device")
@@ -196,7 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        result = plan(*_inputs(args), kinds=tuple(args.layouts))
+        inputs = _inputs(args)
+        if args.max_seq_len:
+            return _print_longest(*inputs, tuple(args.layouts), args.json)
+        result = plan(*inputs, kinds=tuple(args.layouts))
         if args.plot:
             plot_memory(result, args.plot)
     except ValueError as err:
@@ -208,4 +295,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tsp-plan: recommended: {result.reason}", file=sys.stderr)
     else:
         print(format_table(result))
+    return 0
+
+
+def _print_longest(m, w: Workload, c: Cluster, kinds: tuple[str, ...], as_json: bool) -> int:
+    rows, skipped = longest_per_layout(m, w, c, kinds)
+    if not rows:
+        why = "; ".join(f"{lay}: {r}" for lay, r in skipped) or "no layout of these kinds"
+        raise SystemExit(f"tsp-plan: no layout can run {m.name} on {c.devices} devices ({why})")
+    if as_json:
+        print(json.dumps({"max_seq_len": [r.as_dict() for r in rows]}, indent=2))
+        for lay, why in skipped:
+            print(f"tsp-plan: skipped {lay}: {why}", file=sys.stderr)
+    else:
+        print(format_longest(m, w, c, rows, skipped))
     return 0

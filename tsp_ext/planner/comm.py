@@ -88,6 +88,31 @@ def baseline_comm(m: ModelShape, w: Workload, c: Cluster, lay: Layout) -> tuple[
     return layer + _dp_comm(m, w, c, lay, _shard_params(m, tp)), step
 
 
+def alst_comm(m: ModelShape, w: Workload, c: Cluster, lay: Layout) -> tuple[list, list]:
+    """Per-layer and per-step transfers of ALST: Ulysses' all-to-alls of q, k, v and the output
+    in forward, again in the recomputed forward, and in backward (twelve); ZeRO-3 over all
+    sp·dp devices gathers each layer's weights for the forward, the recomputed forward and the
+    backward and reduce-scatters its gradients, and likewise the embedding and LM head."""
+    sp, N, B, d, b = lay.sp, lay.sp * lay.dp, w.micro_batch, m.head_dim, w.beta
+    T, g = w.seq_len / sp, (sp - 1) / sp
+    layer = []
+    if sp > 1:
+        a2a = 3 * g * B * T * (m.num_heads + max(m.num_kv_heads, sp) * 2 + m.num_heads) * d * b
+        layer.append(Transfer("all-to-all q/k/v/out (fwd, recompute, bwd)", a2a, 12, False,
+                              c.bandwidth(1, sp)))  # fmt: skip
+    full = _layer_params(m, m.num_heads, m.num_kv_heads, m.intermediate_size)
+    bw, share = c.bandwidth(1, N), (N - 1) / N
+    step = []
+    if N > 1:
+        layer.append(
+            Transfer("ZeRO-3 gather x3, reduce-scatter", 4 * share * full * b, 4, True, bw)
+        )
+        vocab = _vocab_params(m, m.vocab_size, m.vocab_size)
+        step.append(Transfer("ZeRO-3 vocabulary gather x2, reduce-scatter", 3 * share * vocab * b,
+                             3, True, bw))  # fmt: skip
+    return layer, step
+
+
 def _dp_comm(m: ModelShape, w: Workload, c: Cluster, lay: Layout, params: float) -> list:
     """ZeRO / DDP over dp, per layer: ZeRO-3 gathers the weights in forward and in backward and
     reduce-scatters the gradients; lower stages reduce gradients and gather updated weights."""
@@ -98,4 +123,10 @@ def _dp_comm(m: ModelShape, w: Workload, c: Cluster, lay: Layout, params: float)
     return [Transfer("data parallel (ZeRO)", nbytes, times, True, c.bandwidth(lay.group, lay.dp))]
 
 
-COMM = {"tsp": tsp_comm, "tp": baseline_comm, "sp": baseline_comm, "tpxsp": baseline_comm}
+COMM = {
+    "tsp": tsp_comm,
+    "tp": baseline_comm,
+    "sp": baseline_comm,
+    "tpxsp": baseline_comm,
+    "alst": alst_comm,
+}

@@ -10,7 +10,7 @@ from .shapes import ModelShape
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 RECOMPUTE = ("none", "selective", "full")
 OPTIMIZERS = ("adamw", "adamw-master")
-LAYOUTS = ("tsp", "tp", "sp", "tpxsp")
+LAYOUTS = ("tsp", "tp", "sp", "tpxsp", "alst")
 GIB = 2**30
 GPU_PEAK_TFLOPS = 989.0  # an H100 SXM's dense bf16 peak: the default device
 
@@ -30,6 +30,12 @@ class Workload:
     loss_chunk: int = 1024
     overlap: bool = True
     attn_block: int = 512
+    mlp_tile: int | None = (
+        4096  # tokens per MLP tile (TSP's mlp_tile; ALST's TiledMLP); None: untiled
+    )
+    offload_checkpoints: bool = False  # layer inputs wait for backward in host memory
+    offload_optimizer: bool = False  # optimizer state (and float32 master copies) in host memory
+    offload_params: bool = False  # ZeRO-3 weight partitions in host memory (ALST on one device)
 
     def __post_init__(self) -> None:
         checks = [
@@ -40,6 +46,15 @@ class Workload:
             (self.recompute in RECOMPUTE, f"recompute must be one of {', '.join(RECOMPUTE)}"),
             (self.zero_stage in (0, 1, 2, 3), f"zero_stage must be 0-3, got {self.zero_stage}"),
             (self.loss_chunk >= 1, f"loss_chunk must be >= 1, got {self.loss_chunk}"),
+            (
+                self.mlp_tile is None or self.mlp_tile >= 1,
+                f"mlp_tile must be >= 1 or None, got {self.mlp_tile}",
+            ),
+            (
+                not self.offload_checkpoints or self.recompute == "full",
+                "offload_checkpoints moves each layer's checkpointed input to host memory: it "
+                "needs recompute='full'",
+            ),
         ]
         for ok, msg in checks:
             if not ok:
@@ -69,6 +84,8 @@ class Cluster:
     mfu: float = 0.4
     latency_us: float = 10.0
     attention_efficiency: float = 1.0  # attention kernels' FLOP rate relative to the matmuls'
+    reserved_gb: float = 0.0  # per device, outside tensors: CUDA context, NCCL, fragmentation
+    host_memory_gb: float | None = None  # per node; None: not a limit
 
     def __post_init__(self) -> None:
         if self.devices < 1 or self.devices_per_node < 1:
@@ -76,10 +93,26 @@ class Cluster:
         rates = (self.intra_node_gbs, self.inter_node_gbs, self.peak_tflops, self.mfu)
         if min(*rates, self.attention_efficiency) <= 0:
             raise ValueError("bandwidths, peak_tflops, mfu and attention_efficiency must be > 0")
+        if not 0 <= self.reserved_gb < self.device_memory_gb:
+            raise ValueError(
+                f"reserved_gb={self.reserved_gb} must be >= 0 and below device_memory_gb="
+                f"{self.device_memory_gb}"
+            )
+        if self.host_memory_gb is not None and self.host_memory_gb <= 0:
+            raise ValueError(f"host_memory_gb must be > 0, got {self.host_memory_gb}")
 
     @property
     def memory_bytes(self) -> float:
-        return self.device_memory_gb * GIB
+        """Bytes per device that tensors may use (device memory less the reserve)."""
+        return (self.device_memory_gb - self.reserved_gb) * GIB
+
+    def host_fits(self, host_per_device: float) -> bool:
+        """Whether a node's host memory holds ``host_per_device`` bytes for each of its devices."""
+        if self.host_memory_gb is None:
+            return True
+        return (
+            host_per_device * min(self.devices, self.devices_per_node) <= self.host_memory_gb * GIB
+        )
 
     def bandwidth(self, stride: int, size: int) -> float:
         """Bytes/s of a group of ``size`` devices ``stride`` ranks apart (ranks fill nodes)."""
@@ -90,7 +123,8 @@ class Cluster:
 @dataclass(frozen=True)
 class Layout:
     """A layout of the devices: ``kind`` on its model-parallel group, ZeRO data parallel on
-    ``dp``. TSP folds both: ``tp == sp == D``, the one axis that shards weights and tokens."""
+    ``dp``. TSP folds both: ``tp == sp == D``, the one axis that shards weights and tokens.
+    ALST (Ulysses SP over ``sp``) runs ZeRO-3 over all ``sp x dp`` devices."""
 
     kind: str
     tp: int
@@ -108,26 +142,29 @@ class Layout:
             "tp": f"tp={self.tp}",
             "sp": f"sp={self.sp}",
             "tpxsp": f"tp={self.tp} x sp={self.sp}",
+            "alst": f"alst sp={self.sp}",
         }[self.kind]
         return axes + (f" dp={self.dp}" if self.dp > 1 else "")
 
 
 @dataclass(frozen=True)
 class Memory:
-    """Per-device bytes: model state, saved activations, peak transient buffers."""
+    """Per-device bytes: model state, saved activations, peak transient buffers on the device;
+    ``host``: what the device keeps in host memory (offloaded checkpoints, optimizer state)."""
 
     params: float
     grads: float
     optimizer: float
     activations: float
     transient: float
+    host: float = 0.0
 
     @property
     def total(self) -> float:
         return self.params + self.grads + self.optimizer + self.activations + self.transient
 
     def as_dict(self) -> dict[str, int]:
-        keys = ("params", "grads", "optimizer", "activations", "transient", "total")
+        keys = ("params", "grads", "optimizer", "activations", "transient", "total", "host")
         return {k: int(round(getattr(self, k))) for k in keys}
 
 

@@ -17,17 +17,24 @@ from .shapes import (
 
 
 def _model_state(
-    params: float, w: Workload, dp: int, grad_extra: float = 0
-) -> tuple[float, float, float]:
-    """Bytes of (params, grads, optimizer) per device, ZeRO stage ``w.zero_stage`` over dp;
-    ``grad_extra``: gradient elements beyond one per parameter."""
+    params: float, w: Workload, dp: int, grad_extra: float = 0, master: float | None = None
+) -> tuple[float, float, float, float]:
+    """Bytes of (params, grads, optimizer) per device, ZeRO stage ``w.zero_stage`` over dp, and
+    the host bytes of an offloaded optimizer (``w.offload_optimizer``: its states, master
+    weights and the float32 gradients it steps with; the device keeps weights and gradients).
+    ``grad_extra``: gradient elements beyond one per parameter; ``master``: optimizer bytes
+    per parameter when not the workload's (DeepSpeed's ZeRO-3 keeps float32 masters always)."""
     b, z = w.beta, w.zero_stage
-    opt = 2 * b if w.optimizer == "adamw" else 8 + (4 if b < 4 else 0)
-    return (
+    opt = master if master is not None else 2 * b if w.optimizer == "adamw" else 8 + 4 * (b < 4)
+    opt_dp = dp if z >= 1 else 1
+    state = (
         params * b / (dp if z >= 3 else 1),
         (params + grad_extra) * b / (dp if z >= 2 else 1),
-        params * opt / (dp if z >= 1 else 1),
+        params * opt / opt_dp,
     )
+    if not w.offload_optimizer:
+        return (*state, 0.0)
+    return state[0], state[1], 0.0, state[2] + params * 4 * (b < 4) / opt_dp
 
 
 def _tsp_seq(w: Workload, D: int) -> int:
@@ -88,7 +95,6 @@ def tsp_memory(m: ModelShape, w: Workload, lay: Layout) -> Memory:
     counted at the largest rank's size (one more head, MLP row or vocabulary row, and every KV
     head its query heads use)."""
     D, B, h = lay.tp, w.micro_batch, m.hidden_size
-    F = -(-m.intermediate_size // D) * D  # the largest MLP slice, times D
     T = _tsp_seq(w, D) / D
     vocab = -(-m.vocab_size // D) if w.shard_vocab else m.vocab_size
     params = m.num_layers * _tsp_shard_params(m, D) + _vocab_params(m, vocab, vocab)
@@ -98,15 +104,9 @@ def tsp_memory(m: ModelShape, w: Workload, lay: Layout) -> Memory:
         head += 8 * min(vocab, B * w.seq_len) + (B * T + vocab) * h * w.acc
     else:
         head = _head_saved(m, w, T, m.vocab_size, _tsp_norm_saved)
-    acts = m.num_layers * tsp_layer_saved(m, w, D) + head
-    # transient: double-buffered weight shards and their float32 gradient accumulators, one
-    # head group's gathered K/V with its float32 gradient, one MLP shard's intermediates
-    nh, nkv = _tsp_heads(m, D)
-    shard = max(_layer_params(m, nh, nkv, 0), 3 * h * F / D)
-    kv = 2 * B * T * D * nkv * m.head_dim * (w.beta + w.acc)
-    layer = 2 * shard * (w.beta + w.acc) + kv + 6 * B * T * F / D * w.beta
-    if w.recompute == "full":
-        layer += tsp_layer_saved(m, replace(w, recompute="selective"), D)
+    layers = m.num_layers * tsp_layer_saved(m, w, D)
+    host = layers if w.offload_checkpoints else 0.0
+    acts = layers - host + head
     if w.shard_vocab:  # logits blocks, two shards in flight, dW and the gradient ring, dH
         block = min(w.loss_chunk, B * T) * vocab
         loss = (
@@ -114,7 +114,37 @@ def tsp_memory(m: ModelShape, w: Workload, lay: Layout) -> Memory:
         )
     else:
         loss = B * T * m.vocab_size * (w.beta + 8)
-    return _memory(m, w, lay, params, acts, max(layer, loss))
+    # backward reaches the layers after the head, whose saved tensors are then freed
+    transient = max(tsp_layer_working(m, w, D) - head, loss)
+    return _memory(m, w, lay, params, acts, transient, host=host)
+
+
+def tsp_layer_working(m: ModelShape, w: Workload, D: int) -> float:
+    """Bytes one TSP decoder layer's backward needs beyond what is saved: the output gradient
+    and the float32 input-gradient accumulator; weight shards and their float32 gradient
+    accumulators (double-buffered with ``overlap``); one head group's projections, gathered
+    K/V and their gradients; one MLP tile's intermediates. ``full``: the layer's re-computed
+    saved tensors too (its input, back from the host when offloaded)."""
+    B, T, h, d = w.micro_batch, _tsp_seq(w, D) / D, m.hidden_size, m.head_dim
+    F = -(-m.intermediate_size // D) * D  # the largest MLP slice, times D
+    nh, nkv = _tsp_heads(m, D)
+    shard = max(_layer_params(m, nh, nkv, 0), 3 * h * F / D)
+    tile = B * T if w.mlp_tile is None else min(w.mlp_tile, B * T)
+    # local q/k/v, the output's gradient (dA), gathered K/V
+    group = B * T * (2 * nh + 2 * nkv) * d + 2 * B * T * D * nkv * d
+    working = (
+        B * T * h * (w.beta + w.acc)
+        + (1 + w.overlap) * shard * (w.beta + w.acc)
+        + group * (w.beta + w.acc)
+        + 6 * tile * F / D * w.beta
+    )
+    if w.recompute == "full":
+        working += tsp_layer_saved(
+            m, replace(w, recompute="selective", offload_checkpoints=False), D
+        )
+        if not w.offload_checkpoints:  # its input is the checkpoint, counted as saved
+            working -= B * T * h * w.beta
+    return working
 
 
 def baseline_memory(m: ModelShape, w: Workload, lay: Layout) -> Memory:
@@ -130,18 +160,83 @@ def baseline_memory(m: ModelShape, w: Workload, lay: Layout) -> Memory:
     acts = m.num_layers * hf_layer_saved(m, w, tp, sp) + _head_saved(m, w, T, m.vocab_size)
     layer = B * T * (3 * m.intermediate_size / tp + 4 * h) * w.beta
     if w.recompute == "full":
-        layer += hf_layer_saved(m, replace(w, recompute="selective"), tp, sp)
+        layer += hf_layer_saved(
+            m, replace(w, recompute="selective", offload_checkpoints=False), tp, sp
+        )
     loss = B * T * V * (w.beta + 8)
     return _memory(m, w, lay, params, acts, max(layer, loss), grad_extra)
 
 
-def _memory(m: ModelShape, w: Workload, lay: Layout, params, acts, transient, grad_extra=0.0):
+def alst_memory(m: ModelShape, w: Workload, lay: Layout) -> Memory:
+    """ALST as DeepSpeed ships it: Hugging Face Llama under Ulysses SP (tokens / sp, heads / sp
+    in attention), a ZeRO-3 engine over all sp·dp devices (float32 master weights and gradient
+    partition), layer checkpointing (every layer keeps its input; in host memory with
+    ``offload_checkpoints``), ``TiledMLP`` in tiles of ``w.mlp_tile`` tokens (None: untiled)
+    and ``TiledFusedLogitsLoss`` in tiles of ``w.loss_chunk`` tokens; the optimizer on the host
+    with ``offload_optimizer``, the weight partitions with ``offload_params``."""
+    B, h, V = w.micro_batch, m.hidden_size, m.vocab_size
+    T, N = w.seq_len / lay.sp, lay.sp * lay.dp
+    layer_params = _layer_params(m, m.num_heads, m.num_kv_heads, m.intermediate_size)
+    params = m.num_layers * layer_params + _vocab_params(m, V, V)
+    w3 = replace(w, zero_stage=3, recompute="full")
+    moments = 2 * w.beta if w.optimizer == "adamw" else 8
+    p, _, opt, host = _model_state(params, w3, N, master=4 + moments)
+    grads = 0.0 if w.offload_optimizer else params * 4 / N  # float32 gradient partition
+    if w.offload_params:
+        p, host = 0.0, host + p
+    layers = m.num_layers * B * T * h * w.beta
+    host += layers if w.offload_checkpoints else 0.0
+    head = _head_saved(m, w, T, 0)
+    # DeepSpeed's offload keeps the last layer's input on the device (keep_last_count=1)
+    acts = (layers if not w.offload_checkpoints else B * T * h * w.beta) + head
+    # ZeRO-3: the current and the prefetched layer gathered, the current layer's gradients;
+    # backward reaches the layers after the head, whose saved tensors are then freed
+    gathered = 3 * layer_params * w.beta
+    layer = gathered + alst_layer_working(m, w, lay.sp) - head
+    tile = min(w.loss_chunk, B * T)
+    loss = 2 * V * h * w.beta + tile * V * (w.beta + 2 * w.acc) + B * T * h * (w.beta + w.acc)
+    return Memory(p, grads, opt, acts, max(layer, loss), host)
+
+
+def alst_layer_working(m: ModelShape, w: Workload, sp: int) -> float:
+    """Bytes one checkpointed Hugging Face decoder layer under Ulysses needs in backward: its
+    input (back from the host when offloaded), what its recomputed forward saves (two RMSNorms,
+    their outputs, the q/k norms, flash attention's q / k / v / output / log-sum-exp over
+    heads / sp, o_proj's input, the untiled MLP's four intermediates), the output gradient and
+    the input gradient being formed (float32 in the norms' backward, the q norm's as wide as q),
+    flash attention's float32 dQ accumulator below float32, one MLP tile's intermediates."""
+    B, T, h, d, b = w.micro_batch, w.seq_len / sp, m.hidden_size, m.head_dim, w.beta
+    nh, nkv, F = m.num_heads, max(m.num_kv_heads, sp), m.intermediate_size
+    norm1 = B * T * (h * (b + 4 * (b < 4)) + 4)  # float32: the input itself is the checkpoint
+    saved = norm1 + _norm_saved(w, T, h) + 2 * B * T * h * b
+    if m.qk_norm:
+        saved += B * T * (m.num_heads + m.num_kv_heads) * (d * (4 + b) + 4)
+    saved += B * T * ((3 * nh + 2 * nkv) * d * b + 4 * nh)
+    tile = B * T if w.mlp_tile is None else min(w.mlp_tile, B * T)
+    mlp = 6 * tile * F * b
+    if w.mlp_tile is None:
+        saved += 4 * B * T * F * b
+    checkpoint = B * T * h * b * w.offload_checkpoints
+    dq = 4 * B * T * nh * d * (b < 4)  # flash attention's float32 dQ accumulator (bf16 / fp16)
+    widest_norm = max(h, nh * d if m.qk_norm else 0)
+    return checkpoint + saved + B * T * (h * b + widest_norm * w.acc) + dq + mlp
+
+
+def _memory(
+    m: ModelShape, w: Workload, lay: Layout, params, acts, transient, grad_extra=0.0, host=0.0
+):
     """Model state sharded by ZeRO over dp; ZeRO-3 adds the gathered weights of the current
     and the prefetched layer to the transient buffers."""
     if lay.dp > 1 and w.zero_stage == 3:
         transient += 2 * params / m.num_layers * w.beta
-    state = _model_state(params, w, lay.dp, grad_extra)
-    return Memory(*state, activations=acts, transient=transient)
+    *state, opt_host = _model_state(params, w, lay.dp, grad_extra)
+    return Memory(*state, activations=acts, transient=transient, host=host + opt_host)
 
 
-MEMORY = {"tsp": tsp_memory, "tp": baseline_memory, "sp": baseline_memory, "tpxsp": baseline_memory}
+MEMORY = {
+    "tsp": tsp_memory,
+    "tp": baseline_memory,
+    "sp": baseline_memory,
+    "tpxsp": baseline_memory,
+    "alst": alst_memory,
+}

@@ -10,7 +10,8 @@ from .time import step_seconds
 
 
 def candidates(devices: int) -> list[Layout]:
-    """Every TSP, TP and SP size >= 2 and every TP×SP pair that divides the device count."""
+    """Every TSP, TP, SP and ALST size >= 2 and every TP×SP pair that divides the device count;
+    on one device, ALST alone (no SP: ZeRO-3 with its tiling and offload)."""
     sizes = [n for n in range(2, devices + 1) if devices % n == 0]
     out = [Layout("tsp", n, n, devices // n) for n in sizes]
     out += [Layout("tp", n, 1, devices // n) for n in sizes]
@@ -21,6 +22,7 @@ def candidates(devices: int) -> list[Layout]:
         for a in sizes
         if n % a == 0 and 2 <= a < n
     ]
+    out += [Layout("alst", 1, n, devices // n) for n in sizes or [1]]
     return out
 
 
@@ -66,7 +68,7 @@ def estimate(m: ModelShape, w: Workload, c: Cluster, lay: Layout) -> Estimate:
     memory = MEMORY[lay.kind](m, w, lay)
     per_layer, per_step = COMM[lay.kind](m, w, c, lay)
     seconds = step_seconds(m, w, c, lay, per_layer, per_step)
-    fits = memory.total <= c.memory_bytes
+    fits = memory.total <= c.memory_bytes and c.host_fits(memory.host)
     return Estimate(lay, memory, tuple(per_layer), tuple(per_step), seconds, fits)
 
 

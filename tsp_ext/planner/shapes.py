@@ -24,6 +24,7 @@ class ModelShape:
     vocab_size: int
     tie_embeddings: bool = False
     qkv_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over each head's q and k (Qwen3)
 
     @classmethod
     def from_hf_config(cls, cfg: Mapping, name: str = "custom") -> ModelShape:
@@ -46,11 +47,13 @@ class ModelShape:
             vocab_size=cfg["vocab_size"],
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=cfg.get("model_type") == "qwen3",
         )
 
     def hf_config_kwargs(self) -> dict:
         """The ``LlamaConfig`` keyword arguments that build this shape (the inverse of
-        ``from_hf_config``); ``head_dim``, ``tie_word_embeddings`` and ``attention_bias`` only
+        ``from_hf_config``; ``model_type="qwen3"`` with q/k norms, whose ``Qwen3Config`` takes
+        the same keys); ``head_dim``, ``tie_word_embeddings`` and ``attention_bias`` only
         where they differ from what ``LlamaConfig`` derives (h / heads) or defaults to (untied,
         no bias)."""
         kwargs = dict(
@@ -67,6 +70,8 @@ class ModelShape:
             kwargs["tie_word_embeddings"] = True
         if self.qkv_bias:
             kwargs["attention_bias"] = True
+        if self.qk_norm:  # Qwen3Config's keys: the same, with the model type that implies it
+            kwargs["model_type"] = "qwen3"
         return kwargs
 
     @property
@@ -83,6 +88,7 @@ PRESETS = {
     "paper-7b": ModelShape("paper-7b", 4096, 32, 32, 32, 128, 16384, 32000),
     "llama3-8b": ModelShape("llama3-8b", 4096, 32, 32, 8, 128, 14336, 128256),
     "llama3-70b": ModelShape("llama3-70b", 8192, 80, 64, 8, 128, 28672, 128256),
+    "qwen3-32b": ModelShape("qwen3-32b", 5120, 64, 64, 8, 128, 25600, 151936, qk_norm=True),
 }
 
 
@@ -108,7 +114,8 @@ def _layer_params(m: ModelShape, heads: float, kv_heads: float, ffn: float) -> f
     ``ffn`` MLP columns (norm weights replicated)."""
     h, d = m.hidden_size, m.head_dim
     bias = (heads + 2 * kv_heads) * d if m.qkv_bias else 0
-    return 2 * h * d * (heads + kv_heads) + bias + 3 * h * ffn + 2 * h
+    qk_norm = 2 * d if m.qk_norm else 0
+    return 2 * h * d * (heads + kv_heads) + bias + qk_norm + 3 * h * ffn + 2 * h
 
 
 def _vocab_params(m: ModelShape, embed_rows: float, head_rows: float) -> float:

@@ -22,8 +22,10 @@ def step_flops(m: ModelShape, w: Workload, lay: Layout) -> tuple[float, float]:
         layer += 2 * B * S * h * d * (nh + 2 * nkv) + (
             4 * B * S * h * F if w.recompute != "none" else 0
         )
-    if w.recompute == "full":
+    if w.recompute == "full" or lay.kind == "alst":  # ALST always checkpoints its layers
         layer += matmul + attn
+    if lay.kind == "alst" and w.mlp_tile is not None:  # TiledMLP recomputes each tile's forward
+        layer += 2 * B * S * 3 * h * F
     # TSP's fused loss recomputes the logits of all but the forward ring's last shard
     fused = lay.kind == "tsp" and w.shard_vocab
     head = 2 * B * S * m.vocab_size * h * (3 + (n - 1) / n if fused else 3)
@@ -34,7 +36,8 @@ def attention_flops(m: ModelShape, w: Workload, lay: Layout) -> float:
     """The attention kernels' share of one decoder layer's ``step_flops`` per device."""
     S = _tsp_seq(w, lay.group) if lay.kind == "tsp" else w.seq_len
     attn = 2 * w.micro_batch * S * S * m.num_heads * m.head_dim
-    return (3.5 + (w.recompute == "full")) * attn / lay.group
+    full = w.recompute == "full" or lay.kind == "alst"
+    return (3.5 + full) * attn / lay.group
 
 
 def _phase_seconds(flops: float, transfers, c: Cluster) -> float:
