@@ -110,10 +110,11 @@ class _Schedule:
         stream = self.weight_stream(own)
         nxt = start(next(stream))
         for r in range(self.D):
-            cur = nxt
+            cur, nxt = nxt, None
             if r + 1 < self.D and self.options.overlap:
                 nxt = start(next(stream))
             yield cur
+            del cur  # without overlap, group r's buffers go before group r+1's are made
             if r + 1 < self.D and not self.options.overlap:
                 nxt = start(next(stream))
 
@@ -150,10 +151,25 @@ class _Group:
         self._kv_all, self._handle = kv_all, handle
 
     def kv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Wait for the gather; K, V ``[B, S, n_kv(r), d]`` in token order (heads-major)."""
+        """Wait for the gather; K, V ``[B, S, n_kv(r), d]`` in token order (heads-major). The
+        local K/V it sent (``projected[1]``) is dropped: nothing reads it after the gather."""
         self._handle.wait()
         kv_all, self._kv_all = self._kv_all, None
+        self.projected = (self.projected[0], None, *self.projected[2:])
         return self.sched.natural_kv(kv_all)
+
+
+def output_backward(dy: torch.Tensor, wo: torch.Tensor, a: torch.Tensor, acc: torch.dtype):
+    """Backward of ``Y += A · Woᵀ`` for one group, both straight from the heads-major layout
+    (no copy of A or of dA): ``dA = dY · Wo`` as a ``[B, T, n_q, d]`` view of heads-major
+    storage, and ``dWo = dYᵀ · A [h, n_q·d]`` in ``acc``. ``a``: the group's ``A [B, n_q, T, d]``
+    (a slice of the saved heads-major A)."""
+    B, nq, T, d = a.shape
+    h = dy.shape[-1]
+    da = torch.matmul(dy.unsqueeze(1), wo.view(h, nq, d).transpose(0, 1))  # [B, n_q, T, d]
+    dy_t = dy.flatten(0, 1).t()
+    dwo = torch.cat([matmul(dy_t, a[:, j].reshape(B * T, d), acc) for j in range(nq)], dim=1)
+    return da.transpose(1, 2), dwo
 
 
 def heads_major(t: torch.Tensor) -> torch.Tensor:
@@ -231,6 +247,7 @@ def tsp_attention_forward(
             heads = spec.q_heads(r)
             a_all[:, heads], lse_all[:, heads] = a.transpose(1, 2), lse
         add_matmul(y.view(-1, y.shape[-1]), a.reshape(B * T, -1), w["wo"].t())
+        del q, k_all, v_all, a, lse  # before the next group's are made (without overlap)
     return y.to(x.dtype), a_all, lse_all
 
 
@@ -299,33 +316,39 @@ def tsp_attention_backward(sched: _Schedule, dy, x, phases, own, q_norm, k_norm,
             if r0 == p:
                 d_own.update(zip(names, comm.unpack(buf0, [own[n].shape for n in names])))
 
-    waiting = None  # the previous group's projection backward, run after this group's attention
-    for group in sched.projected_groups(own, recompute):
+    def attend(group: _Group) -> tuple:
+        """Group r's attention backward, its dK/dV reduce-scatter posted: ``finish``'s
+        arguments."""
         r, w = group.r, group.w
-        q, kv, lin, weight = group.projected
         # while K/V travel: dA = dY_p · Wo_r ;  dWo_r (partial) = dY_pᵀ · A_r
         heads = spec.q_heads(r)
-        a = a_all[:, heads].transpose(1, 2)  # [B, T, n_q(r), d]
-        da = heads_major((dy @ w["wo"]).view_as(a))
-        dwo = matmul(dy.flatten(0, 1).t(), a.flatten(2).flatten(0, 1), acc)
+        da, dwo = output_backward(dy, w["wo"], a_all[:, heads], acc)
         k_all, v_all = expand_kv(*group.kv(), spec.kv_map(r))
+        q, _, lin, weight = group.projected
         del group
+        a = a_all[:, heads].transpose(1, 2)  # [B, T, n_q(r), d]
         dq, dk_all, dv_all = chunked_attention_backward(
             sched.kernel, da, q, sched.q_spans, k_all, v_all, a, lse_all[:, heads], spec.scaling
         )
         del k_all, v_all
-        hk = kv.shape[1] // 2
+        hk = spec.n_kv(r)
         dk_all, dv_all = (fold_kv(t, spec.kv_map(r), hk) for t in (dk_all, dv_all))
         dkv, handle = comm.reduce_scatter_seq(sched.rank_major(dk_all, dv_all), sched.group, True)
-        del dk_all, dv_all
+        return r, w, weight, lin, dq, dkv, handle, dwo
+
+    waiting = None  # the previous group's projection backward, run after this group's attention
+    for group in sched.projected_groups(own, recompute):
+        pending = attend(group)
+        del group
         if not sched.options.overlap:  # one group at a time: finished before the next starts
-            finish(r, w, weight, lin, dq, dkv, handle, dwo)
+            finish(*pending)
             collect(keep=0)
+            del pending  # group r's buffers go before group r+1's are made
             continue
         if waiting is not None:
             finish(*waiting)
             collect(keep=1)
-        waiting = (r, w, weight, lin, dq, dkv, handle, dwo)
+        waiting = pending
     if waiting is not None:
         finish(*waiting)
     collect(keep=0)
