@@ -12,6 +12,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRotaryEmbedding
 
 from tsp_ext import TSPAttention, TSPConfig, TSPGatedMLP, ZigzagLayout
+from tsp_ext.hf.replicated import TSPRMSNorm
 from tsp_ext.memory import SavedTensorBytes
 
 pytestmark = pytest.mark.multiproc
@@ -64,6 +65,18 @@ def memory_worker(rank, world):
                 tsp(xl)
         result[name] = rec.nbytes
         result[f"{name}_shapes"] = rec.shapes
+        if not packed and name != "mlp_kept":  # fed by the RMSNorm that makes X_p, as in a layer
+            norm = TSPRMSNorm(torch.nn.Parameter(torch.rand(HIDDEN) + 0.5), 1e-6, group)
+            with SavedTensorBytes() as rec:
+                xn = norm(xl)
+                if hf is attn:
+                    tsp(xn, position_embeddings=rope(xl, lay.positions(rank)[None]))
+                else:
+                    tsp(xn)
+            result[f"norm_{name}"] = rec.nbytes
+            with SavedTensorBytes() as rec:
+                norm(xl)
+            result["norm"] = rec.nbytes
     result["weight_shapes"] = [tuple(p.shape) for m in (attn, mlp) for p in m.parameters()]
     return result
 
@@ -83,6 +96,17 @@ def test_saved_bytes_shrink_as_one_over_d(workers, module):
         for rank, res in enumerate(measured(workers, world)):
             ratio = res[module] * world / base
             assert 0.9 <= ratio <= 1.1, (module, world, rank, res[module], base)
+
+
+@pytest.mark.parametrize("module", ["attn", "mlp"])
+def test_a_norms_output_is_kept_as_the_norms_input(workers, module):
+    """Fed by TSP's RMSNorm (as in a decoder layer), attention and MLP keep X_p as the norm's
+    input, which the norm keeps anyway: the pair saves exactly the norm's bytes plus the
+    module's without X_p (one ``[B, S/D, h]`` tensor less per module)."""
+    for world in (1, 2, 4):
+        for rank, res in enumerate(measured(workers, world)):
+            x_p = (SEQ // world) * HIDDEN * 4  # float32
+            assert res[f"norm_{module}"] == res["norm"] + res[module] - x_p, (world, rank)
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -4,8 +4,10 @@ against ALST's published lengths and this repo's measured ``benchmarks.maxlen`` 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+from checks import table
 
 from tsp_ext import planner
 from tsp_ext.planner.cli import main
@@ -24,16 +26,17 @@ PUBLISHED = [
 ]
 
 
-def _alst(model: str, devices: int) -> planner.Layout:
-    return planner.Layout("alst", 1, devices, 1)
+def alst_longest(model: str, devices: int):
+    """ALST's longest sequence for ``model`` on ``devices`` GPUs, with its published settings."""
+    m = planner.PRESETS[model]
+    c = planner.Cluster(devices=devices, reserved_gb=4, host_memory_gb=ALST_NODE_HOST_GB)
+    w = long_context("alst", m, planner.Workload(seq_len=1), devices)
+    return longest(m, w, c, planner.Layout("alst", 1, devices, 1)), c
 
 
 @pytest.mark.parametrize("model,devices,published", PUBLISHED)
 def test_alst_reproduces_its_published_lengths_within_25_percent(model, devices, published):
-    m = planner.PRESETS[model]
-    c = planner.Cluster(devices=devices, reserved_gb=4, host_memory_gb=ALST_NODE_HOST_GB)
-    w = long_context("alst", m, planner.Workload(seq_len=1), devices)
-    found = longest(m, w, c, _alst(model, devices))
+    found, c = alst_longest(model, devices)
     assert found.seq_len == pytest.approx(published, rel=0.25), found
     if model == "llama3-70b":  # "stopped at host RAM with the GPUs about 3/4 full"
         assert found.limit == "host" and 0.6 < found.memory.total / c.memory_bytes < 0.85
@@ -84,3 +87,22 @@ def test_no_layout_fits_is_an_error_naming_the_limit(capsys):
 def test_offload_checkpoints_needs_full_recompute():
     with pytest.raises(ValueError, match="needs recompute='full'"):
         planner.Workload(seq_len=1024, offload_checkpoints=True)
+
+
+def test_docs_quote_this_output_and_these_published_rows(capsys):
+    """docs/planner.md's --max-seq-len block is the command's output, and its table of ALST's
+    published lengths is what this planner predicts for them."""
+    text = (Path(__file__).parents[1] / "docs/planner.md").read_text()
+    command = "tsp-plan --model llama3-8b --devices 8 --max-seq-len"
+    assert main(command.split()[1:]) == 0
+    block = text.split(f"{command}\n```\n```\n", 1)[1].split("\n```", 1)[0]
+    assert block == capsys.readouterr().out.rstrip("\n")
+    rows = table("docs/planner.md", "| model | GPUs | published | predicted |")
+    assert [(m, int(n), int(p.replace(",", ""))) for m, n, p, *_ in rows] == PUBLISHED
+    for model, devices, _, predicted, ratio, limit, device, host in rows:
+        n = int(devices)
+        found, _ = alst_longest(model, n)
+        published = {(m, d): p for m, d, p in PUBLISHED}[model, n]
+        assert predicted == f"{found.seq_len:,}" and ratio == f"{found.seq_len / published:.2f}"
+        assert limit == found.limit and device == f"{found.memory.total / GIB:.1f}"
+        assert host == f"{found.memory.host * min(n, 8) / GIB:.0f}"

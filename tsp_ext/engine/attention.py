@@ -14,7 +14,8 @@ With ``overlap``, group r+1 is projected and its K/V gather posted before group 
 the gather flies while the attention kernel runs (forward and the backward's recompute alike).
 
 Backward re-broadcasts W_r and re-gathers K/V (recomputed from the saved X_p), reduce-scatters
-dK/dV and reduces dW_r to its owner r. Saved per rank: X_p, A_r and lse_r of every group, cos/sin
+dK/dV and reduces dW_r to its owner r. Saved per rank: X_p (as its RMSNorm's input, which the
+norm keeps anyway, when it is one: ``pointwise.to_save``), A_r and lse_r of every group, cos/sin
 and the rank's own shards — O(S/D) activations, O(1/D) weights.
 
 A KV head used by several groups (D > n_kv_heads, or a group boundary inside a KV head's query
@@ -35,7 +36,7 @@ from .heads import AttentionSpec
 from .layout import RowSpans, Span, ZigzagLayout
 from .masked_attention import masked_chunked_attention
 from .options import EngineOptions
-from .pointwise import add_matmul, matmul, rope_phases
+from .pointwise import add_matmul, from_saved, matmul, rope_phases, to_save
 from .qkv import project_qkv, project_qkv_backward, split_kv, stacked_weights
 
 # Names of the k/v part of one head group's shards (summed among the users of a shared KV head).
@@ -264,9 +265,13 @@ def share_kv(grads: dict[str, torch.Tensor], spec: AttentionSpec, p: int, group)
             row.copy_(total)
 
 
-def tsp_attention_backward(sched: _Schedule, dy, x, phases, own, q_norm, k_norm, a_all, lse_all):
+def tsp_attention_backward(
+    sched: _Schedule, dy, saved_x, phases, own, q_norm, k_norm, a_all, lse_all
+):
     """Backward schedule. Returns ``dX_p``, the fully reduced gradients of this rank's own shards
     (dict like ``own``) and this rank's partial gradients of the replicated q/k norm weights.
+    ``saved_x``: what ``pointwise.to_save`` made of X_p; X_p is rebuilt for each use (a group's
+    projection, then its weight gradients), so that it is not alive during the kernels.
 
     Per group r: dA_r = dY_p · Wo_r, the attention backward, then the dK/dV reduce-scatter is
     started; group r's projection backward (it needs the reduced dK/dV) runs after group r+1's
@@ -275,11 +280,11 @@ def tsp_attention_backward(sched: _Schedule, dy, x, phases, own, q_norm, k_norm,
     reduced to their owner; then the rows of each KV head shared by several groups
     (``spec.shared_kv``) are summed among its users only (``comm.sum_among``), so every copy gets
     the sum over all of its users and no buffer exceeds a group's own rows."""
-    B, T, _ = x.shape
+    B, T, h = saved_x[0].shape
     p, spec, acc = sched.p, sched.spec, sched.acc
     names = list(own)
     dy = dy.contiguous()
-    dx = torch.zeros(B, T, x.shape[-1], dtype=acc, device=x.device)
+    dx = torch.zeros(B, T, h, dtype=acc, device=dy.device)
     inverse = phases.conj().resolve_conj()  # RoPE's adjoint, for every group's projection
     d_norm = None
     d_own: dict[str, torch.Tensor] = {}
@@ -289,7 +294,7 @@ def tsp_attention_backward(sched: _Schedule, dy, x, phases, own, q_norm, k_norm,
         """Q, K, V of group r from the saved X_p, its projection (only q/k norms read it: None
         without them, so that it is not kept) and its stacked weights."""
         weight = stacked_weights(w, spec.head_dim)
-        q, kv, lin = project_qkv(x, w, phases, q_norm, k_norm, spec, weight)
+        q, kv, lin = project_qkv(from_saved(*saved_x), w, phases, q_norm, k_norm, spec, weight)
         return q, kv, lin if q_norm is not None else None, weight
 
     def finish(r, w, weight, lin, dq, dkv, handle, dwo):
@@ -297,10 +302,12 @@ def tsp_attention_backward(sched: _Schedule, dy, x, phases, own, q_norm, k_norm,
         posted before the dX GEMM so that it flies behind it."""
         nonlocal d_norm
         handle.wait()
-        dk, dv = split_kv(dkv.to(x.dtype))
+        dk, dv = split_kv(dkv.to(dy.dtype))
+        x = from_saved(*saved_x)
         g, gn, d_lin = project_qkv_backward(
             dq, dk, dv, x, w, weight, lin, inverse, q_norm, k_norm, spec, acc
         )
+        del x
         if gn is not None:
             d_norm = gn if d_norm is None else [a + b for a, b in zip(d_norm, gn)]
         buf = comm.pack([dwo if n == "wo" else g[n] for n in names], acc)
@@ -356,7 +363,7 @@ def tsp_attention_backward(sched: _Schedule, dy, x, phases, own, q_norm, k_norm,
     d_own = {n: d_own[n].to(own[n].dtype) for n in names}
     if d_norm is not None:
         d_norm = [t.to(n.dtype) for t, n in zip(d_norm, (q_norm, k_norm))]
-    return dx.to(x.dtype), d_own, d_norm
+    return dx.to(dy.dtype), d_own, d_norm
 
 
 class _TSPAttentionFunction(torch.autograd.Function):
@@ -369,16 +376,19 @@ class _TSPAttentionFunction(torch.autograd.Function):
         phases = rope_phases(cos, sin, x.dtype)
         y, a_all, lse_all = tsp_attention_forward(sched, x, phases, own, q_norm, k_norm, keep)
         ctx.sched, ctx.names = sched, names
-        if keep:
-            ctx.save_for_backward(x, cos, sin, q_norm, k_norm, a_all, lse_all, *weights)
+        if keep:  # X_p as its norm's input when it is a norm's output (rebuilt in backward)
+            x, norm_weight, ctx.eps = to_save(x)
+            saved = (x, norm_weight, cos, sin, q_norm, k_norm, a_all, lse_all, *weights)
+            ctx.save_for_backward(*saved)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, cos, sin, q_norm, k_norm, a_all, lse_all, *weights = ctx.saved_tensors
+        x, norm_weight, cos, sin, q_norm, k_norm, a_all, lse_all, *weights = ctx.saved_tensors
         own = dict(zip(ctx.names, weights))
+        phases = rope_phases(cos, sin, x.dtype)
         dx, d_own, d_norm = tsp_attention_backward(
-            ctx.sched, dy, x, rope_phases(cos, sin, x.dtype), own, q_norm, k_norm, a_all, lse_all
+            ctx.sched, dy, (x, norm_weight, ctx.eps), phases, own, q_norm, k_norm, a_all, lse_all
         )
         d_qn, d_kn = d_norm if d_norm is not None else (None, None)
         return (None, None, dx, None, None, d_qn, d_kn, *(d_own[n] for n in ctx.names))

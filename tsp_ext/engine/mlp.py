@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from . import comm
 from .options import EngineOptions
-from .pointwise import add_matmul, matmul
+from .pointwise import add_matmul, from_saved, matmul, to_save
 from .weight_ring import GradientRing, circulate
 
 
@@ -176,7 +176,8 @@ def tsp_mlp_backward(sched: _RingSchedule, dy: torch.Tensor, x: torch.Tensor, we
 
 
 class _TSPMLPFunction(torch.autograd.Function):
-    """Autograd boundary of the ring schedule: saves X_p and the rank's own shards (plus every
+    """Autograd boundary of the ring schedule: saves X_p (as its RMSNorm's input when it is a
+    norm's output: ``pointwise.to_save``) and the rank's own shards (plus every
     step's gate/up pre-activations, D x ``[B, S/D, 2 f_q]``, when ``options.recompute_mlp`` is
     off)."""
 
@@ -186,13 +187,15 @@ class _TSPMLPFunction(torch.autograd.Function):
         keep = not options.recompute_mlp and any(ctx.needs_input_grad)
         y, hidden = tsp_mlp_forward(sched, x, (g, u, dn), keep_hidden=keep)
         ctx.sched, ctx.n_hidden = sched, len(hidden or ())
-        ctx.save_for_backward(x, g, u, dn, *(hidden or ()))
+        x, norm_weight, ctx.eps = to_save(x)  # its norm's input when it is a norm's output
+        ctx.save_for_backward(x, norm_weight, g, u, dn, *(hidden or ()))
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, *weights = ctx.saved_tensors[:4]
-        hidden = ctx.saved_tensors[4:] if ctx.n_hidden else None
+        x, norm_weight, *weights = ctx.saved_tensors[:5]
+        x = from_saved(x, norm_weight, ctx.eps)
+        hidden = ctx.saved_tensors[5:] if ctx.n_hidden else None
         dx, (d_g, d_u, d_dn) = tsp_mlp_backward(ctx.sched, dy, x, weights, hidden)
         return None, None, None, dx, d_g, d_u, d_dn
 

@@ -85,8 +85,31 @@ class _RMSNormKeepingInput(torch.autograd.Function):
 
 def rms_norm_keeping_input(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``rms_norm`` (same values) for training: saves ``x`` and one float32 per row, and
-    recomputes the normalised ``x`` in backward (one multiply)."""
-    return _RMSNormKeepingInput.apply(x, weight, eps)
+    recomputes the normalised ``x`` in backward (one multiply). The output remembers where it
+    came from, so that a consumer saving it for backward saves ``x`` instead (``to_save``)."""
+    y = _RMSNormKeepingInput.apply(x, weight, eps)
+    y._tsp_normed = (x, weight, eps, y._version)
+    return y
+
+
+def to_save(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, float | None]:
+    """What to save for backward in place of ``t``: for an unmodified output of
+    ``rms_norm_keeping_input``, the norm's input and weight (which the norm saves anyway: a
+    ``[B, S/D, h]`` tensor less per consumer) and its eps; else ``(t, None, None)``.
+    ``from_saved`` rebuilds ``t``."""
+    src = getattr(t, "_tsp_normed", None)
+    if src is None or src[3] != t._version:
+        return t, None, None
+    return src[:3]
+
+
+def from_saved(t: torch.Tensor, weight: torch.Tensor | None, eps: float | None) -> torch.Tensor:
+    """Inverse of ``to_save``: the norm's output recomputed from its input by the norm's own
+    operations (the same values), or ``t`` itself."""
+    if weight is None:
+        return t
+    xf = t.float()
+    return weight * (xf * inv_rms(xf, eps)).to(t.dtype)
 
 
 def rope_phases(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

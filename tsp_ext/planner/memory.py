@@ -62,16 +62,15 @@ def _head_saved(m: ModelShape, w: Workload, tokens: float, vocab: float, norm=_n
 
 
 def tsp_layer_saved(m: ModelShape, w: Workload, D: int) -> float:
-    """What one TSP decoder layer saves per rank: two norms; attention ``X_p``, every head
-    group's output A and float32 log-sum-exp; the MLP's ``X_p`` (+ gate/up for ``none``).
-    ``full``: only the layer input."""
+    """What one TSP decoder layer saves per rank: two norms (their inputs are what the attention
+    and the MLP keep of their own inputs, ``pointwise.to_save``); every head group's output A
+    and float32 log-sum-exp (+ the MLP's gate/up for ``none``). ``full``: only the layer
+    input."""
     B, T, h = w.micro_batch, _tsp_seq(w, D) / D, m.hidden_size
     if w.recompute == "full":
         return B * T * h * w.beta
-    attn = B * T * (h + m.num_heads * m.head_dim) * w.beta + 4 * B * T * m.num_heads
-    mlp = B * T * h * w.beta
-    if w.recompute == "none":
-        mlp += 2 * B * T * m.intermediate_size * w.beta
+    attn = B * T * m.num_heads * m.head_dim * w.beta + 4 * B * T * m.num_heads
+    mlp = 2 * B * T * m.intermediate_size * w.beta if w.recompute == "none" else 0
     return 2 * _tsp_norm_saved(w, T, h) + attn + mlp
 
 
@@ -121,10 +120,11 @@ def tsp_memory(m: ModelShape, w: Workload, lay: Layout) -> Memory:
 
 def tsp_layer_working(m: ModelShape, w: Workload, D: int) -> float:
     """Bytes one TSP decoder layer's backward needs beyond what is saved: the output gradient
-    and the float32 input-gradient accumulator; weight shards and their float32 gradient
-    accumulators (double-buffered with ``overlap``); one head group's projections, gathered
-    K/V and their gradients; one MLP tile's intermediates. ``full``: the layer's re-computed
-    saved tensors too (its input, back from the host when offloaded)."""
+    and the float32 input-gradient accumulator; a normed input rebuilt from its norm's input;
+    weight shards and their float32 gradient accumulators (double-buffered with ``overlap``);
+    one head group's projections, gathered K/V and their gradients; one MLP tile's
+    intermediates. ``full``: the layer's re-computed saved tensors too (its input, back from
+    the host when offloaded)."""
     B, T, h, d = w.micro_batch, _tsp_seq(w, D) / D, m.hidden_size, m.head_dim
     F = -(-m.intermediate_size // D) * D  # the largest MLP slice, times D
     nh, nkv = _tsp_heads(m, D)
@@ -133,7 +133,7 @@ def tsp_layer_working(m: ModelShape, w: Workload, D: int) -> float:
     # local q/k/v, the output's gradient (dA), gathered K/V
     group = B * T * (2 * nh + 2 * nkv) * d + 2 * B * T * D * nkv * d
     working = (
-        B * T * h * (w.beta + w.acc)
+        B * T * h * (2 * w.beta + w.acc)
         + (1 + w.overlap) * shard * (w.beta + w.acc)
         + group * (w.beta + w.acc)
         + 6 * tile * F / D * w.beta
