@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from tsp_ext.engine import pointwise
 from tsp_ext.engine.pointwise import (
     add_matmul,
     matmul,
@@ -119,3 +120,23 @@ def test_bf16_matmuls_into_float32_on_cuda():
     acc = torch.ones(64, 40, device="cuda")
     add_matmul(acc, a, b)
     torch.testing.assert_close(acc.double(), exact + 1, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_in_row_tiles_is_the_untiled_norm(dtype, monkeypatch):
+    """Rows in tiles (3 rows at a time, 10 rows): values and the input gradient row by row as
+    untiled, the weight gradient summed over the tiles in float32."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 24, dtype=dtype, requires_grad=True)
+    w = torch.randn(24, dtype=dtype, requires_grad=True)
+    dy = torch.randn(2, 5, 24, dtype=dtype)
+
+    def run():
+        y = rms_norm_keeping_input(x, w, 1e-6)
+        return (y, *torch.autograd.grad(y, [x, w], dy))
+
+    whole = run()
+    monkeypatch.setattr(pointwise, "NORM_ROWS", 3)
+    tiled = run()
+    assert torch.equal(tiled[0], whole[0]) and torch.equal(tiled[1], whole[1])
+    torch.testing.assert_close(tiled[2], whole[2], rtol=GRAD_TOL[dtype], atol=0)

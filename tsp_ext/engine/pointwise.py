@@ -41,29 +41,63 @@ def inv_rms(xf: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
 
 
+NORM_ROWS = 4096
+"""Rows (tokens) per tile of the RMSNorms' float32 work: at long context its float32 copies of
+``x``, ``x̂`` and the gradients exist for this many rows at a time, not for all ``S/D``."""
+
+
+def _row_tiles(n: int) -> list[slice]:
+    return [slice(i, min(i + NORM_ROWS, n)) for i in range(0, n, NORM_ROWS)]
+
+
+def normalize(
+    x: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rms_norm(x, weight, eps)`` and the float32 reciprocal RMS ``[..., 1]``, computed in
+    tiles of ``NORM_ROWS`` rows (each row's values as untiled: its statistics are its own)."""
+    h = x.shape[-1]
+    rows = x.reshape(-1, h)
+    out = x.new_empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype))
+    r = x.new_empty(rows.shape[0], 1, dtype=torch.float32)
+    for c in _row_tiles(rows.shape[0]):
+        xf = rows[c].float()
+        r[c] = inv_rms(xf, eps)
+        out[c] = weight * (xf * r[c]).to(x.dtype)
+    return out.view(*x.shape[:-1], h), r.view(*x.shape[:-1], 1)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim, statistics in float32, as Hugging Face's Llama family does."""
-    xf = x.float()
-    return weight * (xf * inv_rms(xf, eps)).to(x.dtype)
+    """RMSNorm over the last dim, statistics in float32, as Hugging Face's Llama family does
+    (in row tiles: ``normalize``)."""
+    return normalize(x, weight, eps)[0]
 
 
 def rms_norm_backward(x, weight, r, dy) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients ``(dx, dweight)`` of ``rms_norm(x, weight)`` given ``dy`` and ``r =
     inv_rms(x.float())``: ``dx = r · (g - x̂ · mean(g ⊙ x̂))`` with ``g = dy ⊙ weight``, ``x̂ = x·r``
-    (float32), in five fused passes. A float64 ``x`` (the parity tests' dtype) replays the taped
-    norm's operations in order instead, so its gradients equal Hugging Face's to the bit."""
-    xf = x.float()
-    xn = xf * r
-    dw = (dy * xn.to(x.dtype)).sum(tuple(range(dy.dim() - 1)))
-    g = (dy * weight).float()
+    (float32), in five fused passes per tile of ``NORM_ROWS`` rows, ``dweight`` summed over the
+    tiles in float32. A float64 ``x`` (the parity tests' dtype) replays the taped norm's
+    operations in order, untiled, so its gradients equal Hugging Face's to the bit."""
     if x.dtype == torch.float64:
+        xf = x.float()
+        xn = xf * r
+        dw = (dy * xn.to(x.dtype)).sum(tuple(range(dy.dim() - 1)))
+        g = (dy * weight).float()
         dr = (g * xf).sum(-1, keepdim=True)
         dmean = (-0.5 * dr) * r.pow(3) / x.shape[-1]  # rsqrt, then mean, backward
         dx = g * r + dmean * (2 * xf)  # the x·r product's and the square's paths
-    else:
-        dot = torch.linalg.vecdot(g, xn).unsqueeze(-1).div_(x.shape[-1])
-        dx = torch.addcmul(g, xn, dot, value=-1).mul_(r)
-    return dx.to(x.dtype), dw.to(weight.dtype)
+        return dx.to(x.dtype), dw.to(weight.dtype)
+    h = x.shape[-1]
+    rows, d_rows, r_rows = x.reshape(-1, h), dy.reshape(-1, h), r.reshape(-1, 1)
+    dx = torch.empty_like(rows)
+    dw = torch.zeros(h, dtype=torch.float32, device=x.device)
+    for c in _row_tiles(rows.shape[0]):
+        xn = rows[c].float() * r_rows[c]
+        dw += (d_rows[c] * xn.to(x.dtype)).sum(0, dtype=torch.float32)
+        g = (d_rows[c] * weight).float()
+        dot = torch.linalg.vecdot(g, xn).unsqueeze(-1).div_(h)
+        dx[c] = torch.addcmul(g, xn, dot, value=-1).mul_(r_rows[c])
+    return dx.view(x.shape), dw.to(weight.dtype)
 
 
 class _RMSNormKeepingInput(torch.autograd.Function):
@@ -73,10 +107,9 @@ class _RMSNormKeepingInput(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        xf = x.float()
-        r = inv_rms(xf, eps)
+        y, r = normalize(x, weight, eps)
         ctx.save_for_backward(x, weight, r)
-        return weight * (xf * r).to(x.dtype)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
@@ -108,8 +141,7 @@ def from_saved(t: torch.Tensor, weight: torch.Tensor | None, eps: float | None) 
     operations (the same values), or ``t`` itself."""
     if weight is None:
         return t
-    xf = t.float()
-    return weight * (xf * inv_rms(xf, eps)).to(t.dtype)
+    return normalize(t, weight, eps)[0]
 
 
 def rope_phases(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
