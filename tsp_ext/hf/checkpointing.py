@@ -18,13 +18,17 @@ from torch.utils.checkpoint import checkpoint
 
 
 class _Offloaded:
-    """One saved tensor in host memory: a pinned tensor (CUDA) or a RAM-backed file (CPU)."""
+    """One saved tensor in host memory: a pinned tensor (CUDA) or a RAM-backed file (CPU); a
+    tensor without data (meta, or a fake tensor: memory emulation) is only counted."""
 
     def __init__(self, t: torch.Tensor, store: HostStore) -> None:
         self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
         self.nbytes = t.numel() * t.element_size()
+        self.has_data = t.untyped_storage().device.type != "meta"
         try:
-            if t.device.type == "cuda":
+            if not self.has_data:  # no bytes to copy: counted only
+                pass
+            elif t.device.type == "cuda":
                 self.host, self.copied = store.copy_to_host(t)
             else:
                 self.file = tempfile.TemporaryFile(dir=store.cpu_dir)
@@ -40,6 +44,8 @@ class _Offloaded:
         weakref.finalize(self, store.release, self.nbytes, getattr(self, "file", None))
 
     def load(self) -> torch.Tensor:
+        if not self.has_data:
+            return torch.empty(self.shape, dtype=self.dtype, device=self.device)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).wait_event(self.copied)
             return self.host.to(self.device, non_blocking=True)
