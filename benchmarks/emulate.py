@@ -13,6 +13,8 @@ embedding exchanges (row counts, then row ids) need to stay in range.
 
     python -m benchmarks.emulate                                   # paper 7B, 1 layer, CPU
     python -m benchmarks.emulate --devices 8 --seq-len 131072 --layers 32 --device cuda
+    python -m benchmarks.emulate --fake --model llama3-8b --seq-len 4194304 --layout tsp_long \\
+        --dtype bfloat16                                           # fake tensors: emulate_fake
 """
 
 from __future__ import annotations
@@ -54,28 +56,34 @@ def _fill(out_chunks: list[torch.Tensor], mine: torch.Tensor) -> None:
                 chunk.zero_()
 
 
+def mirror(func, args: tuple, out):
+    """``func``'s output with every all-to-all / all-gather output filled as if every rank held
+    this rank's data (from every source, the chunk this rank sends to itself); ``out`` as is for
+    other ops. ``func`` has run already (on the fake process group: the outputs are unfilled)."""
+    name = f"{func.namespace}.{func._schema.name.split('::')[-1]}"
+    if name == "c10d.alltoall_base_":
+        output, x, pg, out_splits, in_splits = args[:5]
+        p, G = _group(pg).rank(), _group(pg).size()
+        mine = x.split(in_splits or x.shape[0] // G)[p]
+        _fill(list(output.split(out_splits or output.shape[0] // G)), mine)
+    elif name == "_c10d_functional.all_to_all_single":
+        x, out_splits, in_splits, pg = args[:4]
+        p, G = _group(pg).rank(), _group(pg).size()
+        mine = x.split(list(in_splits) or x.shape[0] // G)[p]
+        _fill(list(out.split(list(out_splits) or out.shape[0] // G)), mine)
+    elif name in ("c10d._allgather_base_", "_c10d_functional.all_gather_into_tensor"):
+        output, x = (args[0], args[1]) if func.namespace == "c10d" else (out, args[0])
+        _fill(list(output.flatten().split(x.numel())), x.flatten())
+    elif name == "c10d.allgather_":
+        _fill(list(args[0][0]), args[1][0])
+    return out
+
+
 class Mirror(TorchDispatchMode):
     """Fill fake all-to-all / all-gather outputs as if every rank held this rank's data."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        name = f"{func.namespace}.{func._schema.name.split('::')[-1]}"
-        if name == "c10d.alltoall_base_":
-            output, x, pg, out_splits, in_splits = args[:5]
-            p, G = _group(pg).rank(), _group(pg).size()
-            mine = x.split(in_splits or x.shape[0] // G)[p]
-            _fill(list(output.split(out_splits or output.shape[0] // G)), mine)
-        elif name == "_c10d_functional.all_to_all_single":
-            x, out_splits, in_splits, pg = args[:4]
-            p, G = _group(pg).rank(), _group(pg).size()
-            mine = x.split(list(in_splits) or x.shape[0] // G)[p]
-            _fill(list(out.split(list(out_splits) or out.shape[0] // G)), mine)
-        elif name in ("c10d._allgather_base_", "_c10d_functional.all_gather_into_tensor"):
-            output, x = (args[0], args[1]) if func.namespace == "c10d" else (out, args[0])
-            _fill(list(output.flatten().split(x.numel())), x.flatten())
-        elif name == "c10d.allgather_":
-            _fill(list(args[0][0]), args[1][0])
-        return out
+        return mirror(func, args, func(*args, **(kwargs or {})))
 
 
 def _emulated_rank(rank: int, world: int, spec: dict) -> dict:
@@ -138,6 +146,11 @@ def emulate(
     }
 
 
+def _model_arg(text: str) -> dict:
+    """``--model``: a planner preset's name or config overrides as JSON."""
+    return PRESETS[text].hf_config_kwargs() if text in PRESETS else json.loads(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m benchmarks.emulate", description=__doc__.split("\n")[0]
@@ -145,25 +158,53 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layout", default="tsp")
     ap.add_argument("--devices", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=8192)
-    ap.add_argument("--layers", type=int, default=1, help="decoder layers of the paper-7B slice")
-    ap.add_argument("--model", type=json.loads, default=None, help="config overrides, JSON")
+    ap.add_argument(
+        "--layers", type=int, default=None, help="decoder layers (default: 1, or the preset's)"
+    )
+    ap.add_argument(
+        "--model",
+        type=_model_arg,
+        default=None,
+        help="a planner preset (e.g. llama3-8b) or JSON overrides of the paper-7B slice",
+    )
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument(
+        "--fake",
+        action="store_true",
+        help="fake tensors in this process (benchmarks.emulate_fake; TSP layouts, any scale)",
+    )
     ap.add_argument("--json", help="write the row here")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    row = emulate(
-        args.layout,
-        args.devices,
-        args.seq_len,
-        {"num_hidden_layers": args.layers, **(args.model or {})},
-        args.rank,
-        args.micro_batch,
-        args.dtype,
-        device=args.device,
-    )
+    model = {"num_hidden_layers": 1, **(args.model or {})}
+    if args.layers is not None:
+        model["num_hidden_layers"] = args.layers
+    if args.fake:
+        from .emulate_fake import measure_rank
+
+        row = measure_rank(
+            args.layout,
+            args.devices,
+            args.seq_len,
+            {**PAPER_7B, **model},
+            args.rank,
+            args.micro_batch,
+            args.dtype,
+        )
+    else:
+        row = emulate(
+            args.layout,
+            args.devices,
+            args.seq_len,
+            model,
+            args.rank,
+            args.micro_batch,
+            args.dtype,
+            device=args.device,
+        )
     text = json.dumps(row, indent=1, allow_nan=False)
     sys.stdout.write(text + "\n")
     if args.json:

@@ -1,0 +1,33 @@
+"""Fake-tensor emulation of one TSP rank (``benchmarks.emulate_fake``): its MemTracker peak
+equals the same step's with real tensors, and grows linearly in the sequence length.
+
+Both run in this process, on a fake process group of D = 4 (no processes to start).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.emulate_fake import measure_rank
+from tsp_ext.planner import PRESETS
+
+TINY = PRESETS["tiny"].hf_config_kwargs()  # 2 layers, h = 256, V = 2048
+
+
+@pytest.mark.parametrize("layout", ["tsp", "tsp_long"])
+def test_fake_peak_matches_real_tensors(layout):
+    real = measure_rank(layout, 4, 2048, TINY, real=True)["memory_bytes"]
+    fake = measure_rank(layout, 4, 2048, TINY)["memory_bytes"]
+    assert abs(fake["peak"] - real["peak"]) <= 0.05 * real["peak"], (fake, real)
+    for key in ("params", "grads", "optimizer", "host"):
+        assert fake[key] == real[key], key
+    if layout == "tsp_long":  # the layer inputs went to host memory, counted, not written
+        assert fake["host"] == 2 * 2048 // 4 * TINY["hidden_size"] * 2  # 2 layers, bf16
+
+
+def test_fake_peak_grows_linearly_in_seq_len():
+    peaks = [
+        measure_rank("tsp_long", 4, S, TINY)["memory_bytes"]["peak"] for S in (8192, 16384, 32768)
+    ]
+    # above the fixed state (weights, moments), every byte scales with the local tokens
+    assert peaks[2] - peaks[1] == pytest.approx(2 * (peaks[1] - peaks[0]), rel=0.05), peaks
