@@ -120,6 +120,7 @@ def emulate(
         warmup=1,
         dtype=dtype,
         device=device,
+        release_from_start=False,
     )
     (result,) = run_processes(
         _emulated_rank,

@@ -31,3 +31,17 @@ def test_fake_peak_grows_linearly_in_seq_len():
     ]
     # above the fixed state (weights, moments), every byte scales with the local tokens
     assert peaks[2] - peaks[1] == pytest.approx(2 * (peaks[1] - peaks[0]), rel=0.05), peaks
+
+
+@pytest.mark.multiproc
+def test_real_tensor_emulation_runs_one_rank():
+    """``benchmarks.emulate`` (real tensors, one rank spawned on the fake group): the state of
+    rank 0 of TSP at D = 4 is a quarter of the tiny model's layer weights and its vocabulary."""
+    from benchmarks.emulate import emulate
+
+    row = emulate("tsp", 4, 256, TINY)
+    assert row["status"] == "ok" and row["emulated"] and row["loss"] is None
+    mem = row["memory_bytes"]
+    assert mem["params"] == mem["grads"]
+    assert 0 <= mem["optimizer"] - 2 * mem["params"] < 1024  # two moments (and step counts)
+    assert mem["activations"] > 0
