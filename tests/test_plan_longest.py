@@ -4,6 +4,7 @@ against ALST's published lengths and this repo's measured ``benchmarks.maxlen`` 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -106,3 +107,108 @@ def test_docs_quote_this_output_and_these_published_rows(capsys):
         assert predicted == f"{found.seq_len:,}" and ratio == f"{found.seq_len / published:.2f}"
         assert limit == found.limit and device == f"{found.memory.total / GIB:.1f}"
         assert host == f"{found.memory.host * min(n, 8) / GIB:.0f}"
+
+
+# ---- TSP's and ALST's models against what runs: the CPU harness and the 8B emulation ------------
+
+RESULTS = Path(__file__).parents[1] / "docs" / "benchmarks"
+MIB = 2**20
+
+
+def harness_workload(m: planner.ModelShape) -> planner.Workload:
+    """``benchmarks.layouts``' ``tsp_long`` and ``alst`` as a planner workload: float32, torch
+    AdamW (ALST's ZeRO-3 adds its float32 master copy), MLP tiles of h tokens, checkpoints
+    offloaded, the optimizer on the device (TSP without overlap)."""
+    w = planner.Workload(seq_len=1, dtype="float32", optimizer="adamw", recompute="full")
+    return replace(w, offload_checkpoints=True, mlp_tile=m.hidden_size, overlap=False)
+
+
+def cpu_longest(layout: str, devices: int, budget_bytes: int) -> int:
+    m = planner.PRESETS["tiny"]
+    tsp = layout == "tsp_long"
+    lay = planner.Layout("tsp" if tsp else "alst", devices if tsp else 1, devices, 1)
+    c = planner.Cluster(devices=devices, device_memory_gb=budget_bytes / GIB)
+    return longest(m, harness_workload(m), c, lay).seq_len
+
+
+def test_longest_lengths_within_15_percent_of_benchmarks_maxlen():
+    """The planner's longest S for the harness's tiny Llama (float32, 64 MiB per rank) against
+    what ``benchmarks.maxlen`` measured (docs/benchmarks/maxlen_cpu.json), and the docs' table
+    of both."""
+    runs = json.loads((RESULTS / "maxlen_cpu.json").read_text())
+    rows = {(r[0], int(r[1])): r[2:] for r in table("docs/planner.md", "| layout | D | measured")}
+    for run in runs:
+        if run["layout"] not in ("tsp_long", "alst"):
+            continue
+        key = (run["layout"], run["devices"])
+        predicted = cpu_longest(*key, run["budget_bytes"])
+        assert predicted == pytest.approx(run["max_seq_len"], rel=0.15), (key, predicted)
+        ratio = predicted / run["max_seq_len"]
+        assert rows[key] == [f"{run['max_seq_len']:,}", f"{predicted:,}", f"{ratio:.2f}"], key
+
+
+def test_tsp_model_is_the_emulated_8b_rank():
+    """Rank 0 of Llama-3-8B at D = 8 (32 layers, bf16, ``tsp_long`` as the harness runs it:
+    torch AdamW on the device) emulated with fake tensors (``benchmarks.emulate --fake``,
+    docs/benchmarks/emulate_fake_llama3_8b_d8.json): the planner's device bytes within 10% of
+    the emulated peak at every length, its host bytes exact, and at the planner's longest
+    sequence under 76 GiB the emulated rank fits, within 10% of the budget."""
+    m = planner.PRESETS["llama3-8b"]
+    w = planner.Workload(seq_len=1, optimizer="adamw", recompute="full", overlap=False)
+    w = replace(w, offload_checkpoints=True, mlp_tile=m.hidden_size)
+    lay = planner.Layout("tsp", 8, 8, 1)
+    rows = json.loads((RESULTS / "emulate_fake_llama3_8b_d8.json").read_text())
+    assert {(r["layout"], r["devices"], r["model"]["num_hidden_layers"]) for r in rows} == {
+        ("tsp_long", 8, 32)
+    }
+    for r in rows:
+        predicted = planner.MEMORY["tsp"](m, replace(w, seq_len=r["seq_len"]), lay)
+        assert predicted.total == pytest.approx(r["memory_bytes"]["peak"], rel=0.10), r["seq_len"]
+        assert predicted.host == r["memory_bytes"]["host"]
+    # linear in S: the longest row lies on the line through the first two
+    (s1, p1), (s2, p2), (s3, p3) = ((r["seq_len"], r["memory_bytes"]["peak"]) for r in rows)
+    assert p3 == pytest.approx(p1 + (p2 - p1) * (s3 - s1) / (s2 - s1), rel=0.01)
+    c = planner.Cluster(devices=8, reserved_gb=4, host_memory_gb=None)
+    found = longest(m, w, c, lay)
+    at_longest = next(r for r in rows if r["seq_len"] == found.seq_len)
+    assert 0.9 * c.memory_bytes <= at_longest["memory_bytes"]["peak"] <= c.memory_bytes
+
+
+def test_readme_quotes_the_planners_8b_node():
+    """README's headline at real scale: TSP and ALST on one node of 8 x 80 GB with 1.9 TB of
+    host memory, in the planner's long-context configurations."""
+    m, c = (
+        planner.PRESETS["llama3-8b"],
+        planner.Cluster(reserved_gb=4, host_memory_gb=ALST_NODE_HOST_GB),
+    )
+    found = {
+        kind: longest(m, long_context(kind, m, planner.Workload(seq_len=1), 8), c, lay).seq_len
+        for kind, lay in (
+            ("tsp", planner.Layout("tsp", 8, 8, 1)),
+            ("alst", planner.Layout("alst", 1, 8, 1)),
+        )
+    }
+    readme = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
+    assert (
+        f"at **{found['tsp'] / 1e6:.2f}M tokens for TSP against {found['alst'] / 1e6:.2f}M for "
+        f"ALST** (whose published 3.7M on that node the same model reproduces within "
+        f"{found['alst'] / 3.7e6 - 1:.0%})" in readme
+    )
+
+
+def test_benchmarks_doc_quotes_the_emulated_rows():
+    """docs/benchmarks.md's table of the emulated 8B rank and its linear fit are the JSON's."""
+    rows = json.loads((RESULTS / "emulate_fake_llama3_8b_d8.json").read_text())
+    quoted = table("docs/benchmarks.md", "| S | peak GiB | weights |")
+    keys = ("Parameter", "Gradient", "Optstate", "Activation", "Temp")
+    for r, q in zip(rows, quoted, strict=True):
+        m = r["memory_bytes"]
+        cells = [f"{r['seq_len']:,}", f"{m['peak'] / GIB:.2f}"]
+        cells += [f"{m['peak_breakdown'][k] / GIB:.2f}" for k in keys]
+        cells += [f"{m['host'] / GIB:.1f}", f"{r['seconds'] / 60:.1f}"]
+        assert q == cells
+    (s1, p1), (s2, p2) = ((r["seq_len"], r["memory_bytes"]["peak"] / GIB) for r in rows[:2])
+    slope = (p2 - p1) / (s2 - s1) * 2**20
+    text = " ".join((RESULTS.parent / "benchmarks.md").read_text().split())
+    assert f"{p1 - slope * s1 / 2**20:.2f} GiB + {slope:.2f} GiB per Mi tokens" in text
+    assert f"the emulated rank holds {rows[-1]['memory_bytes']['peak'] / GIB:.2f} GiB" in text

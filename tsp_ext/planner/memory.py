@@ -187,8 +187,7 @@ def alst_memory(m: ModelShape, w: Workload, lay: Layout) -> Memory:
     layers = m.num_layers * B * T * h * w.beta
     host += layers if w.offload_checkpoints else 0.0
     head = _head_saved(m, w, T, 0)
-    # DeepSpeed's offload keeps the last layer's input on the device (keep_last_count=1)
-    acts = (layers if not w.offload_checkpoints else B * T * h * w.beta) + head
+    acts = layers * (not w.offload_checkpoints) + head
     # ZeRO-3: the current and the prefetched layer gathered, the current layer's gradients;
     # backward reaches the layers after the head, whose saved tensors are then freed
     gathered = 3 * layer_params * w.beta
@@ -199,27 +198,33 @@ def alst_memory(m: ModelShape, w: Workload, lay: Layout) -> Memory:
 
 
 def alst_layer_working(m: ModelShape, w: Workload, sp: int) -> float:
-    """Bytes one checkpointed Hugging Face decoder layer under Ulysses needs in backward: its
-    input (back from the host when offloaded), what its recomputed forward saves (two RMSNorms,
-    their outputs, the q/k norms, flash attention's q / k / v / output / log-sum-exp over
-    heads / sp, o_proj's input, the untiled MLP's four intermediates), the output gradient and
-    the input gradient being formed (float32 in the norms' backward, the q norm's as wide as q),
-    flash attention's float32 dQ accumulator below float32, one MLP tile's intermediates."""
-    B, T, h, d, b = w.micro_batch, w.seq_len / sp, m.hidden_size, m.head_dim, w.beta
-    nh, nkv, F = m.num_heads, max(m.num_kv_heads, sp), m.intermediate_size
-    norm1 = B * T * (h * (b + 4 * (b < 4)) + 4)  # float32: the input itself is the checkpoint
-    saved = norm1 + _norm_saved(w, T, h) + 2 * B * T * h * b
+    """Bytes one checkpointed Hugging Face decoder layer under Ulysses needs in backward: the
+    larger of its two phases. Both hold its input (back from the host when offloaded), an
+    incoming gradient and what its recomputed forward saved up to attention (the first RMSNorm
+    with its float32 input copy below float32, its output, the q/k norms, flash attention's q /
+    k / v / output / log-sum-exp over heads / sp, o_proj's input).
+    MLP phase (first): also the second norm and its output, the untiled MLP's four
+    intermediates or one tile's, and the norm backward's float32 gradient (with a float32 copy
+    of its incoming gradient below float32).
+    Attention phase: the output's gradient back through the all-to-all, flash attention's dQ,
+    dK, dV (and float32 dQ accumulator below float32), the all-to-all's send and receive
+    buffers of dQ, and the q/k norms' float32 gradients."""
+    B, T, h, d, b, acc = w.micro_batch, w.seq_len / sp, m.hidden_size, m.head_dim, w.beta, w.acc
+    nh, nkv, F, tok = m.num_heads, max(m.num_kv_heads, sp), m.intermediate_size, B * w.seq_len / sp
+    half = b < 4  # casts to float32 make copies
+    base = tok * h * b * (1 + w.offload_checkpoints)  # incoming gradient, input
+    base += tok * (h * (b + 4 * half) + 4) + tok * h * b  # first norm, its output
     if m.qk_norm:
-        saved += B * T * (m.num_heads + m.num_kv_heads) * (d * (4 + b) + 4)
-    saved += B * T * ((3 * nh + 2 * nkv) * d * b + 4 * nh)
-    tile = B * T if w.mlp_tile is None else min(w.mlp_tile, B * T)
-    mlp = 6 * tile * F * b
+        base += tok * (m.num_heads + m.num_kv_heads) * (d * (4 + b) + 4)
+    base += tok * ((3 * nh + 2 * nkv) * d * b + 4 * nh)
+    tile = tok if w.mlp_tile is None else min(w.mlp_tile, tok)
+    mlp = _norm_saved(w, T, h) + tok * h * b + 6 * tile * F * b + tok * h * (acc + 4 * half)
     if w.mlp_tile is None:
-        saved += 4 * B * T * F * b
-    checkpoint = B * T * h * b * w.offload_checkpoints
-    dq = 4 * B * T * nh * d * (b < 4)  # flash attention's float32 dQ accumulator (bf16 / fp16)
-    widest_norm = max(h, nh * d if m.qk_norm else 0)
-    return checkpoint + saved + B * T * (h * b + widest_norm * w.acc) + dq + mlp
+        mlp += 4 * tok * F * b
+    attn = tok * (3 * nh + 2 * nkv) * d * b + 4 * tok * nh * d * half
+    if m.qk_norm:
+        attn += tok * (m.num_heads + m.num_kv_heads) * d * acc
+    return base + max(mlp, attn)
 
 
 def _memory(
