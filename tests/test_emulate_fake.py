@@ -15,15 +15,15 @@ from tsp_ext.planner import PRESETS
 TINY = PRESETS["tiny"].hf_config_kwargs()  # 2 layers, h = 256, V = 2048
 
 
-@pytest.mark.parametrize("layout", ["tsp", "tsp_long"])
-def test_fake_peak_matches_real_tensors(layout):
-    real = measure_rank(layout, 4, 2048, TINY, real=True)["memory_bytes"]
-    fake = measure_rank(layout, 4, 2048, TINY)["memory_bytes"]
-    assert abs(fake["peak"] - real["peak"]) <= 0.05 * real["peak"], (fake, real)
-    for key in ("params", "grads", "optimizer", "host"):
+def test_fake_peak_matches_real_tensors():
+    """``tsp_long`` (the configuration docs/benchmarks.md emulates at 8B) at D = 4: the same
+    peak, state and host bytes with fake tensors as with real ones; the layer inputs went to
+    host memory, counted, not written."""
+    real = measure_rank("tsp_long", 4, 2048, TINY, real=True)["memory_bytes"]
+    fake = measure_rank("tsp_long", 4, 2048, TINY)["memory_bytes"]
+    for key in ("peak", "params", "grads", "optimizer", "host"):  # to the byte
         assert fake[key] == real[key], key
-    if layout == "tsp_long":  # the layer inputs went to host memory, counted, not written
-        assert fake["host"] == 2 * 2048 // 4 * TINY["hidden_size"] * 2  # 2 layers, bf16
+    assert fake["host"] == 2 * 2048 // 4 * TINY["hidden_size"] * 2  # 2 layers, bf16
 
 
 @pytest.mark.multiproc
