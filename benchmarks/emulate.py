@@ -110,7 +110,6 @@ def emulate(
     slice of the paper's 7B.
     """
     model = {**PAPER_7B, "num_hidden_layers": 1, **(model_cfg or {})}
-    tp, sp = tp_sp_split(layout, devices)
     spec = dict(
         layout=layout,
         seq_len=seq_len,
@@ -132,6 +131,12 @@ def emulate(
     )
     result.pop("times", None)
     result.update(loss=None, final_loss=None)  # JSON has no NaN
+    return {**row_header(layout, devices, seq_len, micro_batch, dtype, model, rank), **result}
+
+
+def row_header(layout, devices, seq_len, micro_batch, dtype, model, rank, emulated=True) -> dict:
+    """What identifies an emulated row: the layout and its split, the shape, the rank."""
+    tp, sp = tp_sp_split(layout, devices)
     return {
         "layout": layout,
         "tp": tp,
@@ -141,9 +146,8 @@ def emulate(
         "micro_batch": micro_batch,
         "dtype": dtype,
         "model": {k: model[k] for k in MODEL_KEYS},
-        "emulated": True,
+        "emulated": emulated,
         "rank": rank,
-        **result,
     }
 
 

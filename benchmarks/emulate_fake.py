@@ -38,16 +38,15 @@ from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 from torch.utils._pytree import tree_leaves
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from .emulate import Mirror, mirror
+from .emulate import Mirror, mirror, row_header
 from .harness import (
     DEFAULT_MODEL,
-    MODEL_KEYS,
     _backward_and_update,
     _local_bytes,
     _optimizer_bytes,
     make_batch,
 )
-from .layouts import BUILDERS, LR, tp_sp_split
+from .layouts import BUILDERS, LR
 
 _DEVICE = torch.ops.prim.device.default
 
@@ -158,7 +157,6 @@ def measure_rank(
     if not layout.startswith("tsp"):
         raise ValueError(f"fake-tensor emulation runs the TSP layouts only, not {layout!r}")
     model = {**DEFAULT_MODEL, **(model_cfg or {})}
-    tp, sp = tp_sp_split(layout, devices)
     t0 = time.perf_counter()
     with fake_group(rank, devices), Mirror() if real else Emulation():
         net = build_model(model, getattr(torch, dtype), seq_len)
@@ -184,17 +182,9 @@ def measure_rank(
             "host": 0 if prep.host_store is None else prep.host_store.peak,
             "peak_breakdown": _breakdown(peak),
         }
+    emulated = "real" if real else "fake"
     return {
-        "layout": layout,
-        "tp": tp,
-        "sp": sp,
-        "devices": devices,
-        "seq_len": seq_len,
-        "micro_batch": micro_batch,
-        "dtype": dtype,
-        "model": {k: model[k] for k in MODEL_KEYS},
-        "emulated": "real" if real else "fake",
-        "rank": rank,
+        **row_header(layout, devices, seq_len, micro_batch, dtype, model, rank, emulated),
         "status": "ok",
         "memory_bytes": memory,
         "seconds": round(time.perf_counter() - t0, 1),
