@@ -154,8 +154,7 @@ def test_tsp_model_is_the_emulated_8b_rank():
     the emulated peak at every length, its host bytes exact, and at the planner's longest
     sequence under 76 GiB the emulated rank fits, within 10% of the budget."""
     m = planner.PRESETS["llama3-8b"]
-    w = planner.Workload(seq_len=1, optimizer="adamw", recompute="full", overlap=False)
-    w = replace(w, offload_checkpoints=True, mlp_tile=m.hidden_size)
+    w = replace(harness_workload(m), dtype="bfloat16")
     lay = planner.Layout("tsp", 8, 8, 1)
     rows = json.loads((RESULTS / "emulate_fake_llama3_8b_d8.json").read_text())
     assert {(r["layout"], r["devices"], r["model"]["num_hidden_layers"]) for r in rows} == {

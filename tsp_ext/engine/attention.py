@@ -270,8 +270,9 @@ def tsp_attention_backward(
 ):
     """Backward schedule. Returns ``dX_p``, the fully reduced gradients of this rank's own shards
     (dict like ``own``) and this rank's partial gradients of the replicated q/k norm weights.
-    ``saved_x``: what ``pointwise.to_save`` made of X_p; X_p is rebuilt for each use (a group's
-    projection, then its weight gradients), so that it is not alive during the kernels.
+    ``saved_x``: what ``pointwise.to_save`` made of X_p. With ``overlap`` X_p is rebuilt once;
+    without, for each use (a group's projection, then its weight gradients), so that it is not
+    alive during the kernels (memory before speed).
 
     Per group r: dA_r = dY_p · Wo_r, the attention backward, then the dK/dV reduce-scatter is
     started; group r's projection backward (it needs the reduced dK/dV) runs after group r+1's
@@ -289,12 +290,16 @@ def tsp_attention_backward(
     d_norm = None
     d_own: dict[str, torch.Tensor] = {}
     reductions: list[tuple[int, torch.Tensor, comm.Pending]] = []
+    kept_x = from_saved(*saved_x) if sched.options.overlap else None
+
+    def x_p() -> torch.Tensor:
+        return kept_x if kept_x is not None else from_saved(*saved_x)
 
     def recompute(w):
         """Q, K, V of group r from the saved X_p, its projection (only q/k norms read it: None
         without them, so that it is not kept) and its stacked weights."""
         weight = stacked_weights(w, spec.head_dim)
-        q, kv, lin = project_qkv(from_saved(*saved_x), w, phases, q_norm, k_norm, spec, weight)
+        q, kv, lin = project_qkv(x_p(), w, phases, q_norm, k_norm, spec, weight)
         return q, kv, lin if q_norm is not None else None, weight
 
     def finish(r, w, weight, lin, dq, dkv, handle, dwo):
@@ -303,11 +308,9 @@ def tsp_attention_backward(
         nonlocal d_norm
         handle.wait()
         dk, dv = split_kv(dkv.to(dy.dtype))
-        x = from_saved(*saved_x)
         g, gn, d_lin = project_qkv_backward(
-            dq, dk, dv, x, w, weight, lin, inverse, q_norm, k_norm, spec, acc
+            dq, dk, dv, x_p(), w, weight, lin, inverse, q_norm, k_norm, spec, acc
         )
-        del x
         if gn is not None:
             d_norm = gn if d_norm is None else [a + b for a, b in zip(d_norm, gn)]
         buf = comm.pack([dwo if n == "wo" else g[n] for n in names], acc)
