@@ -26,11 +26,9 @@ class _Offloaded:
         self.nbytes = t.numel() * t.element_size()
         self.has_data = t.untyped_storage().device.type != "meta"
         try:
-            if not self.has_data:  # no bytes to copy: counted only
-                pass
-            elif t.device.type == "cuda":
+            if self.has_data and t.device.type == "cuda":
                 self.host, self.copied = store.copy_to_host(t)
-            else:
+            elif self.has_data:
                 self.file = tempfile.TemporaryFile(dir=store.cpu_dir)
                 self.file.write(_bytes_view(t.detach().contiguous()).numpy())
         except (OSError, RuntimeError) as e:  # no space left / pinned allocation failed
