@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..hf.lora import peft_base
+from .adapter import save_adapter
 from .state import full_shape, iter_full_tensors, require_tsp, reshard_fsdp
 from .writer import WRITER, raise_everywhere, replace_dir
 
@@ -156,7 +158,13 @@ def save_pretrained(
     ``AutoModelForCausalLM.from_pretrained(path)`` in one process. It is written to a temporary
     directory beside ``path`` and renamed into place, so an interrupted save leaves any previous
     checkpoint at ``path`` intact; a failure is raised on every rank.
+
+    A TSP ``peft.PeftModel`` writes its LoRA adapter in PEFT's format instead (``adapter.py``);
+    for a merged checkpoint, save ``model.merge_and_unload()`` (merges locally, on the shards).
     """
+    if peft_base(model) is not None:
+        save_adapter(model, path, tokenizer)
+        return
     require_tsp(model)
     path = os.fspath(path)
     max_bytes = parse_size(max_shard_size)

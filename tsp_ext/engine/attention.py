@@ -18,6 +18,12 @@ dK/dV and reduces dW_r to its owner r. Saved per rank: X_p (as its RMSNorm's inp
 norm keeps anyway, when it is one: ``pointwise.to_save``), A_r and lse_r of every group, cos/sin
 and the rank's own shards — O(S/D) activations, O(1/D) weights.
 
+LoRA adapters (``engine.lora``): B rows of q/k/v travel with their group's shards and add
+``U · B_rᵀ`` to its projection (``U`` made once per call from the replicated A's); o's A columns
+travel too and add ``A_r · Ao_rᵀ`` into ``Z [B, T, r]``, the second output, which the caller
+maps through the replicated ``B_o``. Frozen base shards still travel but get no gradient GEMMs
+and no reduction.
+
 A KV head used by several groups (D > n_kv_heads, or a group boundary inside a KV head's query
 heads) is replicated on those ranks; its gradient is the sum over all of its users, summed among
 those ranks only (point to point) so the copies stay equal.
@@ -34,23 +40,34 @@ from .attention_backends import select_backend
 from .chunked_attention import chunked_attention_backward, chunked_attention_forward
 from .heads import AttentionSpec
 from .layout import RowSpans, Span, ZigzagLayout
+from .lora import LoraPlan, SeededDropout, input_projection, input_projection_backward
 from .masked_attention import masked_chunked_attention
 from .options import EngineOptions
 from .pointwise import add_matmul, from_saved, matmul, rope_phases, to_save
 from .qkv import project_qkv, project_qkv_backward, split_kv, stacked_weights
 
 # Names of the k/v part of one head group's shards (summed among the users of a shared KV head).
-_KV = ("wk", "wv", "bk", "bv")
+_KV = ("wk", "wv", "bk", "bv", "lk", "lv")
 
 
 class _Schedule:
     """One call's fixed context: group, layout, query spans (default: the zigzag chunks; packed
-    documents: ``engine.documents.query_spans``), spec, options."""
+    documents: ``engine.documents.query_spans``), spec, options, LoRA plan and the shards that
+    get gradients (``trainable``, set by the autograd function)."""
 
     def __init__(
-        self, spec: AttentionSpec, group, options: EngineOptions, x: torch.Tensor, q_spans=None
+        self,
+        spec: AttentionSpec,
+        group,
+        options: EngineOptions,
+        x: torch.Tensor,
+        q_spans=None,
+        lora: LoraPlan | None = None,
     ):
         self.spec, self.group, self.options = spec, group, options
+        self.lora = lora or LoraPlan()
+        self.drop = SeededDropout(self.lora.dropout, None)
+        self.trainable: frozenset[str] = frozenset()
         self.D, self.p = comm.size_and_rank(group)
         self.layout = ZigzagLayout.from_local(x.shape[1], self.D)
         stream = self.layout.spans(self.p)
@@ -62,40 +79,62 @@ class _Schedule:
             options.attn_backend, x.device, x.dtype, options.attn_block, spec.head_dim, repeating
         )
 
-    def shapes(self, r: int, names: list[str]) -> list[torch.Size]:
-        """Shapes of group ``r``'s shards ``names`` (every rank computes them from the spec)."""
+    def shapes(self, r: int, own: dict[str, torch.Tensor], names) -> list[torch.Size]:
+        """Shapes of group ``r``'s shards ``names`` (every rank computes them from the spec and
+        its own shards' LoRA ranks)."""
         h = self.spec.hidden_size
         nq = self.spec.n_q(r) * self.spec.head_dim
         nk = self.spec.n_kv(r) * self.spec.head_dim
-        rows = {"wq": nq, "bq": nq, "wk": nk, "bk": nk, "wv": nk, "bv": nk}
-        return [
-            torch.Size((h, nq) if n == "wo" else (rows[n], h) if n[0] == "w" else (rows[n],))
-            for n in names
-        ]
+        rows = {"q": nq, "k": nk, "v": nk}
+        shapes = {"wo": (h, nq)}
+        if "lo" in own:
+            shapes["lo"] = (own["lo"].shape[0], nq)
+        for n in names:
+            if n[0] == "w" and n != "wo":
+                shapes[n] = (rows[n[1]], h)
+            elif n[0] == "b":
+                shapes[n] = (rows[n[1]],)
+            elif n != "lo" and n[0] == "l":
+                shapes[n] = (rows[n[1]], own[n].shape[1])
+        return [torch.Size(shapes[n]) for n in names]
 
     def weight_stream(self, own: dict[str, torch.Tensor]):
         """Yield ``(r, W_r)`` for r = 0..D-1; W_{r+1} is broadcast while the caller works on W_r.
-        Each broadcast carries group r's own sizes (groups differ by at most one head)."""
-        names = list(own)
-        shapes = [self.shapes(r, names) for r in range(self.D)]
-        ref = next(iter(own.values()))
+        Each broadcast carries group r's own sizes (groups differ by at most one head); shards of
+        different dtypes (adapters kept wider than a half-precision base) travel in one buffer
+        per dtype."""
+        by_dtype: dict[torch.dtype, list[str]] = {}
+        for n, t in own.items():
+            by_dtype.setdefault(t.dtype, []).append(n)
+        parts = list(by_dtype.values())
+        shapes = [[self.shapes(r, own, names) for names in parts] for r in range(self.D)]
 
         def post(r: int):
-            if r == self.p:
-                buf = comm.pack([own[n] for n in names])
-            else:
-                buf = ref.new_empty(sum(s.numel() for s in shapes[r]))
-            return buf, comm.broadcast(buf, r, self.group, async_op=True)
+            posted = []
+            for names, shape in zip(parts, shapes[r]):
+                if r == self.p:
+                    buf = comm.pack([own[n] for n in names])
+                else:
+                    buf = own[names[0]].new_empty(sum(s.numel() for s in shape))
+                posted.append((buf, comm.broadcast(buf, r, self.group, async_op=True)))
+            return posted
+
+        def wait(posted) -> None:
+            for _, handle in posted:
+                handle.wait()
 
         nxt = post(0)
         for r in range(self.D):
-            buf, handle = nxt
-            handle.wait()
+            cur = nxt
+            wait(cur)
             if r + 1 < self.D:
                 nxt = post(r + 1)
                 if not self.options.overlap:
-                    nxt[1].wait()
-            yield r, dict(zip(names, comm.unpack(buf, shapes[r])))
+                    wait(nxt)
+            w = {}
+            for names, shape, (buf, _) in zip(parts, shapes[r], cur):
+                w.update(zip(names, comm.unpack(buf, shape)))
+            yield r, w
 
     def projected_groups(self, own: dict[str, torch.Tensor], project: Callable):
         """Yield ``_Group``s r = 0..D-1: W_r, ``project(W_r)`` (a tuple starting ``q, k, v``) and
@@ -160,17 +199,41 @@ class _Group:
         return self.sched.natural_kv(kv_all)
 
 
-def output_backward(dy: torch.Tensor, wo: torch.Tensor, a: torch.Tensor, acc: torch.dtype):
+def output_backward(
+    dy: torch.Tensor,
+    wo: torch.Tensor,
+    a: torch.Tensor,
+    acc: torch.dtype,
+    weight_grad: bool = True,
+    lora: tuple | None = None,
+):
     """Backward of ``Y += A · Woᵀ`` for one group, both straight from the heads-major layout
     (no copy of A or of dA): ``dA = dY · Wo`` as a ``[B, T, n_q, d]`` view of heads-major
-    storage, and ``dWo = dYᵀ · A [h, n_q·d]`` in ``acc``. ``a``: the group's ``A [B, n_q, T, d]``
-    (a slice of the saved heads-major A)."""
+    storage, and ``dWo = dYᵀ · A [h, n_q·d]`` in ``acc`` (None unless ``weight_grad``). ``a``: the
+    group's ``A [B, n_q, T, d]`` (a slice of the saved heads-major A).
+
+    ``lora = (dZ [B, T, r], Ao_r [r, n_q·d], mask)`` adds the adapter's ``Z += drop(A)·Ao_rᵀ``:
+    ``dA += drop⁻(dZ · Ao_r)`` and returns ``dAo_r = dZᵀ · drop(A)`` in ``acc`` third (else None);
+    ``mask``: the dropout mask ``[B, T, n_q·d]`` or None."""
     B, nq, T, d = a.shape
     h = dy.shape[-1]
     da = torch.matmul(dy.unsqueeze(1), wo.view(h, nq, d).transpose(0, 1))  # [B, n_q, T, d]
-    dy_t = dy.flatten(0, 1).t()
-    dwo = torch.cat([matmul(dy_t, a[:, j].reshape(B * T, d), acc) for j in range(nq)], dim=1)
-    return da.transpose(1, 2), dwo
+    dwo = d_ao = None
+    if weight_grad:
+        dy_t = dy.flatten(0, 1).t()
+        dwo = torch.cat([matmul(dy_t, a[:, j].reshape(B * T, d), acc) for j in range(nq)], dim=1)
+    if lora is not None:
+        dz, ao, mask = lora
+        r = ao.shape[0]
+        ao_heads = ao.to(da.dtype).view(r, nq, d).transpose(0, 1)  # [n_q, r, d]
+        d_in = torch.matmul(dz.to(da.dtype).unsqueeze(1), ao_heads)  # [B, n_q, T, d]
+        a_in = a.transpose(1, 2).reshape(B * T, nq * d)  # token-major copy: the adapter's input
+        if mask is not None:
+            d_in.mul_(mask.view(B, T, nq, d).transpose(1, 2))
+            a_in.mul_(mask.view(B * T, -1))
+        da += d_in
+        d_ao = matmul(dz.reshape(B * T, r).t(), a_in, acc)
+    return da.transpose(1, 2), dwo, d_ao
 
 
 def heads_major(t: torch.Tensor) -> torch.Tensor:
@@ -205,12 +268,15 @@ def tsp_attention_forward(
     q_norm,
     k_norm,
     keep: bool = True,
+    lora_a: list[torch.Tensor] | None = None,
     kv_sink: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
     key_valid: torch.Tensor | None = None,
 ):
     """Forward schedule (RoPE by ``phases``, ``pointwise.rope_phases`` of the tokens' cos/sin).
     Returns ``Y_p [B, T, h]`` plus, if ``keep``, ``A [B, n_h, T, d]`` and ``lse [B, n_h, T]`` of
-    every group's heads (what backward needs), else None for both.
+    every group's heads (what backward needs), else None for both, then the LoRA input projection
+    ``U [B·T, Σ r]`` of ``lora_a`` (the replicated A's of ``sched.lora.inputs``; else None) and
+    o's adapter output ``Z [B·T, r]`` (when ``own`` has ``lo``; else None).
 
     Inference only (training passes neither): ``kv_sink(r, K_r, V_r)`` receives each group's
     all-gathered K/V ``[B, S, n_kv(r), d]`` in token order (a prefill keeps its own group's as its
@@ -222,9 +288,11 @@ def tsp_attention_forward(
     # A of every group, heads-major: [B, n_h, T, d]; group r fills its heads q_heads(r)
     a_all = x.new_empty(B, spec.n_heads, T, spec.head_dim) if keep else None
     lse_all = None
+    u = input_projection(x.reshape(B * T, -1), lora_a, sched.lora, sched.drop) if lora_a else None
+    z = x.new_zeros(B * T, own["lo"].shape[0], dtype=sched.acc) if "lo" in own else None
 
     def project(w):
-        return project_qkv(x, w, phases, q_norm, k_norm, spec)
+        return project_qkv(x, w, phases, q_norm, k_norm, spec, u=u)
 
     for group in sched.projected_groups(own, project):
         r, w = group.r, group.w
@@ -248,8 +316,11 @@ def tsp_attention_forward(
             heads = spec.q_heads(r)
             a_all[:, heads], lse_all[:, heads] = a.transpose(1, 2), lse
         add_matmul(y.view(-1, y.shape[-1]), a.reshape(B * T, -1), w["wo"].t())
+        if z is not None:
+            add_matmul(z, sched.drop.apply(a.reshape(B * T, -1), (3, r)), w["lo"].t())
         del q, k_all, v_all, a, lse  # before the next group's are made (without overlap)
-    return y.to(x.dtype), a_all, lse_all
+    z = z.to(own["lo"].dtype) if z is not None else None
+    return y.to(x.dtype), a_all, lse_all, u, z
 
 
 def share_kv(grads: dict[str, torch.Tensor], spec: AttentionSpec, p: int, group) -> None:
@@ -266,10 +337,23 @@ def share_kv(grads: dict[str, torch.Tensor], spec: AttentionSpec, p: int, group)
 
 
 def tsp_attention_backward(
-    sched: _Schedule, dy, saved_x, phases, own, q_norm, k_norm, a_all, lse_all
+    sched: _Schedule,
+    dy,
+    saved_x,
+    phases,
+    own,
+    q_norm,
+    k_norm,
+    a_all,
+    lse_all,
+    lora_a=None,
+    u=None,
+    dz=None,
 ):
     """Backward schedule. Returns ``dX_p``, the fully reduced gradients of this rank's own shards
-    (dict like ``own``) and this rank's partial gradients of the replicated q/k norm weights.
+    in ``sched.trainable`` (dict), this rank's partial gradients of the replicated q/k norm
+    weights and of the LoRA A's ``lora_a`` (the forward's ``U`` is ``u``; ``dz``: the gradient of
+    its ``Z``).
     ``saved_x``: what ``pointwise.to_save`` made of X_p. With ``overlap`` X_p is rebuilt once;
     without, for each use (a group's projection, then its weight gradients), so that it is not
     alive during the kernels (memory before speed).
@@ -283,9 +367,10 @@ def tsp_attention_backward(
     the sum over all of its users and no buffer exceeds a group's own rows."""
     B, T, h = saved_x[0].shape
     p, spec, acc = sched.p, sched.spec, sched.acc
-    names = list(own)
+    names = [n for n in own if n in sched.trainable]  # the gradients reduced to their owner
     dy = dy.contiguous()
     dx = torch.zeros(B, T, h, dtype=acc, device=dy.device)
+    du = torch.zeros_like(u, dtype=acc) if u is not None else None
     inverse = phases.conj().resolve_conj()  # RoPE's adjoint, for every group's projection
     d_norm = None
     d_own: dict[str, torch.Tensor] = {}
@@ -299,24 +384,42 @@ def tsp_attention_backward(
         """Q, K, V of group r from the saved X_p, its projection (only q/k norms read it: None
         without them, so that it is not kept) and its stacked weights."""
         weight = stacked_weights(w, spec.head_dim)
-        q, kv, lin = project_qkv(x_p(), w, phases, q_norm, k_norm, spec, weight)
+        q, kv, lin = project_qkv(x_p(), w, phases, q_norm, k_norm, spec, weight, u)
         return q, kv, lin if q_norm is not None else None, weight
 
-    def finish(r, w, weight, lin, dq, dkv, handle, dwo):
+    def finish(r, w, weight, lin, dq, dkv, handle, d_out):
         """Group r's projection backward once its dK/dV arrived: dW_r, whose reduction to r is
-        posted before the dX GEMM so that it flies behind it."""
+        posted before the dX GEMM so that it flies behind it. ``d_out``: o's ``{wo, lo}``
+        gradients (those trainable)."""
         nonlocal d_norm
         handle.wait()
         dk, dv = split_kv(dkv.to(dy.dtype))
         g, gn, d_lin = project_qkv_backward(
-            dq, dk, dv, x_p(), w, weight, lin, inverse, q_norm, k_norm, spec, acc
+            dq,
+            dk,
+            dv,
+            x_p(),
+            w,
+            weight,
+            lin,
+            inverse,
+            q_norm,
+            k_norm,
+            spec,
+            acc,
+            sched.trainable,
+            u,
         )
         if gn is not None:
             d_norm = gn if d_norm is None else [a + b for a, b in zip(d_norm, gn)]
-        buf = comm.pack([dwo if n == "wo" else g[n] for n in names], acc)
-        reductions.append((r, buf, comm.reduce(buf, r, sched.group, async_op=True)))
-        stacked, _ = weight
+        g.update(d_out)
+        if names:
+            buf = comm.pack([g[n] for n in names], acc)
+            reductions.append((r, buf, comm.reduce(buf, r, sched.group, async_op=True)))
+        stacked, _, lora = weight
         add_matmul(dx.view(-1, dx.shape[-1]), d_lin, stacked)  # while dW_r travels
+        if lora is not None:
+            add_matmul(du, d_lin, lora)
 
     def collect(keep: int) -> None:
         """Wait for all but the last ``keep`` reductions; keep this rank's own sum."""
@@ -332,7 +435,15 @@ def tsp_attention_backward(
         r, w = group.r, group.w
         # while K/V travel: dA = dY_p · Wo_r ;  dWo_r (partial) = dY_pᵀ · A_r
         heads = spec.q_heads(r)
-        da, dwo = output_backward(dy, w["wo"], a_all[:, heads], acc)
+        lora = None
+        if dz is not None:
+            like = dy.new_empty(B * T, w["lo"].shape[1], dtype=a_all.dtype)
+            mask = sched.drop.mask((3, r), like)  # the forward's, drawn again
+            lora = (dz.view(B, T, -1), w["lo"], mask)
+        da, dwo, d_lo = output_backward(
+            dy, w["wo"], a_all[:, heads], acc, "wo" in sched.trainable, lora
+        )
+        d_out = {n: t for n, t in (("wo", dwo), ("lo", d_lo)) if n in sched.trainable}
         k_all, v_all = expand_kv(*group.kv(), spec.kv_map(r))
         q, _, lin, weight = group.projected
         del group
@@ -344,7 +455,7 @@ def tsp_attention_backward(
         hk = spec.n_kv(r)
         dk_all, dv_all = (fold_kv(t, spec.kv_map(r), hk) for t in (dk_all, dv_all))
         dkv, handle = comm.reduce_scatter_seq(sched.rank_major(dk_all, dv_all), sched.group, True)
-        return r, w, weight, lin, dq, dkv, handle, dwo
+        return r, w, weight, lin, dq, dkv, handle, d_out
 
     waiting = None  # the previous group's projection backward, run after this group's attention
     for group in sched.projected_groups(own, recompute):
@@ -366,35 +477,75 @@ def tsp_attention_backward(
     d_own = {n: d_own[n].to(own[n].dtype) for n in names}
     if d_norm is not None:
         d_norm = [t.to(n.dtype) for t, n in zip(d_norm, (q_norm, k_norm))]
-    return dx.to(dy.dtype), d_own, d_norm
+    d_lora = None
+    if du is not None:
+        x2 = x_p().reshape(B * T, h)
+        dx2 = dx.view(B * T, h)
+        d_lora = input_projection_backward(du, x2, lora_a, sched.lora, sched.drop, dx2)
+        d_lora = [g.to(a.dtype) for g, a in zip(d_lora, lora_a)]
+    return dx.to(dy.dtype), d_own, d_norm, d_lora
 
 
 class _TSPAttentionFunction(torch.autograd.Function):
-    """Autograd boundary of the schedule: saves only local tensors, re-communicates in backward."""
+    """Autograd boundary of the schedule: saves only local tensors, re-communicates in backward.
+    Inputs after the norms: the ``n_lora`` replicated LoRA A's, then the shards ``names``; outputs
+    ``Y`` and o's adapter output ``Z`` (``[B, T, 0]`` without one)."""
 
     @staticmethod
-    def forward(ctx, sched, names, x, cos, sin, q_norm, k_norm, *weights):
+    def forward(ctx, sched, names, n_lora, x, cos, sin, q_norm, k_norm, *tensors):
+        lora_a, weights = list(tensors[:n_lora]), tensors[n_lora:]
         own = dict(zip(names, weights))
         keep = any(ctx.needs_input_grad)
+        needs = ctx.needs_input_grad[8 + n_lora :]
+        sched.trainable = frozenset(n for n, need in zip(names, needs) if need)
+        sched.drop = SeededDropout.for_call(sched.lora.dropout)
         phases = rope_phases(cos, sin, x.dtype)
-        y, a_all, lse_all = tsp_attention_forward(sched, x, phases, own, q_norm, k_norm, keep)
-        ctx.sched, ctx.names = sched, names
+        y, a_all, lse_all, u, z = tsp_attention_forward(
+            sched, x, phases, own, q_norm, k_norm, keep, lora_a
+        )
+        ctx.sched, ctx.names, ctx.n_lora = sched, names, n_lora
         if keep:  # X_p as its norm's input when it is a norm's output (rebuilt in backward)
             x, norm_weight, ctx.eps = to_save(x)
-            saved = (x, norm_weight, cos, sin, q_norm, k_norm, a_all, lse_all, *weights)
+            saved = (x, norm_weight, cos, sin, q_norm, k_norm, a_all, lse_all, u, *tensors)
             ctx.save_for_backward(*saved)
-        return y
+        B, T, _ = y.shape
+        return y, (z.view(B, T, -1) if z is not None else y.new_empty(B, T, 0))
 
     @staticmethod
-    def backward(ctx, dy):
-        x, norm_weight, cos, sin, q_norm, k_norm, a_all, lse_all, *weights = ctx.saved_tensors
+    def backward(ctx, dy, dz):
+        x, norm_weight, cos, sin, q_norm, k_norm, a_all, lse_all, u, *tensors = ctx.saved_tensors
+        lora_a, weights = tensors[: ctx.n_lora], tensors[ctx.n_lora :]
         own = dict(zip(ctx.names, weights))
         phases = rope_phases(cos, sin, x.dtype)
-        dx, d_own, d_norm = tsp_attention_backward(
-            ctx.sched, dy, (x, norm_weight, ctx.eps), phases, own, q_norm, k_norm, a_all, lse_all
+        B, T, _ = dy.shape
+        dz = dz.reshape(B * T, -1) if "lo" in own else None
+        dx, d_own, d_norm, d_lora = tsp_attention_backward(
+            ctx.sched,
+            dy,
+            (x, norm_weight, ctx.eps),
+            phases,
+            own,
+            q_norm,
+            k_norm,
+            a_all,
+            lse_all,
+            lora_a,
+            u,
+            dz,
         )
         d_qn, d_kn = d_norm if d_norm is not None else (None, None)
-        return (None, None, dx, None, None, d_qn, d_kn, *(d_own[n] for n in ctx.names))
+        return (
+            None,
+            None,
+            None,
+            dx,
+            None,
+            None,
+            d_qn,
+            d_kn,
+            *(d_lora or ()),
+            *(d_own.get(n) for n in ctx.names),
+        )
 
 
 def tsp_attention(
@@ -408,15 +559,23 @@ def tsp_attention(
     group,
     options: EngineOptions,
     q_spans: tuple[Span, ...] | RowSpans | None = None,
-) -> torch.Tensor:
+    lora: LoraPlan | None = None,
+    lora_a: list[torch.Tensor] | None = None,
+):
     """TSP attention of this rank's tokens: ``x [B, S/D, h]`` -> ``Y_p [B, S/D, h]`` (no o bias).
 
     ``cos, sin [B or 1, S/D, d]`` are the RoPE tables of the tokens' positions; ``weights``
     holds this rank's head-group shards (``wq, wo, wk, wv`` and optional ``bq, bk, bv``);
     ``q_norm, k_norm`` the replicated per-head norm weights or None; ``q_spans`` the local query
     spans of packed documents (``engine.documents.query_spans``; None: one causal stream).
+
+    LoRA (``engine.lora``): ``lora`` names the adapted projections; ``weights`` then also holds
+    the B rows ``lq, lk, lv`` ``[rows, r]`` of the adapted q/k/v and o's A columns ``lo [r,
+    n_q·d]``, and ``lora_a`` the replicated A's ``[r, h]`` of ``lora.inputs`` (their gradient is
+    this rank's part: wrap them in ``comm.replicated``). With ``lo``, returns ``(Y_p, Z [B, S/D,
+    r])``: the caller adds ``s_o · Z · B_oᵀ``.
     """
-    sched = _Schedule(spec, group, options, x, q_spans)
+    sched = _Schedule(spec, group, options, x, q_spans, lora)
     B, T, _ = x.shape
     if cos.shape[-2:] != (T, spec.head_dim) or cos.shape != sin.shape:
         raise ValueError(
@@ -424,6 +583,17 @@ def tsp_attention(
             f"for this rank's tokens, got {tuple(cos.shape)} and {tuple(sin.shape)}"
         )
     cos, sin = cos.expand(B, T, -1), sin.expand(B, T, -1)
-    return _TSPAttentionFunction.apply(
-        sched, tuple(weights), x, cos, sin, q_norm, k_norm, *weights.values()
+    lora_a = list(lora_a or ())
+    y, z = _TSPAttentionFunction.apply(
+        sched,
+        tuple(weights),
+        len(lora_a),
+        x,
+        cos,
+        sin,
+        q_norm,
+        k_norm,
+        *lora_a,
+        *weights.values(),
     )
+    return (y, z) if "lo" in weights else y

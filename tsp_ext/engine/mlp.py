@@ -20,6 +20,12 @@ rank's own shards; the intermediate activations are recomputed shard by shard in
 Within a ring step the tokens are processed in tiles of ``options.mlp_tile`` rows (the weight
 gradients accumulate over the tiles), so a step's intermediates are ``mlp_tile x 2f`` whatever
 S/D is.
+
+LoRA adapters (``engine.lora``) ride a second ring beside the base shards (they may be kept in a
+wider dtype): gate/up's B rows, block-diagonal ``[2 f_q, r_g + r_u]``, add ``U·Bᵀ`` to the
+pre-activations (``U`` made once from the replicated A's), and down's A columns ``[r_d, f_q]`` add
+``drop(act)·Aᵀ`` into ``Z``, the second output. Frozen bases get no weight-gradient GEMMs: the
+gradient ring then carries the adapters' gradients only.
 """
 
 from __future__ import annotations
@@ -28,6 +34,14 @@ import torch
 import torch.nn.functional as F
 
 from . import comm
+from .lora import (
+    LoraPlan,
+    SeededDropout,
+    block_diagonal,
+    diagonal_blocks,
+    input_projection,
+    input_projection_backward,
+)
 from .options import EngineOptions
 from .pointwise import add_matmul, from_saved, matmul, to_save
 from .weight_ring import GradientRing, circulate
@@ -64,45 +78,99 @@ class _Workspace:
         return self.buffers[name][: n * per_f * f].view(n, per_f * f)
 
 
-def _pre_activations(x2: torch.Tensor, gu: torch.Tensor, work: _Workspace) -> torch.Tensor:
-    """``[X·Gᵀ | X·Uᵀ]`` ``[n, 2f]`` of ``x2 [n, h]`` and ``gu = [G; U]``, one GEMM into the
-    workspace."""
-    hid = work.get("hid", x2.shape[0], gu.shape[0] // 2, 2)
-    return torch.mm(x2, gu.t(), out=hid)
+def _pre_activations(x2: torch.Tensor, shard: _Shard, work: _Workspace | None, u=None):
+    """``[X·Gᵀ | X·Uᵀ]`` ``[n, 2f]`` of ``x2 [n, h]`` and ``shard.gu = [G; U]``, one GEMM into
+    the workspace (a new tensor if None), plus the adapters' ``u · shard.b_inᵀ`` (``u [n, Σ
+    r]``)."""
+    hid = work.get("hid", x2.shape[0], shard.f, 2) if work is not None else None
+    hid = torch.mm(x2, shard.gu.t(), out=hid)
+    if shard.b_in is not None:
+        add_matmul(hid, u, shard.b_in.t())
+    return hid
 
 
-def _swiglu_weight_grads(x2, dy2, gu, dn, out, work: _Workspace, hidden=None, add=False):
-    """Backward of one shard's ``(silu(X·Gᵀ) ⊙ (X·Uᵀ))·Dnᵀ`` for the rows ``x2, dy2 [n, h]``
-    with ``gu = [G; U]`` (``[2f, h]``): writes (``add``: adds) ``[dG; dU]`` (``[2f, h]``) and
-    ``dDn`` (``[h, f]``) into ``out``, a flat buffer in the accumulation dtype laid out like the
-    shard, and returns ``dH [n, 2f]`` (in ``work``, valid until the next tile), the gradient of
-    the gate/up pre-activations: the caller adds ``dX = dH · [G; U]``.
+class _Shard:
+    """One ring step's shard of owner q: ``gu = [G_q; U_q]`` ``[2 f_q, h]``, ``dn = Dn_q [h,
+    f_q]`` and the adapter pieces, ``b_in`` (gate/up's B rows, block-diagonal ``[2 f_q, Σ r]``)
+    and ``a_out`` (down's A columns ``[r_d, f_q]``), each None without one."""
 
-    ``hidden``: the saved gate/up pre-activations ``[n, 2f]`` (left intact); recomputed if None.
+    def __init__(self, q: int, gu, dn, b_in=None, a_out=None) -> None:
+        self.q, self.gu, self.dn, self.b_in, self.a_out = q, gu, dn, b_in, a_out
+        self.f = dn.shape[1]
+
+
+def _accumulate(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, add: bool) -> None:
+    """``out = a @ b`` (``add``: ``out += a @ b``) at ``out``'s precision."""
+    if add:
+        add_matmul(out, a, b)
+    else:
+        matmul(a, b, out.dtype, out=out)
+
+
+def _swiglu_weight_grads(x2, dy2, shard: _Shard, out, work: _Workspace, lora, hidden=None):
+    """Backward of one shard's ``(silu(X·Gᵀ) ⊙ (X·Uᵀ))·Dnᵀ`` for the rows ``x2, dy2 [n, h]``:
+    writes (``add``: adds) the gradients of the trainable pieces into ``out`` (a ``_GradLayout``
+    of a flat buffer in the accumulation dtype) and returns ``dH [n, 2f]`` (in ``work``, valid
+    until the next tile), the gradient of the gate/up pre-activations: the caller adds
+    ``dX = dH · [G; U]`` and ``dU = dH · b_in``.
+
+    ``lora = (u, dz, mask, add)``: the tile's adapter input projection ``[n, Σ r]`` (or None),
+    down adapter's output gradient ``[n, r_d]`` (or None), its dropout mask ``[n, f]`` (or None)
+    and whether ``out`` already holds earlier tiles' sums. ``hidden``: the saved gate/up
+    pre-activations ``[n, 2f]`` (left intact); recomputed if None.
     """
-    two_f, h = gu.shape
-    f, n = two_f // 2, x2.shape[0]
+    u, dz, mask, add = lora
+    f, n = shard.f, x2.shape[0]
     if hidden is None:
-        hid = _pre_activations(x2, gu, work)
+        hid = _pre_activations(x2, shard, work, u)
     else:
         hid = work.get("hid", n, f, 2)
         hid.copy_(hidden)
-    dm = torch.mm(dy2, dn, out=work.get("dm", n, f))
+    dm = torch.mm(dy2, shard.dn, out=work.get("dm", n, f))
+    if dz is not None:  # the down adapter's share of d(act)
+        d_act = matmul(dz, shard.a_out, dm.dtype)
+        dm.add_(d_act if mask is None else d_act.mul_(mask))
     dh, act = swiglu_pointwise_backward(dm, hid, work.get("s", n, f), work.get("act", n, f))
-    d_gu, d_dn = out[: two_f * h].view(two_f, h), out[two_f * h : 3 * f * h].view(h, f)
-    if add:
-        add_matmul(d_gu, dh.t(), x2)
-        add_matmul(d_dn, dy2.t(), act)
-    else:
-        matmul(dh.t(), x2, out.dtype, out=d_gu)
-        matmul(dy2.t(), act, out.dtype, out=d_dn)
+    if out.gu is not None:
+        _accumulate(out.gu, dh.t(), x2, add)
+        _accumulate(out.dn, dy2.t(), act, add)
+    if out.b_in is not None:
+        _accumulate(out.b_in, dh.t(), u, add)
+    if out.a_out is not None:
+        _accumulate(out.a_out, dz.t(), act if mask is None else act * mask, add)
     return dh
 
 
-class _RingSchedule:
-    """Weight ring of one call: every owner's slice width, group, options."""
+class _GradLayout:
+    """Views of a flat gradient buffer for one shard of width ``f``: the trainable pieces among
+    ``gu [2f, h]``, ``dn [h, f]``, ``b_in [2f, Σ r]``, ``a_out [r_d, f]`` (others None)."""
 
-    def __init__(self, group, options: EngineOptions, x: torch.Tensor, weights, sizes) -> None:
+    def __init__(self, flat: torch.Tensor, f: int, h: int, base: bool, r_in: int, r_out: int):
+        shapes = {}
+        if base:
+            shapes.update(gu=(2 * f, h), dn=(h, f))
+        if r_in:
+            shapes["b_in"] = (2 * f, r_in)
+        if r_out:
+            shapes["a_out"] = (r_out, f)
+        views = comm.unpack(flat, [torch.Size(s) for s in shapes.values()])
+        named = dict(zip(shapes, views))
+        self.gu, self.dn = named.get("gu"), named.get("dn")
+        self.b_in, self.a_out = named.get("b_in"), named.get("a_out")
+        self.used = sum(v.numel() for v in views)
+
+    @staticmethod
+    def numel(f: int, h: int, base: bool, r_in: int, r_out: int) -> int:
+        return (3 * f * h if base else 0) + 2 * f * r_in + r_out * f
+
+
+class _RingSchedule:
+    """Weight ring of one call: every owner's slice width, group, options, LoRA plan and which
+    pieces get gradients (``base``: the gate/up/down shards; ``lora``: the adapters')."""
+
+    def __init__(
+        self, group, options: EngineOptions, x: torch.Tensor, weights, sizes, lora, adapters
+    ) -> None:
         self.group, self.options = group, options
         self.ring = comm.Ring(group)
         self.D, self.p = self.ring.size, self.ring.rank
@@ -112,6 +180,16 @@ class _RingSchedule:
         self.acc = options.accum_for(x.dtype)
         self.rows = x.shape[:-1].numel()  # B x S/D tokens
         self.tile = min(options.mlp_tile or self.rows, self.rows)
+        self.lora = lora or LoraPlan()
+        b_in, a_out = adapters
+        self.r_in = [b.shape[1] if b is not None else 0 for b in b_in]  # gate's, up's
+        self.r_out = a_out.shape[0] if a_out is not None else 0
+        self.drop = SeededDropout(self.lora.dropout, None)
+        self.base_trainable = self.lora_trainable = True
+
+    @property
+    def has_lora(self) -> bool:
+        return sum(self.r_in) + self.r_out > 0
 
     def tiles(self) -> list[slice]:
         """The token rows of each tile, in order."""
@@ -120,84 +198,181 @@ class _RingSchedule:
     def workspace(self, x: torch.Tensor) -> _Workspace:
         return _Workspace(x, self.tile, max(self.sizes))
 
-    def shards(self, weights):
-        """Yield ``(t, (GU, Dn))`` of owner q = p - t: ``GU = [G_q; U_q]`` ``[2 f_q, h]`` and
-        ``Dn_q [h, f_q]``, views of the ring buffer; the next one arrives while the caller works."""
+    def lora_numel(self, f: int) -> int:
+        return 2 * f * sum(self.r_in) + self.r_out * f
+
+    def grad_numel(self) -> int:
+        """Size of a gradient-ring buffer (the largest shard's trainable pieces)."""
+        f = max(self.sizes)
+        base, r_in = self.base_trainable, sum(self.r_in) if self.lora_trainable else 0
+        return _GradLayout.numel(f, self.h, base, r_in, self.r_out if self.lora_trainable else 0)
+
+    def grad_layout(self, flat: torch.Tensor, f: int) -> _GradLayout:
+        lora = self.lora_trainable
+        r_in, r_out = (sum(self.r_in), self.r_out) if lora else (0, 0)
+        return _GradLayout(flat, f, self.h, self.base_trainable, r_in, r_out)
+
+    def shards(self, weights, adapters):
+        """Yield ``(t, _Shard)`` of owner q = p - t, views of the ring buffers; the next one
+        arrives while the caller works. ``adapters = ([B_gate, B_up], A_down)`` (entries None
+        without an adapter): they travel a second ring, in their own dtype."""
         packed = comm.pack(weights, numel=self.numel)  # a copy: it may serve as a receive buffer
-        for t, cur in circulate(self.ring, packed, self.options.overlap, reuse=True):
-            f, h = self.sizes[(self.p - t) % self.D], self.h
-            yield t, (cur[: 2 * f * h].view(2 * f, h), cur[2 * f * h : 3 * f * h].view(h, f))
+        base = circulate(self.ring, packed, self.options.overlap, reuse=True)
+        lora = None
+        if self.has_lora:
+            f_p = self.sizes[self.p]
+            b_in, a_out = adapters
+            pieces = [block_diagonal(b_in, [f_p, f_p]), a_out]
+            pieces = [t for t in pieces if t is not None]
+            numel = self.lora_numel(max(self.sizes))
+            lora = circulate(self.ring, comm.pack(pieces, numel=numel), self.options.overlap, True)
+        for t, cur in base:
+            q = (self.p - t) % self.D
+            f, h = self.sizes[q], self.h
+            gu, dn = cur[: 2 * f * h].view(2 * f, h), cur[2 * f * h : 3 * f * h].view(h, f)
+            b_in = a_out = None
+            if lora is not None:
+                _, extra = next(lora)
+                r_in = sum(self.r_in)
+                if r_in:
+                    b_in = extra[: 2 * f * r_in].view(2 * f, r_in)
+                if self.r_out:
+                    a_out = extra[2 * f * r_in : self.lora_numel(f)].view(self.r_out, f)
+            yield t, _Shard(q, gu, dn, b_in, a_out)
 
 
-def tsp_mlp_forward(sched: _RingSchedule, x: torch.Tensor, weights, keep_hidden: bool = False):
+def tsp_mlp_forward(
+    sched: _RingSchedule, x: torch.Tensor, weights, keep_hidden: bool = False, lora=None
+):
     """Forward ring: ``X_p [B, T, h]`` -> ``Y_p [B, T, h]``, plus, if ``keep_hidden``, every
-    step's gate/up pre-activations, a list of D ``[B, T, 2 f_q]`` (else None)."""
+    step's gate/up pre-activations, a list of D ``[B, T, 2 f_q]`` (else None), the adapters'
+    input projection ``U [B·T, Σ r]`` and down adapter's output ``Z [B·T, r_d]`` (None without).
+    ``lora = (A's of sched.lora.inputs, ([B_gate, B_up], A_down))`` or None."""
     y = torch.zeros(x.shape, dtype=sched.acc, device=x.device)
     x2, y2 = x.reshape(-1, sched.h), y.view(-1, sched.h)
+    a_in, adapters = lora or ([], ([None, None], None))
+    u = input_projection(x2, a_in, sched.lora, sched.drop) if a_in else None
+    z = x2.new_zeros(x2.shape[0], sched.r_out, dtype=sched.acc) if sched.r_out else None
     hidden = [] if keep_hidden else None
     work = sched.workspace(x)
-    for _, (gu, dn) in sched.shards(weights):
-        f = gu.shape[0] // 2
+    for _, shard in sched.shards(weights, adapters):
+        f = shard.f
         if keep_hidden:
-            hidden.append(F.linear(x, gu))
+            hidden.append(_pre_activations(x2, shard, None, u))
         for rows in sched.tiles():
             if keep_hidden:
-                hid = hidden[-1].view(-1, 2 * f)[rows]
+                hid = hidden[-1][rows]
             else:
-                hid = _pre_activations(x2[rows], gu, work)
+                hid = _pre_activations(x2[rows], shard, work, u[rows] if u is not None else None)
             hg, hu = hid.chunk(2, dim=-1)
             act = torch.ops.aten.silu.out(hg, out=work.get("act", hid.shape[0], f)).mul_(hu)
-            add_matmul(y2[rows], act, dn.t())
-    return y.to(x.dtype), hidden
+            add_matmul(y2[rows], act, shard.dn.t())
+            if z is not None:
+                dropped = sched.drop.apply(act, (2, shard.q, rows.start))
+                add_matmul(z[rows], dropped, shard.a_out.t())
+    if z is not None:
+        z = z.to(adapters[1].dtype)
+    return y.to(x.dtype), hidden, u, z
 
 
-def tsp_mlp_backward(sched: _RingSchedule, dy: torch.Tensor, x: torch.Tensor, weights, hidden=None):
-    """Backward rings: returns ``dX_p`` and the fully reduced gradients of this rank's shards.
-    ``hidden``: what ``tsp_mlp_forward(keep_hidden=True)`` returned, or None to recompute."""
+def tsp_mlp_backward(
+    sched: _RingSchedule, dy: torch.Tensor, x: torch.Tensor, weights, hidden=None, lora=None
+):
+    """Backward rings: returns ``dX_p``, the fully reduced gradients of this rank's trainable
+    shards (``[dG, dU, dDn]`` or None; with adapters ``[dB_gate, dB_up]`` entries and ``dA_down``
+    or None) and this rank's partial gradients of the replicated A's. ``hidden``: what
+    ``tsp_mlp_forward(keep_hidden=True)`` returned, or None to recompute. ``lora = (A's, ([B_gate,
+    B_up], A_down), U, dZ)`` as in the forward, with its ``U`` and ``Z``'s gradient (or None)."""
     dy2, x2 = dy.contiguous().view(-1, sched.h), x.reshape(-1, sched.h)
     dx = torch.zeros(x.shape, dtype=sched.acc, device=x.device)
     dx2 = dx.view(-1, sched.h)
+    a_in, adapters, u, dz = lora or ([], ([None, None], None), None, None)
+    du = torch.zeros_like(u, dtype=sched.acc) if u is not None else None
     owner_grads = GradientRing(sched.ring)
     work = sched.workspace(x)
     tiles = sched.tiles()
-    for t, (gu, dn) in sched.shards(weights):
-        share = torch.empty(sched.numel, dtype=sched.acc, device=x.device)
-        share[dn.numel() * 3 :].zero_()  # a smaller shard's padding travels (and is summed) too
+    numel = sched.grad_numel()
+    for t, shard in sched.shards(weights, adapters):
+        share = torch.empty(numel, dtype=sched.acc, device=x.device)
+        layout = sched.grad_layout(share, shard.f)
+        share[layout.used :].zero_()  # a smaller shard's padding travels (and is summed) too
         for i, rows in enumerate(tiles):
-            h_t = hidden[t].view(-1, gu.shape[0])[rows] if hidden is not None else None
-            dh = _swiglu_weight_grads(x2[rows], dy2[rows], gu, dn, share, work, h_t, add=i > 0)
-            if i == len(tiles) - 1:
+            h_t = hidden[t][rows] if hidden is not None else None
+            u_t = u[rows] if u is not None else None
+            dz_t = dz[rows] if dz is not None else None
+            mask = None
+            if dz_t is not None:
+                like = x2.new_empty(rows.stop - rows.start, shard.f)
+                mask = sched.drop.mask((2, shard.q, rows.start), like)
+            tile_lora = (u_t, dz_t, mask, i > 0)
+            dh = _swiglu_weight_grads(x2[rows], dy2[rows], shard, layout, work, tile_lora, h_t)
+            if i == len(tiles) - 1 and numel:
                 owner_grads.add(t, share)  # on its way (the last hop too) while dX is computed
-            add_matmul(dx2[rows], dh, gu)
-    f, h = sched.sizes[sched.p], sched.h
-    shapes = [torch.Size((f, h))] * 2 + [torch.Size((h, f))]
-    grads = comm.unpack(owner_grads.result(), shapes)
-    return dx.to(x.dtype), [gr.to(w.dtype) for gr, w in zip(grads, weights)]
+            add_matmul(dx2[rows], dh, shard.gu)
+            if shard.b_in is not None:
+                add_matmul(du[rows], dh, shard.b_in)
+    f = sched.sizes[sched.p]
+    own = sched.grad_layout(owner_grads.result() if numel else share, f)
+    base = None
+    if own.gu is not None:
+        base = [t.to(w.dtype) for t, w in zip((*own.gu.chunk(2), own.dn), weights)]
+    b_in, a_out = adapters
+    d_b = [None, None]
+    if own.b_in is not None:
+        present = [b is not None for b in b_in]
+        ranks = [b.shape[1] for b in b_in if b is not None]
+        blocks = diagonal_blocks(own.b_in, present, [f, f], ranks)
+        it = iter(blocks)
+        d_b = [next(it).to(b.dtype) if b is not None else None for b in b_in]
+    d_a_out = own.a_out.to(a_out.dtype) if own.a_out is not None else None
+    d_a_in = []
+    if du is not None:
+        d_a_in = input_projection_backward(du, x2, a_in, sched.lora, sched.drop, dx2)
+        d_a_in = [g.to(a.dtype) for g, a in zip(d_a_in, a_in)]
+    return dx.to(x.dtype), base, (d_b, d_a_out), d_a_in
 
 
 class _TSPMLPFunction(torch.autograd.Function):
     """Autograd boundary of the ring schedule: saves X_p (as its RMSNorm's input when it is a
     norm's output: ``pointwise.to_save``) and the rank's own shards (plus every
     step's gate/up pre-activations, D x ``[B, S/D, 2 f_q]``, when ``options.recompute_mlp`` is
-    off)."""
+    off), and with adapters their pieces and ``U``. Inputs after the base shards: the
+    ``n_in`` replicated A's, gate's and up's B rows (or None), down's A columns (or None);
+    outputs ``Y`` and down adapter's ``Z`` (``[B, T, 0]`` without one)."""
 
     @staticmethod
-    def forward(ctx, group, options, sizes, x, g, u, dn):
-        sched = _RingSchedule(group, options, x, (g, u, dn), sizes)
-        keep = not options.recompute_mlp and any(ctx.needs_input_grad)
-        y, hidden = tsp_mlp_forward(sched, x, (g, u, dn), keep_hidden=keep)
-        ctx.sched, ctx.n_hidden = sched, len(hidden or ())
+    def forward(ctx, group, options, sizes, plan, n_in, x, gate, up, down, *lora):
+        a_in, b_gate, b_up, a_out = list(lora[:n_in]), *lora[n_in:]
+        adapters = ([b_gate, b_up], a_out)
+        weights = (gate, up, down)
+        sched = _RingSchedule(group, options, x, weights, sizes, plan, adapters)
+        grad = any(ctx.needs_input_grad)
+        sched.base_trainable = any(ctx.needs_input_grad[6:9])
+        sched.lora_trainable = any(ctx.needs_input_grad[9:])
+        sched.drop = SeededDropout.for_call(sched.lora.dropout)
+        keep = not options.recompute_mlp and grad
+        y, hidden, proj, z = tsp_mlp_forward(sched, x, weights, keep, (a_in, adapters))
+        ctx.sched, ctx.n_hidden, ctx.n_in = sched, len(hidden or ()), n_in
         x, norm_weight, ctx.eps = to_save(x)  # its norm's input when it is a norm's output
-        ctx.save_for_backward(x, norm_weight, g, u, dn, *(hidden or ()))
-        return y
+        ctx.save_for_backward(x, norm_weight, *weights, proj, *lora, *(hidden or ()))
+        B, T, _ = y.shape
+        return y, (z.view(B, T, -1) if z is not None else y.new_empty(B, T, 0))
 
     @staticmethod
-    def backward(ctx, dy):
-        x, norm_weight, *weights = ctx.saved_tensors[:5]
+    def backward(ctx, dy, dz):
+        x, norm_weight, gate, up, down, proj, *rest = ctx.saved_tensors
+        n_lora = ctx.n_in + 3
+        lora, hidden = rest[:n_lora], rest[n_lora:] or None
+        a_in, b_gate, b_up, a_out = list(lora[: ctx.n_in]), *lora[ctx.n_in :]
         x = from_saved(x, norm_weight, ctx.eps)
-        hidden = ctx.saved_tensors[5:] if ctx.n_hidden else None
-        dx, (d_g, d_u, d_dn) = tsp_mlp_backward(ctx.sched, dy, x, weights, hidden)
-        return None, None, None, dx, d_g, d_u, d_dn
+        B, T, _ = dy.shape
+        dz = dz.reshape(B * T, -1) if a_out is not None else None
+        adapters = ([b_gate, b_up], a_out)
+        dx, base, (d_b, d_a_out), d_a_in = tsp_mlp_backward(
+            ctx.sched, dy, x, (gate, up, down), hidden, (a_in, adapters, proj, dz)
+        )
+        base = base or (None, None, None)
+        return (None, None, None, None, None, dx, *base, *d_a_in, *d_b, d_a_out)
 
 
 def tsp_mlp(
@@ -208,8 +383,24 @@ def tsp_mlp(
     group,
     options: EngineOptions,
     sizes: list[int] | None = None,
-) -> torch.Tensor:
+    lora: LoraPlan | None = None,
+    adapters: dict[str, torch.Tensor] | None = None,
+):
     """Ring SwiGLU of this rank's tokens: ``x [B, S/D, h]`` -> ``[B, S/D, h]`` with this rank's
     slices ``gate, up [f_p, h]`` and ``down [h, f_p]``; ``sizes [D]``: every rank's ``f_q``
-    (``partition.split_sizes(F, D)``; None: all equal to this rank's)."""
-    return _TSPMLPFunction.apply(group, options, sizes, x, gate, up, down)
+    (``partition.split_sizes(F, D)``; None: all equal to this rank's).
+
+    LoRA (``engine.lora``): ``lora`` names the adapted projections and ``adapters`` holds their
+    pieces: the replicated A's ``a_gate, a_up [r, h]`` (their gradient is this rank's part: wrap
+    them in ``comm.replicated``), this rank's B rows ``b_gate, b_up [f_p, r]`` and down's A
+    columns ``a_down [r, f_p]``. With ``a_down``, returns ``(Y_p, Z [B, S/D, r])``: the caller
+    adds ``s_down · Z · B_downᵀ``.
+    """
+    adapters = adapters or {}
+    plan = lora or LoraPlan()
+    a_in = [adapters[f"a_{n}"] for n in plan.inputs]
+    extra = (adapters.get("b_gate"), adapters.get("b_up"), adapters.get("a_down"))
+    y, z = _TSPMLPFunction.apply(
+        group, options, sizes, plan, len(a_in), x, gate, up, down, *a_in, *extra
+    )
+    return (y, z) if extra[2] is not None else y

@@ -7,9 +7,13 @@ Forward, for the local tokens ``X [B, T, h]`` and group r's shards::
     Q, K, V = split(L)                     # per head: [B, T, n, d]
     Q, K = rope(norm(Q)), rope(norm(K))    # norms only where the model has them
 
+With LoRA adapters on some of q/k/v (``engine.lora``) ``L += U · B_rᵀ``, ``U`` the adapters'
+input projection and ``B_r`` their group-r rows, block-diagonal.
+
 Backward: ``dL = [rope⁻ᵀ(dQ) | rope⁻ᵀ(dK) | dV]`` (through the norms where present),
-``dW = dLᵀ · X``, ``db = Σ dL``, then the caller's ``dX += dL · W`` (after it has posted dW's
-reduction, which then flies behind that GEMM).
+``dW = dLᵀ · X`` and ``db = Σ dL`` (for trainable bases only), ``dB_r = dLᵀ · U``, then the
+caller's ``dX += dL · W`` and ``dU += dL · B_r`` (after it has posted the weight gradients'
+reduction, which then flies behind those GEMMs).
 
 The stacked weight holds each q/k head's rows *interleaved*: Hugging Face's rotation pairs
 dimension i with i + d/2, and with the pair made adjacent RoPE is one complex multiply
@@ -25,10 +29,12 @@ import torch
 import torch.nn.functional as F
 
 from .heads import AttentionSpec
-from .pointwise import inv_rms, matmul, rms_norm, rms_norm_backward, rope
+from .lora import block_diagonal, diagonal_blocks
+from .pointwise import add_matmul, inv_rms, matmul, rms_norm, rms_norm_backward, rope
 
 _W = ("wq", "wk", "wv")
 _B = ("bq", "bk", "bv")
+_L = ("lq", "lk", "lv")  # LoRA B rows of the group (``[rows, r]``), for the adapted projections
 
 
 def interleave_heads(t: torch.Tensor, d: int) -> torch.Tensor:
@@ -41,15 +47,20 @@ def deinterleave_heads(t: torch.Tensor, d: int) -> torch.Tensor:
     return t.reshape(-1, d // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
 
 
-def stacked_weights(w: dict[str, torch.Tensor], d: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``[Wq; Wk; Wv]`` ``[(n_q + 2 n_kv)·d, h]`` with the q/k heads' rows interleaved
-    (``interleave_heads``), and the stacked biases alike (or None) of ``w``."""
+def stacked_weights(w: dict[str, torch.Tensor], d: int):
+    """``(W, b, B)``: ``[Wq; Wk; Wv]`` ``[(n_q + 2 n_kv)·d, h]`` with the q/k heads' rows
+    interleaved (``interleave_heads``), the stacked biases alike (or None) and the LoRA B rows of
+    ``w`` (``lq, lk, lv``, those present) alike, block-diagonal ``[rows, Σ r]`` (or None)."""
+
+    def interleaved(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
+        return interleave_heads(t, d) if t is not None and name[1] in "qk" else t
 
     def stack(names):
-        q, k, v = (w[n] for n in names)
-        return torch.cat([interleave_heads(q, d), interleave_heads(k, d), v])
+        return torch.cat([interleaved(n, w[n]) for n in names])
 
-    return stack(_W), stack(_B) if "bq" in w else None
+    rows = [w[n].shape[0] for n in _W]
+    lora = block_diagonal([interleaved(n, w.get(n)) for n in _L], rows)
+    return stack(_W), stack(_B) if "bq" in w else None, lora
 
 
 def _split(t: torch.Tensor, w: dict[str, torch.Tensor], d: int) -> list[torch.Tensor]:
@@ -59,19 +70,22 @@ def _split(t: torch.Tensor, w: dict[str, torch.Tensor], d: int) -> list[torch.Te
     return [part.view(B, T, -1, d) for part in t.split(sizes, dim=-1)]
 
 
-def project_qkv(x, w, phases, q_norm, k_norm, spec: AttentionSpec, weight=None):
+def project_qkv(x, w, phases, q_norm, k_norm, spec: AttentionSpec, weight=None, u=None):
     """Q ``[B, T, n_q, d]``, ``KV [B, 2 n_kv, T, d]`` (K's heads, then V's) and the pre-norm
     projection ``L [B, T, rows]`` of the tokens ``x [B, T, h]`` for the head group whose shards
     are ``w`` (RoPE by ``phases [B, T, 1, d/2]``, ``pointwise.rope_phases``). ``weight``: what
-    ``stacked_weights(w, d)`` returned, if the caller has it. Not differentiable (see
+    ``stacked_weights(w, d)`` returned, if the caller has it; ``u [B·T, Σ r]``: the LoRA input
+    projection (``lora.input_projection``) when ``w`` holds adapter rows. Not differentiable (see
     ``project_qkv_backward``). Q and K come with each head's dimensions interleaved (module
     docstring). Everything is heads-major: the kernels take Q so, ``KV`` is the K/V all-gather's
     send buffer (its chunks then land in token order by contiguous block copies), and RoPE writes
     that layout faster than a token-major one. ``split_kv`` views K and V ``[B, T, n_kv, d]``."""
     B, T, _ = x.shape
     d = spec.head_dim
-    W, b = weight if weight is not None else stacked_weights(w, d)
+    W, b, lora = weight if weight is not None else stacked_weights(w, d)
     lin = F.linear(x, W, b)
+    if lora is not None:
+        add_matmul(lin.view(-1, lin.shape[-1]), u, lora.t())
     q, k, v = _split(lin, w, d)
     if q_norm is not None:
         q = rms_norm(q, interleave_heads(q_norm, d), spec.qk_norm_eps)
@@ -91,18 +105,22 @@ def split_kv(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return k.transpose(1, 2), v.transpose(1, 2)
 
 
-def project_qkv_backward(dq, dk, dv, x, w, weight, lin, inverse, q_norm, k_norm, spec, acc):
+def project_qkv_backward(
+    dq, dk, dv, x, w, weight, lin, inverse, q_norm, k_norm, spec, acc, trainable, u=None
+):
     """Adjoint of ``project_qkv`` given ``dq [B, T, n_q, d]``, ``dk, dv [B, T, n_kv, d]``: returns
-    the gradients of the shards ``{wq, wk, wv[, bq, bk, bv]}`` (in ``acc``), of ``(q_norm,
-    k_norm)`` (in ``acc``; None without norms) and ``dL [B·T, rows]``, the projection's gradient:
-    the caller adds ``dX = dL · W`` (``add_matmul(dx, dL, W)``) once it has sent the weight
-    gradients on. ``weight``: the forward's ``stacked_weights(w, d)``; ``lin``: its projection
-    (read only with norms); ``inverse``: the conjugate of the forward's phases (RoPE's adjoint is
-    the opposite rotation). ``dq, dk`` and ``dL`` are in the interleaved order, the returned
-    weight and norm gradients in the shards' own."""
+    the gradients of the shards in ``trainable`` (of ``wq, wk, wv, bq, bk, bv, lq, lk, lv``; in
+    ``acc``: no weight-gradient GEMM for a frozen base), of ``(q_norm, k_norm)`` (in ``acc``; None
+    without norms) and ``dL [B·T, rows]``, the projection's gradient: the caller adds
+    ``dX = dL · W`` (``add_matmul(dx, dL, W)``) and ``dU = dL · B`` once it has sent the weight
+    gradients on. ``u``: the forward's LoRA input projection. ``weight``: the forward's
+    ``stacked_weights(w, d)``; ``lin``: its projection (read only with norms); ``inverse``: the
+    conjugate of the forward's phases (RoPE's adjoint is the opposite rotation). ``dq, dk`` and
+    ``dL`` are in the interleaved order, the returned weight and norm gradients in the shards'
+    own."""
     B, T, h = x.shape
     d = spec.head_dim
-    W, b = weight
+    W, b, lora = weight
     d_lin = x.new_empty(B, T, W.shape[0])
     dq_lin, dk_lin, dv_lin = _split(d_lin, w, d)
     dv_lin.copy_(dv)
@@ -121,10 +139,17 @@ def project_qkv_backward(dq, dk, dv, x, w, weight, lin, inverse, q_norm, k_norm,
             d_norms.append(deinterleave_heads(d_w.to(acc), d))
     d2, x2 = d_lin.view(-1, W.shape[0]), x.reshape(-1, h)
     sizes = [w[n].shape[0] for n in _W]
-    grads = dict(zip(_W, matmul(d2.t(), x2, acc).split(sizes)))
-    if b is not None:
+    grads = {}
+    if not trainable.isdisjoint(_W):
+        grads.update(zip(_W, matmul(d2.t(), x2, acc).split(sizes)))
+    if b is not None and not trainable.isdisjoint(_B):
         grads.update(zip(_B, d2.sum(0, dtype=acc).split(sizes)))
-    for n in ("wq", "wk", "bq", "bk"):
+    if lora is not None:
+        present = [n in w for n in _L]
+        ranks = [w[n].shape[1] for n in _L if n in w]
+        blocks = diagonal_blocks(matmul(d2.t(), u, acc), present, sizes, ranks)
+        grads.update(zip([n for n in _L if n in w], blocks))
+    for n in ("wq", "wk", "bq", "bk", "lq", "lk"):
         if n in grads:
             grads[n] = deinterleave_heads(grads[n], d)
     return grads, d_norms, d2

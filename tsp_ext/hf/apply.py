@@ -14,6 +14,9 @@ Steps, in order:
      (calls that carry a ``TSPCache`` take the inference path, ``hf.inference``);
   4. with ``TSPConfig(checkpoint_layers=True)``, checkpoint every decoder layer (its input
      offloaded to host memory with ``offload_checkpoints``: ``hf.checkpointing``).
+
+A ``peft.PeftModel`` with a LoRA adapter is folded too (``hf.lora``): the adapters follow their
+base weights' shards and the PEFT model is returned, still a PEFT model.
 """
 
 from __future__ import annotations
@@ -33,6 +36,15 @@ from .attention import TSPAttention
 from .causal_lm import TSPCausalLMLoss, check_inputs
 from .checkpointing import HostStore, enable_layer_checkpointing
 from .generate import tsp_forward, tsp_generate
+from .lora import (
+    ATTENTION,
+    MLP,
+    attach_adapters,
+    check_adapters_agree,
+    check_peft_model,
+    detach_adapters,
+    peft_base,
+)
 from .mlp import TSPGatedMLP
 from .replicated import TSPEmbedding, TSPLMHead, TSPRMSNorm, replicated_vectors
 from .vocab import TSPVocabEmbedding, TSPVocabLMHead
@@ -77,7 +89,9 @@ def apply_tsp(
 
     Args:
         model: a Hugging Face ``*ForCausalLM`` of the Llama family (Llama, Mistral, Qwen2, Qwen3 or
-            any model with the same structure), with the same weights on every rank.
+            any model with the same structure), with the same weights on every rank; or a
+            ``peft.PeftModel`` of one with a LoRA adapter on some of q/k/v/o/gate/up/down
+            (``get_peft_model`` first, then ``apply_tsp``; the same adapter on every rank).
         mesh: a mesh with a ``"tsp"`` dimension; built with ``init_tsp_mesh(tsp_size)`` if None.
         tsp_size: TSP axis size when no mesh is given (else ``config.tsp_size``).
         config: engine options (``TSPConfig``).
@@ -89,6 +103,11 @@ def apply_tsp(
     config = config or TSPConfig()
     if getattr(model, "tsp", None) is not None:
         raise ValueError("apply_tsp was already applied to this model")
+    peft_model, adapter = model, None
+    base = peft_base(model)
+    if base is not None:
+        adapter = check_peft_model(model)
+        model = base
     check_supported(model)
     size = tsp_size or config.tsp_size
     if mesh is None:
@@ -101,10 +120,17 @@ def apply_tsp(
         raise ValueError(f"tsp_size={size} but the mesh's 'tsp' dimension has {D} ranks")
     _check_layout(model.config, D)
 
+    if adapter is not None:
+        check_adapters_agree(peft_model, group)
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     decoder = model.model
     for layer in decoder.layers:
+        taken = detach_adapters(layer.self_attn, ATTENTION)
         layer.self_attn = TSPAttention.from_hf(layer.self_attn, group, config)
+        attach_adapters(layer.self_attn, taken, adapter, lambda n: f"{n}.weight")
+        taken = detach_adapters(layer.mlp, MLP)
         layer.mlp = TSPGatedMLP.from_hf(layer.mlp, group, config)
+        attach_adapters(layer.mlp, taken, adapter, lambda n: f"{n}.weight")
         layer.input_layernorm = TSPRMSNorm.from_hf(layer.input_layernorm, group)
         layer.post_attention_layernorm = TSPRMSNorm.from_hf(layer.post_attention_layernorm, group)
     decoder.norm = TSPRMSNorm.from_hf(decoder.norm, group)
@@ -117,6 +143,9 @@ def apply_tsp(
         decoder.embed_tokens = TSPEmbedding.from_hf(decoder.embed_tokens, group)
         model.lm_head = TSPLMHead.from_hf(model.lm_head, group)
 
+    for name, param in model.named_parameters():  # the TSP modules' shards start trainable
+        if name in frozen:
+            param.requires_grad_(False)
     changed = {
         "_attn_implementation": model.config._attn_implementation,
         "use_cache": model.config.use_cache,
@@ -132,7 +161,17 @@ def apply_tsp(
     model.forward = types.MethodType(tsp_forward, model)
     model.generate = types.MethodType(tsp_generate, model)
     model.register_forward_pre_hook(check_inputs, with_kwargs=True)
-    return model
+    if adapter is not None:
+        peft_model.save_pretrained = types.MethodType(_save_adapter, peft_model)
+    return peft_model
+
+
+def _save_adapter(peft_model, save_directory, **kwargs) -> None:
+    """``PeftModel.save_pretrained`` of a TSP PEFT model: the adapter gathered from the shards
+    (collective: every rank calls it; ``checkpoint.adapter.save_adapter``)."""
+    from ..checkpoint.adapter import save_adapter
+
+    save_adapter(peft_model, save_directory)
 
 
 def check_supported(model: nn.Module) -> None:

@@ -18,6 +18,7 @@ from ..engine import comm
 from ..engine.attention import AttentionSpec, tsp_attention
 from ..engine.documents import query_spans
 from ..engine.layout import ZigzagLayout
+from .lora import adapters_of, output_adapter, plan_of
 from .sharding import Role, ShardedModule
 
 # keyword argument carrying the local query spans of packed documents from the model's input check
@@ -34,7 +35,8 @@ class TSPAttention(ShardedModule):
     rows, ``engine.documents``) make attention causal within each document and blocked across
     documents; plain global positions give one causal stream. Parameters keep the Hugging Face
     names; q/k/v_proj hold rows, o_proj columns of this rank's head group; o_proj's bias and
-    the q/k norms (if any) are replicated, their gradients summed over the TSP group.
+    the q/k norms (if any) are replicated, their gradients summed over the TSP group. A projection
+    may be a ``TSPLoraLinear`` (PEFT LoRA, ``hf.lora``): its adapter joins the schedule.
     """
 
     # dim along which each sharded parameter is cut (others are replicated)
@@ -140,12 +142,13 @@ class TSPAttention(ShardedModule):
             return Role.COPY
         return super().role(name)
 
-    def _own(self) -> dict[str, torch.Tensor]:
+    def _own(self, merged: bool = False) -> dict[str, torch.Tensor]:
+        """This rank's shards by the engine's names; ``merged``: with active LoRA adapters added
+        to their base shards (inference), else the bases alone."""
+        projs = {"wq": self.q_proj, "wo": self.o_proj, "wk": self.k_proj, "wv": self.v_proj}
         own = {
-            "wq": self.q_proj.weight,
-            "wo": self.o_proj.weight,
-            "wk": self.k_proj.weight,
-            "wv": self.v_proj.weight,
+            n: p.merged_weight() if merged and hasattr(p, "merged_weight") else p.weight
+            for n, p in projs.items()
         }
         if self.q_proj.bias is not None:
             own.update(bq=self.q_proj.bias, bk=self.k_proj.bias, bv=self.v_proj.bias)
@@ -180,9 +183,31 @@ class TSPAttention(ShardedModule):
         if self.q_norm is not None:
             q_norm = comm.replicated(self.q_norm.weight, self.group)
             k_norm = comm.replicated(self.k_norm.weight, self.group)
+        adapted = adapters_of(self, ("q_proj", "k_proj", "v_proj", "o_proj"))
+        plan = plan_of(adapted, ("q_proj", "k_proj", "v_proj"), "o_proj", self.training)
+        for n in ("q", "k", "v"):
+            if f"{n}_proj" in adapted:
+                own[f"l{n}"] = adapted[f"{n}_proj"].b
+        if plan.output:
+            own["lo"] = adapted["o_proj"].a
+        lora_a = [comm.replicated(adapted[f"{n}_proj"].a, self.group) for n in plan.inputs]
         y = tsp_attention(
-            x, cos, sin, own, q_norm, k_norm, self.spec, self.group, self.options, spans
+            x,
+            cos,
+            sin,
+            own,
+            q_norm,
+            k_norm,
+            self.spec,
+            self.group,
+            self.options,
+            spans,
+            plan,
+            lora_a,
         )
+        if plan.output:
+            y, z = y
+            y = output_adapter(y, z, adapted["o_proj"], self.group)
         if self.o_proj.bias is not None:
             y = y + comm.replicated(self.o_proj.bias, self.group)
         return y, None

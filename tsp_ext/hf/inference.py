@@ -68,11 +68,11 @@ def _prefill_attention(attn: TSPAttention, x, cos, sin, layer: TSPCacheLayer, ke
             layer.update(k_all[:, :S].transpose(1, 2), v_all[:, :S].transpose(1, 2), index)
 
     qn, kn = _qk_norms(attn)
-    y, _, _ = tsp_attention_forward(
+    y, *_ = tsp_attention_forward(
         sched,
         x,
         rope_phases(cos, sin, x.dtype),
-        attn._own(),
+        attn._own(merged=True),
         qn,
         kn,
         keep=False,
@@ -85,7 +85,7 @@ def _prefill_attention(attn: TSPAttention, x, cos, sin, layer: TSPCacheLayer, ke
 def _decode_attention(attn: TSPAttention, x, cos, sin, layer: TSPCacheLayer, q_index, valid):
     """TP attention of the replicated step tokens ``x [B, Tq, h]`` at global indices
     ``q_index [Tq]``; ``valid [B, L + Tq]`` (bool) or None marks the non-padding tokens."""
-    spec, own = attn.spec, attn._own()
+    spec, own = attn.spec, attn._own(merged=True)
     q, kv, _ = project_qkv(x, own, rope_phases(cos, sin, x.dtype), *_qk_norms(attn), spec)
     keys, values = layer.update(*kv.chunk(2, dim=1), q_index)
     index = layer.token_index
@@ -163,8 +163,7 @@ def _decode(model, ids, mask, pos, cache: TSPCache) -> torch.Tensor:
         return _decode_attention(attn, h, cos, sin, cache.layers[i], q_index, valid)
 
     def mlp(m, h):
-        w = (m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight)
-        return decode_mlp(h, *w, m.group, m.options.accum_for(h.dtype))
+        return decode_mlp(h, *m.inference_weights(), m.group, m.options.accum_for(h.dtype))
 
     return _layers(model, x, pos, attention, mlp)
 

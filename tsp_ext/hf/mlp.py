@@ -13,13 +13,15 @@ from ..config import TSPConfig
 from ..engine import comm
 from ..engine.mlp import tsp_mlp
 from ..engine.partition import check_split, split_range, split_sizes
+from .lora import adapters_of, output_adapter, plan_of
 from .sharding import ShardedModule
 
 
 class TSPGatedMLP(ShardedModule):
     """SwiGLU MLP on a TSP axis: ``down(silu(gate(x)) * up(x))`` with slice p of the
     intermediate dimension (``⌊F/D⌋`` or ``⌈F/D⌉`` rows, the first ``F mod D`` ranks one
-    more). Input and output ``[B, S/D, h]`` (this rank's tokens)."""
+    more). Input and output ``[B, S/D, h]`` (this rank's tokens). A projection may be a
+    ``TSPLoraLinear`` (PEFT LoRA, ``hf.lora``): its adapter joins the ring."""
 
     shard_dims = {"gate_proj.weight": 0, "up_proj.weight": 0, "down_proj.weight": 1}
 
@@ -70,4 +72,25 @@ class TSPGatedMLP(ShardedModule):
         if x.dim() != 3 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"x must be [B, S/D, {self.hidden_size}], got {tuple(x.shape)}")
         w = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
-        return tsp_mlp(x, *w, self.group, self.options, self.sizes)
+        adapted = adapters_of(self, ("gate_proj", "up_proj", "down_proj"))
+        if not adapted:
+            return tsp_mlp(x, *w, self.group, self.options, self.sizes)
+        plan = plan_of(adapted, ("gate_proj", "up_proj"), "down_proj", self.training)
+        pieces = {
+            f"a_{n}": comm.replicated(adapted[f"{n}_proj"].a, self.group) for n in plan.inputs
+        }
+        for n in ("gate", "up"):
+            if f"{n}_proj" in adapted:
+                pieces[f"b_{n}"] = adapted[f"{n}_proj"].b
+        if plan.output:
+            pieces["a_down"] = adapted["down_proj"].a
+        y = tsp_mlp(x, *w, self.group, self.options, self.sizes, plan, pieces)
+        if plan.output:
+            y, z = y
+            y = output_adapter(y, z, adapted["down_proj"], self.group)
+        return y
+
+    def inference_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Gate, up, down shards with active LoRA adapters added (local)."""
+        projs = (self.gate_proj, self.up_proj, self.down_proj)
+        return tuple(p.merged_weight() if hasattr(p, "merged_weight") else p.weight for p in projs)

@@ -107,16 +107,15 @@ class ShardedModule(nn.Module, abc.ABC):
 
 
 def shard_owner(model: nn.Module, name: str) -> tuple[ShardedModule, str] | None:
-    """``(module, local name)`` of the sharded module holding parameter ``name``: the parameter's
-    own module or its parent (``q_proj.weight`` of an attention module); None if replicated."""
+    """``(module, local name)`` of the sharded module holding parameter ``name``: the nearest
+    ancestor that shards it (``q_proj.weight`` of an attention module, ``lora_B.default.weight``
+    of a LoRA projection); None if replicated."""
     parts = name.split(".")
-    for cut in (len(parts) - 1, len(parts) - 2):
-        if cut < 0:
-            continue
+    for cut in range(len(parts) - 1, -1, -1):
         owner = model.get_submodule(".".join(parts[:cut]))
         key = ".".join(parts[cut:])
-        if isinstance(owner, ShardedModule) and key in owner.shard_dims:
-            return owner, key
+        if isinstance(owner, ShardedModule):
+            return (owner, key) if key in owner.shard_dims else None
     return None
 
 
