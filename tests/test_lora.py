@@ -1,0 +1,281 @@
+"""LoRA under TSP: a PEFT model folded by apply_tsp against the same PEFT model in one process."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+
+import pytest
+import torch
+from checks import error_message, rel_err
+from models import batch, build, lm_loss
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM
+
+import tsp_ext
+from tsp_ext import TSPConfig, apply_tsp, full_grads, init_tsp_mesh, shard_batch
+from tsp_ext.engine.lora import SeededDropout
+
+pytestmark = pytest.mark.multiproc
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# (family, dtype, targets, LoraConfig extras): GQA with D > n_kv, biases (qwen2), q/k norms
+# (qwen3), rsLoRA and per-module ranks
+CASES = [
+    ("llama", torch.float64, ALL, {}),
+    ("llama", torch.float64, ["q_proj", "v_proj", "down_proj"], {"use_rslora": True}),
+    ("qwen2", torch.float64, ALL, {"rank_pattern": {"k_proj": 2, "up_proj": 6}}),
+    ("qwen3", torch.float64, ["k_proj", "o_proj", "up_proj"], {}),
+    ("llama", torch.float32, ALL, {}),
+]
+TOL = {torch.float64: 1e-10, torch.float32: 5e-5}  # fp32: the reference's own rounding (A's dW)
+
+
+def peft_model(family, dtype, targets, dropout=0.0, **extra):
+    """The same PEFT model on every rank, its B's non-zero so that every gradient is exercised."""
+    model = build(family, dtype)
+    torch.manual_seed(5)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=dropout, **extra)
+    peft = get_peft_model(model, config)
+    with torch.no_grad():
+        for n, p in peft.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.3)
+    return peft
+
+
+def parity_case(mesh, family, dtype, targets, extra):
+    peft = peft_model(family, dtype, targets, **extra)
+    ref = copy.deepcopy(peft)
+    data = batch(peft.config.vocab_size, 2, 21)
+    loss = lm_loss(ref(input_ids=data["input_ids"]).logits, data["labels"])
+    loss.backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+
+    apply_tsp(peft, mesh, config=TSPConfig(loss_chunk=5))
+    out = peft(**shard_batch(data, mesh))
+    out.loss.backward()
+    grads = full_grads(peft)
+    errs = {"loss": rel_err(out.loss.detach(), loss.detach())}
+    errs.update({n: rel_err(grads[n], g) for n, g in ref_grads.items() if n in grads})
+    frozen_grads = [
+        n for n, p in peft.named_parameters() if not p.requires_grad and p.grad is not None
+    ]
+    return errs, sorted(set(grads) ^ set(ref_grads)), frozen_grads
+
+
+class ReplayedDropout(torch.nn.Module):
+    """PEFT's adapter dropout replaced by the masks the TSP schedules draw at D = 1 (the same
+    ``SeededDropout`` seed, drawn per attention / MLP call in the same order, and key)."""
+
+    def __init__(self, p: float, key: tuple[int, ...]) -> None:
+        super().__init__()
+        self.p, self.key, self.seed = p, key, None
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        return SeededDropout(self.p, self.seed).apply(flat, self.key).view_as(x)
+
+
+def replay_dropout(peft, p: float) -> None:
+    """Give each adapted projection of ``peft`` a ``ReplayedDropout`` with the key its TSP
+    schedule uses at D = 1 (its place among the block's adapted inputs; o: group 0; down: owner
+    0, tile 0), seeded by a pre-hook on its attention / MLP."""
+    for layer in peft.get_base_model().model.layers:
+        for block, inputs, output, out_key in (
+            (layer.self_attn, ("q_proj", "k_proj", "v_proj"), "o_proj", (3, 0)),
+            (layer.mlp, ("gate_proj", "up_proj"), "down_proj", (2, 0, 0)),
+        ):
+            adapted = [n for n in inputs if hasattr(getattr(block, n), "lora_dropout")]
+            keys = {n: (j,) for j, n in enumerate(adapted)}
+            if hasattr(getattr(block, output), "lora_dropout"):
+                keys[output] = out_key
+            drops = []
+            for name, key in keys.items():
+                drops.append(ReplayedDropout(p, key))
+                getattr(block, name).lora_dropout["default"] = drops[-1]
+
+            def draw(module, args, drops=drops):
+                seed = int(torch.randint(2**62, (1,)).item())  # as SeededDropout.for_call
+                for d in drops:
+                    d.seed = seed
+
+            if drops:
+                block.register_forward_pre_hook(draw)
+
+
+def dropout_case(mesh):
+    """At D = 1 with dropout 0.1: loss and adapter gradients vs PEFT with the same masks."""
+    peft = peft_model("llama", torch.float64, ALL, dropout=0.1)
+    ref = copy.deepcopy(peft)
+    replay_dropout(ref, 0.1)
+    peft.train(), ref.train()
+    data = batch(peft.config.vocab_size, 2, 22)  # unpadded: the masks cover the same rows
+    torch.manual_seed(11)
+    loss = lm_loss(ref(input_ids=data["input_ids"]).logits, data["labels"])
+    loss.backward()
+    apply_tsp(peft, mesh)
+    torch.manual_seed(11)
+    out = peft(**shard_batch(data, mesh))
+    out.loss.backward()
+    grads = full_grads(peft)
+    errs = {"loss": rel_err(out.loss.detach(), loss.detach())}
+    errs.update(
+        {n: rel_err(grads[n], p.grad) for n, p in ref.named_parameters() if p.requires_grad}
+    )
+    return errs, [], []
+
+
+def parity_worker(rank, world):
+    mesh = init_tsp_mesh(world)
+    out = {(c[0], str(c[1]), len(c[2])): parity_case(mesh, *c) for c in CASES}
+    if world == 1:
+        out[("dropout", "torch.float64", 7)] = dropout_case(mesh)
+    return out
+
+
+@functools.cache
+def parity(workers, world):
+    return workers.run(parity_worker, world, timeout=300)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_adapter_gradients_match_peft(workers, world):
+    """Loss and every adapter gradient vs single-process PEFT, at D = 1, 2, 4 and uneven D = 3
+    (head groups, KV heads shared by groups, MLP slices of different sizes); the frozen base
+    gets no gradient at all. At D = 1 also with adapter dropout, against PEFT given the same
+    masks (``ReplayedDropout``)."""
+    for rank, per_case in enumerate(parity(workers, world)):
+        for case, (errs, mismatched, frozen_grads) in per_case.items():
+            tol = TOL[getattr(torch, case[1].split(".")[1])]
+            if case[0] == "qwen3":
+                tol = max(tol, 1e-6)  # HF runs Qwen3's q/k norms in float32 (see test_engine)
+            bad = {k: v for k, v in errs.items() if not v < tol}
+            assert not bad, f"D={world} rank={rank} {case}: {bad}"
+            assert not mismatched, f"gradients present on one side only: {mismatched}"
+            assert not frozen_grads, frozen_grads
+
+
+def training_worker(rank, world, tmp):
+    """Three LoRA steps with dropout at D = 2, then the adapter saved, merged and exported."""
+    mesh = init_tsp_mesh(world)
+    peft = peft_model("llama", torch.float64, "all-linear", dropout=0.1)
+    apply_tsp(peft, mesh)
+    data = batch(96, 2, 24)
+    sharded = shard_batch(data, mesh)
+    trainable = [p for p in peft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=1e-2)
+    for _ in range(3):
+        opt.zero_grad()
+        peft(**sharded).loss.backward()
+        opt.step()
+    peft.eval()
+    with torch.no_grad():
+        eval_loss = peft(**sharded).loss.item()
+    peft.save_pretrained(os.path.join(tmp, "adapter"))
+    ids = data["input_ids"][:1, :6]
+    generated = peft.generate(input_ids=ids, max_new_tokens=5, do_sample=False).tolist()
+    base_bytes = sum(
+        p.numel() for n, p in peft.named_parameters() if "base_layer" in n and not p.requires_grad
+    )
+    merged = peft.merge_and_unload()
+    with torch.no_grad():
+        merged_loss = merged(**sharded).loss.item()
+    tsp_ext.save_pretrained(merged, os.path.join(tmp, "merged"))
+    return {
+        "eval": eval_loss,
+        "merged": merged_loss,
+        "generated": generated,
+        "base": base_bytes,
+        "state": sorted(p.grad is None for p in peft.parameters() if not p.requires_grad),
+    }
+
+
+def test_adapter_trains_saves_and_reloads_in_one_process(workers, tmp):
+    """At D = 2: the base shards are 1/D of the base, the adapter saved in PEFT's format
+    reloads with PeftModel.from_pretrained in one process with the same eval loss and the same
+    greedy continuation, and merge_and_unload (local) exports a plain checkpoint with that loss
+    too."""
+    results = workers.run(training_worker, 2, tmp, timeout=300)
+    base = build("llama", torch.float64)
+    full_base = sum(
+        getattr(base.model.layers[i], blk).get_submodule(n).weight.numel()
+        for i in range(2)
+        for blk, names in (("self_attn", ALL[:4]), ("mlp", ALL[4:]))
+        for n in names
+    )
+    for r in results:
+        assert r["base"] * 2 == full_base, (r["base"], full_base)
+        assert r["eval"] == results[0]["eval"] and r["merged"] == pytest.approx(r["eval"], 1e-12)
+    assert sorted(os.listdir(os.path.join(tmp, "adapter"))) == [
+        "README.md",
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
+    reloaded = PeftModel.from_pretrained(base, os.path.join(tmp, "adapter")).eval()
+    data = batch(96, 2, 24)
+    ids = data["input_ids"][:1, :6]
+    with torch.no_grad():
+        loss = lm_loss(reloaded(input_ids=data["input_ids"]).logits, data["labels"]).item()
+        generated = reloaded.generate(input_ids=ids, max_new_tokens=5, do_sample=False).tolist()
+    assert loss == pytest.approx(results[0]["eval"], rel=1e-12)
+    assert generated == results[0]["generated"]
+    merged = AutoModelForCausalLM.from_pretrained(os.path.join(tmp, "merged"), dtype=torch.float64)
+    with torch.no_grad():
+        logits = merged(input_ids=data["input_ids"]).logits
+    assert lm_loss(logits, data["labels"]).item() == pytest.approx(loss, rel=1e-12)
+
+
+def errors_worker(rank, world):
+    mesh = init_tsp_mesh(world)
+    messages = {}
+
+    def refused(name, make):
+        messages[name] = error_message(lambda: apply_tsp(make(), mesh))
+
+    def lora(targets, family="llama", **kw):
+        return lambda: peft_model(family, torch.float64, targets, **kw)
+
+    refused("dora", lora(ALL, use_dora=True))
+    refused("lm_head", lora(["q_proj", "lm_head"]))
+    refused("embedding", lora(["embed_tokens"]))
+    refused("modules_to_save", lora(ALL, modules_to_save=["lm_head"]))
+    refused("lora_bias", lora(["q_proj"], family="qwen2", lora_bias=True))
+
+    def two_adapters():
+        peft = peft_model("llama", torch.float64, ALL)
+        peft.add_adapter("second", LoraConfig(r=2, target_modules=["q_proj"]))
+        return peft
+
+    refused("two adapters", two_adapters)
+
+    def per_rank_init():
+        model = build("llama", torch.float64)
+        torch.manual_seed(rank)  # a different A on every rank
+        return get_peft_model(model, LoraConfig(r=4, target_modules=ALL))
+
+    refused("rank-dependent init", per_rank_init)
+    folded = apply_tsp(build("llama", torch.float64), mesh)
+    after = get_peft_model(folded, LoraConfig(r=4, target_modules=["q_proj", "down_proj"]))
+    data = shard_batch(batch(96, 1, 8), mesh)
+    messages["peft after apply_tsp"] = error_message(lambda: after(**data))
+    return messages
+
+
+def test_unsupported_adapters_are_refused(workers):
+    """Each unsupported PEFT setup is a ValueError saying what to change, on every rank (a
+    rank-dependent adapter init included), never a silent full fine-tune or a dead adapter."""
+    expected = {
+        "dora": "DoRA",
+        "lm_head": "LoRA on lm_head is not supported",
+        "embedding": "LoRA on model.embed_tokens is not supported",
+        "modules_to_save": "modules_to_save",
+        "lora_bias": "lora_bias=True",
+        "two adapters": "exactly one LoRA adapter",
+        "rank-dependent init": "initial values differ across TSP ranks",
+        "peft after apply_tsp": "call get_peft_model(model, config) first",
+    }
+    for messages in workers.run(errors_worker, 2, timeout=120):
+        for name, fragment in expected.items():
+            assert fragment in messages[name], (name, messages[name])
