@@ -57,6 +57,26 @@ def build(name: str, dtype: torch.dtype = torch.float64, seed: int = 0, **overri
     return model
 
 
+# every projection TSP folds, as PEFT names them
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def build_lora(name: str, dtype: torch.dtype, targets, dropout: float = 0.0, **lora_kw):
+    """``build(name, dtype)`` with a PEFT LoRA adapter (r = 4, alpha = 8) on ``targets``, the
+    same on every rank; its B's are non-zero so that every gradient is exercised."""
+    from peft import LoraConfig, get_peft_model
+
+    model = build(name, dtype)
+    torch.manual_seed(5)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=dropout, **lora_kw)
+    peft = get_peft_model(model, config)
+    with torch.no_grad():
+        for n, p in peft.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.3)
+    return peft
+
+
 def batch(vocab: int, B: int, S: int, seed: int = 1, pad_last: int = 0):
     """``input_ids``/``labels`` (and a right-padding ``attention_mask`` if ``pad_last``)."""
     g = torch.Generator().manual_seed(seed)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from checks import error_message
 from dp_reference import CLIP, STEPS, adamw, param_errors, reference, replica_batches
-from models import build, causal_lm_loss
+from models import LORA_TARGETS, build, build_lora, causal_lm_loss
 
 from tsp_ext import TSPConfig, apply_tsp, init_tsp_mesh
 
@@ -18,7 +18,13 @@ pytestmark = pytest.mark.multiproc
 
 
 def zero_run(
-    tsp: int, stage: int, dtype: torch.dtype, model_kw=None, offload: bool = False, **tsp_options
+    tsp: int,
+    stage: int,
+    dtype: torch.dtype,
+    model_kw=None,
+    offload: bool = False,
+    lora: bool = False,
+    **tsp_options,
 ):
     """``offload``: the optimizer state on the CPU (``adamw`` becomes DeepSpeed's CPU Adam);
     ``tsp_options``: more fields of the config's ``"tsp"`` block."""
@@ -26,6 +32,8 @@ def zero_run(
     from tsp_ext import shard_batch
 
     model = build("llama", dtype, **(model_kw or {}))
+    if lora:  # a PEFT LoRA model on all seven projections (base frozen)
+        model = build_lora("llama", dtype, LORA_TARGETS)
     ref_model = copy.deepcopy(model)
     ref_losses, ref_norms, ref_params = reference(
         ref_model if dtype == torch.float64 else ref_model.float(), 4 // tsp

@@ -8,7 +8,7 @@ import functools
 import pytest
 import torch
 from dp_reference import CLIP, STEPS, adamw, param_errors, reference, replica_batches
-from models import build
+from models import LORA_TARGETS, build, build_lora
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from tsp_ext import full_state_dict, init_tsp_mesh, shard_batch
@@ -16,10 +16,12 @@ from tsp_ext import full_state_dict, init_tsp_mesh, shard_batch
 pytestmark = pytest.mark.multiproc
 
 
-def fsdp_run(mesh, dtype, model_kw=None, **shard_kwargs):
+def fsdp_run(mesh, dtype, model_kw=None, lora=False, **shard_kwargs):
     import tsp_ext.fsdp as tfs
 
     model = build("llama", dtype, **(model_kw or {}))
+    if lora:  # a PEFT LoRA model on all seven projections (base frozen)
+        model = build_lora("llama", dtype, LORA_TARGETS)
     dp = mesh["dp"].size()
     ref_losses, ref_norms, ref_params = reference(copy.deepcopy(model).double(), dp)
     tfs.shard_model(model, mesh, **shard_kwargs)

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
 from ..hf.apply import apply_tsp
+from ..hf.lora import peft_base
 from .grad_norm import clip_grad_norm_
 
 
@@ -37,9 +38,10 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, **fully_shard_kwargs) -> nn.
         )
     if getattr(model, "tsp", None) is None:
         apply_tsp(model, mesh)
-    for layer in model.model.layers:
+    hf = peft_base(model) or model  # a PEFT model: its Hugging Face model is the FSDP root
+    for layer in hf.model.layers:
         fully_shard(layer, mesh=mesh["dp"], **fully_shard_kwargs)
-    fully_shard(model, mesh=mesh["dp"], **fully_shard_kwargs)
+    fully_shard(hf, mesh=mesh["dp"], **fully_shard_kwargs)
     return model
 
 
