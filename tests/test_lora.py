@@ -214,6 +214,46 @@ def test_adapter_trains_saves_and_reloads_in_one_process(workers, tmp):
     assert lm_loss(logits, data["labels"]).item() == pytest.approx(loss, rel=1e-12)
 
 
+def shards_first_worker(rank, world):
+    """``load_pretrained``'s order: apply_tsp, get_peft_model on the TSP model, apply_tsp again
+    to fold the adapters PEFT put on the shards. Returns the folded adapter (full) and the loss
+    and adapter gradients of one batch."""
+    mesh = init_tsp_mesh(world)
+    model = apply_tsp(build("llama", torch.float64), mesh)
+    torch.manual_seed(5)
+    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=ALL))
+    apply_tsp(peft)
+    with torch.no_grad():
+        for n, p in peft.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.3)
+    out = peft(**shard_batch(batch(96, 2, 21), mesh))
+    out.loss.backward()
+    adapter = {n: t for n, t in tsp_ext.full_state_dict(peft).items() if ".lora_" in n}
+    return out.loss.item(), adapter, full_grads(peft)
+
+
+def test_peft_on_a_tsp_model_is_folded_by_apply_tsp(workers):
+    """get_peft_model after apply_tsp, then apply_tsp(peft_model): the adapters become TSP
+    adapters; the run equals single-process PEFT holding the same adapter values, and the
+    column-sharded A's (o, down) are drawn with the full fan-in, as in one process."""
+    loss, adapter, grads = workers.run(shards_first_worker, 2, timeout=120)[0]
+    ref = get_peft_model(
+        build("llama", torch.float64), LoraConfig(r=4, lora_alpha=8, target_modules=ALL)
+    )
+    ref.load_state_dict(adapter, strict=False)
+    data = batch(96, 2, 21)
+    ref_loss = lm_loss(ref(input_ids=data["input_ids"]).logits, data["labels"])
+    ref_loss.backward()
+    assert rel_err(torch.tensor(loss, dtype=torch.float64), ref_loss.detach()) < 1e-12
+    for n, p in ref.named_parameters():
+        if p.requires_grad:
+            assert rel_err(grads[n], p.grad) < 1e-10, n
+    for n, a in adapter.items():
+        if "lora_A" in n and ("o_proj" in n or "down_proj" in n):
+            assert a.abs().max() <= a.shape[1] ** -0.5, n  # kaiming-uniform bound, full fan-in
+
+
 def errors_worker(rank, world):
     mesh = init_tsp_mesh(world)
     messages = {}
@@ -261,7 +301,7 @@ def test_unsupported_adapters_are_refused(workers):
         "lora_bias": "lora_bias=True",
         "two adapters": "exactly one LoRA adapter",
         "rank-dependent init": "initial values differ across TSP ranks",
-        "peft after apply_tsp": "call get_peft_model(model, config) first",
+        "peft after apply_tsp": "call apply_tsp(peft_model) on the PEFT model",
     }
     for messages in workers.run(errors_worker, 2, timeout=120):
         for name, fragment in expected.items():

@@ -14,11 +14,9 @@ import tempfile
 
 from torch import nn
 
+from ..hf.lora import ADAPTER_MARK
 from .state import full_tensor, require_tsp
 from .writer import WRITER, on_writer, replace_dir
-
-# PEFT names every adapter tensor ``...lora_A.<adapter>.weight`` / ``lora_B``
-ADAPTER_MARK = ".lora_"
 
 
 def adapter_names(model: nn.Module) -> list[str]:

@@ -43,6 +43,7 @@ from .lora import (
     check_adapters_agree,
     check_peft_model,
     detach_adapters,
+    fold_on_shards,
     peft_base,
 )
 from .mlp import TSPGatedMLP
@@ -102,7 +103,11 @@ def apply_tsp(
     """
     config = config or TSPConfig()
     if getattr(model, "tsp", None) is not None:
-        raise ValueError("apply_tsp was already applied to this model")
+        if peft_base(model) is None:
+            raise ValueError("apply_tsp was already applied to this model")
+        fold_on_shards(model)  # get_peft_model on a TSP model: fold the adapters it added
+        _patch_peft(model)
+        return model
     peft_model, adapter = model, None
     base = peft_base(model)
     if base is not None:
@@ -127,10 +132,10 @@ def apply_tsp(
     for layer in decoder.layers:
         taken = detach_adapters(layer.self_attn, ATTENTION)
         layer.self_attn = TSPAttention.from_hf(layer.self_attn, group, config)
-        attach_adapters(layer.self_attn, taken, adapter, lambda n: f"{n}.weight")
+        attach_adapters(layer.self_attn, taken, adapter)
         taken = detach_adapters(layer.mlp, MLP)
         layer.mlp = TSPGatedMLP.from_hf(layer.mlp, group, config)
-        attach_adapters(layer.mlp, taken, adapter, lambda n: f"{n}.weight")
+        attach_adapters(layer.mlp, taken, adapter)
         layer.input_layernorm = TSPRMSNorm.from_hf(layer.input_layernorm, group)
         layer.post_attention_layernorm = TSPRMSNorm.from_hf(layer.post_attention_layernorm, group)
     decoder.norm = TSPRMSNorm.from_hf(decoder.norm, group)
@@ -162,8 +167,13 @@ def apply_tsp(
     model.generate = types.MethodType(tsp_generate, model)
     model.register_forward_pre_hook(check_inputs, with_kwargs=True)
     if adapter is not None:
-        peft_model.save_pretrained = types.MethodType(_save_adapter, peft_model)
+        _patch_peft(peft_model)
     return peft_model
+
+
+def _patch_peft(peft_model) -> None:
+    """A TSP PEFT model's ``save_pretrained`` gathers the adapter from the shards."""
+    peft_model.save_pretrained = types.MethodType(_save_adapter, peft_model)
 
 
 def _save_adapter(peft_model, save_directory, **kwargs) -> None:

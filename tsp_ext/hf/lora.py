@@ -20,6 +20,7 @@ communication) works on the TSP model. The schedules compute the adapter terms
 from __future__ import annotations
 
 import functools
+import math
 import struct
 import zlib
 from collections.abc import Callable
@@ -32,6 +33,7 @@ from ..engine.agreement import agree
 from ..engine.lora import LoraPlan
 from .sharding import Role, ShardedModule
 
+ADAPTER_MARK = ".lora_"  # in the name of every LoRA parameter (``q_proj.lora_A.default.weight``)
 # the projections TSP shards, by side: output rows (B sharded) / input columns (A sharded)
 ROW_SHARDED = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 COL_SHARDED = ("o_proj", "down_proj")
@@ -157,6 +159,18 @@ def _adapter(peft_layer: nn.Module, adapter: str):
     )
 
 
+def _sharded_init(a: torch.Tensor, init, rows_of, D: int, p: int) -> torch.Tensor:
+    """A column-sharded A that PEFT initialised on the shard (fan-in ``in_p``): drawn again as
+    rank p's columns of a full ``[r, in]`` A under PEFT's default init (every rank draws the same
+    full A: the generator states agree, which ``check_adapters_agree`` verifies); a Gaussian
+    init (no fan-in) is kept."""
+    if init == "gaussian":
+        return a
+    full = a.new_empty(a.shape[0], max(rows_of(q).stop for q in range(D)))
+    nn.init.kaiming_uniform_(full, a=math.sqrt(5))
+    return full[:, rows_of(p)].clone().requires_grad_(a.requires_grad)
+
+
 def _linear(weight: torch.Tensor, requires_grad: bool) -> nn.Linear:
     """An ``nn.Linear`` (no bias) holding a copy of ``weight [out, in]``."""
     lin = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
@@ -195,16 +209,15 @@ class TSPLoraLinear(ShardedModule):
         parent_role: Callable[[], tuple[Role, tuple[slice, ...]]] | None,
         group,
     ) -> None:
+        """``a``, ``b``: this rank's share (copied): ``A [r, in]`` and ``B [out_p, r]`` rows
+        (side ``"rows"``), or ``A [r, in_p]`` columns and ``B [out, r]`` (``"cols"``)."""
         nn.Module.__init__(self)
         self.base_layer, self.side, self.group = base_layer, side, group
         self._rows_of, self._parent_role = rows_of, parent_role
         self._active_adapter, self._disable_adapters, self.merged_adapters = adapter, False, []
         self.r, self.scaling, self.p = {adapter: a.shape[0]}, {adapter: scaling}, dropout
-        rows = rows_of(comm.size_and_rank(group)[1])
-        a_local = a if side == "rows" else a[:, rows]
-        b_local = b[rows] if side == "rows" else b
-        self.lora_A = nn.ModuleDict({adapter: _linear(a_local, a.requires_grad)})
-        self.lora_B = nn.ModuleDict({adapter: _linear(b_local, b.requires_grad)})
+        self.lora_A = nn.ModuleDict({adapter: _linear(a, a.requires_grad)})
+        self.lora_B = nn.ModuleDict({adapter: _linear(b, b.requires_grad)})
         drop = nn.Dropout(dropout) if dropout else nn.Identity()
         self.lora_dropout = nn.ModuleDict({adapter: drop})
         a_key, b_key = f"lora_A.{adapter}.weight", f"lora_B.{adapter}.weight"
@@ -304,20 +317,28 @@ def lora_class() -> type:
 
 
 def attach_adapters(
-    module: ShardedModule, taken: dict[str, nn.Module], adapter: str, prefix_of
+    module: ShardedModule, taken: dict[str, nn.Module], adapter: str, on_shards=None
 ) -> None:
     """Wrap each of ``module``'s projections in ``taken`` (PEFT layers from ``detach_adapters``)
-    in a ``TSPLoraLinear`` with this rank's share of its adapter. ``prefix_of(name)``: the name of
-    the projection's weight in ``module`` (``"q_proj.weight"``) for the parent's layout."""
+    in a ``TSPLoraLinear`` with this rank's share of its adapter: sliced from the full adapter,
+    or, with ``on_shards`` (the adapter's ``init_lora_weights``), the adapter PEFT made on the
+    shard itself (``get_peft_model`` after ``apply_tsp``), whose column-sharded A is drawn again
+    as a slice of a full-width A (the same distribution as in one process)."""
     rank_role = getattr(module, "role", None)
+    D, p = comm.size_and_rank(module.group)
     for name, peft_layer in taken.items():
         a, b, scaling, dropout = _adapter(peft_layer, adapter)
-        key = prefix_of(name)
+        key = f"{name}.weight"
         side = "rows" if name in ROW_SHARDED else "cols"
         dim = module.shard_dims[key]
 
         def rows_of(rank: int, key=key, dim=dim) -> slice:
             return module.index_of(key, rank)[dim]
+
+        if on_shards is None:
+            a, b = (a, b[rows_of(p)]) if side == "rows" else (a[:, rows_of(p)], b)
+        elif side == "cols":
+            a = _sharded_init(a, on_shards, rows_of, D, p)
 
         parent_role = None
         if name in ("k_proj", "v_proj") and rank_role is not None:
@@ -332,6 +353,25 @@ def attach_adapters(
         setattr(module, name, wrapped)
 
 
+def fold_on_shards(peft_model: nn.Module) -> None:
+    """Fold the LoRA layers that ``get_peft_model`` put on an already-TSP model's shards (e.g.
+    one from ``load_pretrained``): their A / B have the shard's shapes already; see
+    ``attach_adapters``. Inits that read the full base weight (PiSSA, OLoRA, LoftQ, ...) are
+    refused: build the PEFT model before ``apply_tsp`` for those."""
+    adapter = check_peft_model(peft_model)
+    init = peft_model.peft_config[adapter].init_lora_weights
+    if init not in (True, "gaussian"):
+        raise ValueError(
+            f"init_lora_weights={init!r} reads the full base weights: call get_peft_model on the "
+            "full model, then apply_tsp"
+        )
+    base = peft_model.get_base_model()
+    check_adapters_agree(peft_model, base.tsp.group)
+    for layer in base.model.layers:
+        for block, names in ((layer.self_attn, ATTENTION), (layer.mlp, MLP)):
+            attach_adapters(block, detach_adapters(block, names), adapter, on_shards=init)
+
+
 def adapters_of(module: nn.Module, names: tuple[str, ...]) -> dict[str, TSPLoraLinear]:
     """``module``'s active LoRA projections among ``names``."""
     out = {}
@@ -342,9 +382,9 @@ def adapters_of(module: nn.Module, names: tuple[str, ...]) -> dict[str, TSPLoraL
                 out[name] = proj
         elif is_lora_layer(proj):
             raise ValueError(
-                f"{type(module).__name__}.{name} is a PEFT layer added after apply_tsp: its "
-                "adapter would not be trained; call get_peft_model(model, config) first, then "
-                "apply_tsp on the PEFT model"
+                f"{type(module).__name__}.{name} is a PEFT layer that TSP has not folded (added "
+                "after apply_tsp): call apply_tsp(peft_model) on the PEFT model to fold its "
+                "adapters"
             )
     return out
 
