@@ -166,6 +166,7 @@ def training_worker(rank, world, tmp):
     base_bytes = sum(
         p.numel() for n, p in peft.named_parameters() if "base_layer" in n and not p.requires_grad
     )
+    tsp_ext.save_pretrained(peft, os.path.join(tmp, "streamed"), merge_adapter=True)
     merged = peft.merge_and_unload()
     with torch.no_grad():
         merged_loss = merged(**sharded).loss.item()
@@ -182,8 +183,8 @@ def training_worker(rank, world, tmp):
 def test_adapter_trains_saves_and_reloads_in_one_process(workers, tmp):
     """At D = 2: the base shards are 1/D of the base, the adapter saved in PEFT's format
     reloads with PeftModel.from_pretrained in one process with the same eval loss and the same
-    greedy continuation, and merge_and_unload (local) exports a plain checkpoint with that loss
-    too."""
+    greedy continuation, and both merged exports (save_pretrained(merge_adapter=True), streamed;
+    merge_and_unload, local, then save_pretrained) load as plain checkpoints with that loss."""
     results = workers.run(training_worker, 2, tmp, timeout=300)
     base = build("llama", torch.float64)
     full_base = sum(
@@ -208,10 +209,13 @@ def test_adapter_trains_saves_and_reloads_in_one_process(workers, tmp):
         generated = reloaded.generate(input_ids=ids, max_new_tokens=5, do_sample=False).tolist()
     assert loss == pytest.approx(results[0]["eval"], rel=1e-12)
     assert generated == results[0]["generated"]
-    merged = AutoModelForCausalLM.from_pretrained(os.path.join(tmp, "merged"), dtype=torch.float64)
-    with torch.no_grad():
-        logits = merged(input_ids=data["input_ids"]).logits
-    assert lm_loss(logits, data["labels"]).item() == pytest.approx(loss, rel=1e-12)
+    for export in ("merged", "streamed"):
+        merged = AutoModelForCausalLM.from_pretrained(
+            os.path.join(tmp, export), dtype=torch.float64
+        )
+        with torch.no_grad():
+            logits = merged(input_ids=data["input_ids"]).logits
+        assert lm_loss(logits, data["labels"]).item() == pytest.approx(loss, rel=1e-12), export
 
 
 def shards_first_worker(rank, world):

@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..hf.lora import peft_base
+from ..hf.lora import ADAPTER_MARK, PEFT_PREFIX, TSPLoraLinear, peft_base
 from .adapter import save_adapter
-from .state import full_shape, iter_full_tensors, require_tsp, reshard_fsdp
+from .state import full_shape, full_tensor, require_tsp, reshard_fsdp
 from .writer import WRITER, raise_everywhere, replace_dir
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
@@ -148,6 +148,7 @@ def save_pretrained(
     tokenizer=None,
     *,
     max_shard_size: str | int = "5GB",
+    merge_adapter: bool = False,
 ) -> None:
     """Write a normal Hugging Face checkpoint of a TSP model to ``path`` (collective: every rank).
 
@@ -159,10 +160,12 @@ def save_pretrained(
     directory beside ``path`` and renamed into place, so an interrupted save leaves any previous
     checkpoint at ``path`` intact; a failure is raised on every rank.
 
-    A TSP ``peft.PeftModel`` writes its LoRA adapter in PEFT's format instead (``adapter.py``);
-    for a merged checkpoint, save ``model.merge_and_unload()`` (merges locally, on the shards).
+    A TSP ``peft.PeftModel`` writes its LoRA adapter in PEFT's format (``adapter.py``); with
+    ``merge_adapter`` it writes the plain checkpoint of the merged model instead (each adapted
+    weight merged on rank 0 as it streams: ``W + s·B·A``; the model is not changed).
     """
-    if peft_base(model) is not None:
+    peft = peft_base(model) is not None
+    if peft and not merge_adapter:
         save_adapter(model, path, tokenizer)
         return
     require_tsp(model)
@@ -170,6 +173,8 @@ def save_pretrained(
     max_bytes = parse_size(max_shard_size)
     writer = dist.get_rank() == WRITER
     tied = getattr(model.config, "tie_word_embeddings", False)
+    reshard_fsdp(model)
+    plan = _export_plan(model, tied)
     error: BaseException | None = None
     tmp = files = None
     if writer:
@@ -177,17 +182,12 @@ def save_pretrained(
             parent = os.path.dirname(os.path.abspath(path))
             os.makedirs(parent, exist_ok=True)
             tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
-            reshard_fsdp(model)  # as iter_full_tensors does: the same names and shapes
-            entries = [
-                (n, t.dtype, full_shape(model, n, t))
-                for n, t in model.state_dict(keep_vars=True).items()
-                if not (tied and n == "lm_head.weight")
-            ]
+            entries = [(out, t.dtype, full_shape(model, src, t)) for out, src, t, _ in plan]
             files = _ShardFiles(tmp, entries, max_bytes)
         except BaseException as e:  # every rank must learn that the save failed
             error = e
-    for name, t in iter_full_tensors(model, dst=WRITER):  # every rank takes part in each gather
-        if writer and error is None and not (tied and name == "lm_head.weight"):
+    for name, t in _stream(model, plan):  # every rank takes part in each gather
+        if writer and error is None:
             try:
                 files.add(name, t)
             except BaseException as e:
@@ -205,6 +205,48 @@ def save_pretrained(
             files.close()
         shutil.rmtree(tmp, ignore_errors=True)
     raise_everywhere(error, f"save_pretrained({path!r})")
+
+
+def _export_plan(model: nn.Module, tied: bool) -> list:
+    """``(Hugging Face name, name in the model, tensor, LoRA projection or None)`` of every
+    tensor to write, in state-dict order. A PEFT model's names lose PEFT's prefix and
+    ``.base_layer``, its adapter tensors are left out and each adapted base weight carries its
+    ``TSPLoraLinear`` (merged as it streams)."""
+    base = peft_base(model)
+    adapted = {}
+    if base is not None:
+        adapted = {
+            f"{prefix}.base_layer.weight": m
+            for prefix, m in model.named_modules()
+            if isinstance(m, TSPLoraLinear) and m.active
+        }
+    plan = []
+    for name, t in model.state_dict(keep_vars=True).items():
+        out = name
+        if base is not None:
+            if ADAPTER_MARK in name:
+                continue
+            out = name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
+        if not (tied and out == "lm_head.weight"):
+            plan.append((out, name, t, adapted.get(name)))
+    return plan
+
+
+def _stream(model: nn.Module, plan: list):
+    """``(name, full tensor on the writer, else None)`` of each planned tensor (collective):
+    an adapted weight is merged with its full A and B on the writer."""
+    for out, name, t, lora in plan:
+        full = full_tensor(model, name, t, dst=WRITER)
+        if lora is not None:
+            prefix = name.removesuffix("base_layer.weight")
+            a_name = f"{prefix}lora_A.{lora.adapter_name}.weight"
+            b_name = f"{prefix}lora_B.{lora.adapter_name}.weight"
+            a = full_tensor(model, a_name, lora.a, dst=WRITER)
+            b = full_tensor(model, b_name, lora.b, dst=WRITER)
+            if full is not None:
+                wide = torch.promote_types(full.dtype, torch.float32)
+                full += (lora.s * (b.to(wide) @ a.to(wide))).to(full.dtype)
+        yield out, full
 
 
 def _write_config(model: nn.Module, folder: str, tokenizer) -> None:

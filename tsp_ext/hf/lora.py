@@ -33,6 +33,7 @@ from ..engine.agreement import agree
 from ..engine.lora import LoraPlan
 from .sharding import Role, ShardedModule
 
+PEFT_PREFIX = "base_model.model."  # a PeftModel's names: this + the Hugging Face model's
 ADAPTER_MARK = ".lora_"  # in the name of every LoRA parameter (``q_proj.lora_A.default.weight``)
 # the projections TSP shards, by side: output rows (B sharded) / input columns (A sharded)
 ROW_SHARDED = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
