@@ -9,6 +9,8 @@ from _data import SHAKESPEARE
 from _gguf import DEFAULT_CACHE, SHORTCUTS
 from _presets import PRESETS
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
 
 def add_shared_args(p: argparse.ArgumentParser) -> None:
     """The shared arguments, with their defaults (a recipe changes some by ``set_defaults``)."""
@@ -50,3 +52,16 @@ def add_shared_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-every", type=int, default=20)
     p.add_argument("--eval-blocks", type=int, default=2, help="held-out blocks")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--lora-r",
+        type=int,
+        default=0,
+        help="LoRA rank: train a PEFT LoRA adapter (0: all weights)",
+    )
+    p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: 2 x r)")
+    p.add_argument("--lora-dropout", type=float, default=0.0)
+    p.add_argument(
+        "--lora-targets",
+        default=",".join(LORA_TARGETS),
+        help="comma-separated projections that get an adapter",
+    )

@@ -75,6 +75,7 @@ class Engine:
             return torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, fused=True)
 
         schedule = lr_lambda(args.warmup_steps, args.max_steps)
+        trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapter's
         if kind == "deepspeed":
             import tsp_ext.deepspeed as tds
 
@@ -82,6 +83,7 @@ class Engine:
                 model=model,
                 config=ds_config(args),
                 optimizer=factory,
+                model_parameters=trainable,
                 lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule),
             )
             self.forward_model = self.engine
@@ -98,7 +100,7 @@ class Engine:
             )
         else:
             raise ValueError(f"unknown --dp-engine {kind!r}")
-        self.optimizer = factory(model.parameters())
+        self.optimizer = factory(trainable)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -169,5 +171,9 @@ class Engine:
         return self.engine if self.kind == "deepspeed" else None
 
     def export(self, path: str, tokenizer) -> None:
-        """A plain Hugging Face checkpoint of the current weights, streamed tensor by tensor."""
-        save_pretrained(self.model, path, tokenizer)
+        """A plain Hugging Face checkpoint of the current weights, streamed tensor by tensor;
+        with LoRA, of the merged weights, and the adapter in PEFT's format in ``<path>-adapter``."""
+        lora = bool(self.args.lora_r)
+        save_pretrained(self.model, path, tokenizer, merge_adapter=lora)
+        if lora:
+            save_pretrained(self.model, f"{path}-adapter", tokenizer)

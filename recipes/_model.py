@@ -15,7 +15,7 @@ from _presets import PRESETS
 from accelerate import Accelerator
 from transformers import AutoConfig, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from tsp_ext import TSPConfig, load_pretrained
+from tsp_ext import TSPConfig, apply_tsp, load_pretrained
 
 log = logging.getLogger("recipes")
 
@@ -90,3 +90,43 @@ def pretrained_model(args, vocab: int, mesh, config: TSPConfig, device=None):
         )
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     return load_pretrained(args.model, mesh, config, device=device, dtype=dtype)
+
+
+def lora_config(args):
+    """The ``LoraConfig`` of ``--lora-*`` (None without ``--lora-r``)."""
+    if not args.lora_r:
+        return None
+    from peft import LoraConfig
+
+    targets = [t for t in args.lora_targets.split(",") if t]
+    alpha = args.lora_alpha if args.lora_alpha is not None else 2 * args.lora_r
+    return LoraConfig(
+        r=args.lora_r, lora_alpha=alpha, lora_dropout=args.lora_dropout, target_modules=targets
+    )
+
+
+def add_lora(model, args):
+    """``model`` with a LoRA adapter (``--lora-r``), the same on every rank (``--seed``); a model
+    that is already a TSP model (``load_pretrained``) gets its adapters folded onto its shards."""
+    config = lora_config(args)
+    if config is None:
+        return model
+    from peft import get_peft_model
+
+    torch.manual_seed(args.seed)
+    peft = get_peft_model(model, config)
+    if getattr(model, "tsp", None) is not None:
+        apply_tsp(peft)
+    return peft
+
+
+def adapter_parameters(hf_config, args) -> int:
+    """Parameters of the ``--lora-*`` adapter on the whole model: ``r x (in + out)`` of every
+    adapted projection of every layer."""
+    h, f = hf_config.hidden_size, hf_config.intermediate_size
+    d = getattr(hf_config, "head_dim", None) or h // hf_config.num_attention_heads
+    q, kv = hf_config.num_attention_heads * d, hf_config.num_key_value_heads * d
+    sizes = {"q_proj": h + q, "k_proj": h + kv, "v_proj": h + kv, "o_proj": q + h}
+    sizes.update(gate_proj=h + f, up_proj=h + f, down_proj=f + h)
+    per_layer = sum(sizes[t] for t in args.lora_targets.split(",") if t)
+    return args.lora_r * per_layer * hf_config.num_hidden_layers

@@ -29,7 +29,15 @@ from _engines import Engine, tsp_config
 from _faults import maybe_kill, maybe_poison
 from _finish import finish
 from _metrics import open_metrics, peak_memory_bytes
-from _model import build_tokenizer, check_context, preset_model, pretrained_model, resolve_model
+from _model import (
+    adapter_parameters,
+    add_lora,
+    build_tokenizer,
+    check_context,
+    preset_model,
+    pretrained_model,
+    resolve_model,
+)
 from _presets import PRESETS
 from _sample import greedy_sample
 from _single_process import init_single_process
@@ -341,6 +349,7 @@ def main(argv=None) -> None:
     mesh = init_tsp_mesh(args.tsp_size, timeout=timeout)
     dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
     model, full_params = build_model(args, len(tokenizer), mesh, acc.device)
+    model = add_lora(model, args)
     engine = Engine(args.dp_engine, model, mesh, args)
     start = engine.load(args.resume_from) if args.resume_from else 0
     log.info(
@@ -450,18 +459,24 @@ def report_fine_tuning(args, before: tuple, after: tuple) -> None:
 def report_memory(model, full_params: int, activation_bytes: int, args, device) -> None:
     """Per-rank memory (the largest rank's) next to what one process would need for the same
     batch: logged, and written to ``<output-dir>/memory.json`` (bytes; the docs quote it)."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     largest = [sum(p.numel() for p in model.parameters()), activation_bytes, peak_memory_bytes()]
-    largest = torch.tensor(largest, dtype=torch.int64, device=device)
+    largest = torch.tensor([*largest, trainable], dtype=torch.int64, device=device)
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-    local, activation_bytes, peak = (int(n) for n in largest.tolist())
+    local, activation_bytes, peak, trainable = (int(n) for n in largest.tolist())
+    full_trainable = adapter_parameters(model.config, args) if args.lora_r else full_params
     per_param = 2 if args.bf16 else 4
-    state = lambda n: n * (2 * per_param + 8)  # noqa: E731  (weights, grads, two fp32 Adam moments)
+
+    def state(n: int, train: int) -> int:  # weights; grads and two fp32 Adam moments if trained
+        return n * per_param + train * (per_param + 8)
+
     mb = 2**20
     log.info(
-        f"per rank: model state {state(local) / mb:.1f} MB ({local / 1e6:.2f}M parameters), saved "
+        f"per rank: model state {state(local, trainable) / mb:.1f} MB ({local / 1e6:.2f}M "
+        f"parameters, {trainable / 1e6:.2f}M trained), saved "
         f"activations {activation_bytes / mb:.1f} MB (measured), peak process memory "
         f"{peak / mb:.0f} MB\none process would need: model state "
-        f"{state(full_params) / mb:.1f} MB, saved activations "
+        f"{state(full_params, full_trainable) / mb:.1f} MB, saved activations "
         f"~{activation_bytes * args.tsp_size / mb:.1f} MB (tsp x the per-rank bytes)"
     )
     if dist.get_rank() == 0:
@@ -470,7 +485,8 @@ def report_memory(model, full_params: int, activation_bytes: int, args, device) 
             "tsp_size": args.tsp_size,
             "parameters": full_params,
             "parameters_per_rank": local,
-            "model_state_bytes_per_rank": state(local),
+            "trainable_parameters_per_rank": trainable,
+            "model_state_bytes_per_rank": state(local, trainable),
             "saved_activation_bytes_per_rank": activation_bytes,
             "peak_process_bytes": peak,
         }

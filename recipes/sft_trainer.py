@@ -24,7 +24,7 @@ from _args import add_shared_args
 from _data import load_blocks, load_texts
 from _finish import finish
 from _metrics import peak_memory_bytes
-from _model import build_tokenizer, preset_model, pretrained_model, resolve_model
+from _model import build_tokenizer, lora_config, preset_model, pretrained_model, resolve_model
 from _presets import PRESETS
 from accelerate import Accelerator
 from datasets import Dataset
@@ -189,6 +189,7 @@ def main(argv=None) -> None:
         callbacks=[Metrics(os.path.join(args.output_dir, "metrics.jsonl"), tokens)],
         tsp=tsp,
         data_parallel=args.data_parallel,
+        peft_config=lora_config(args),
     )
     log.info(
         f"{args.model}: {len(train)} training blocks of {args.seq_len} tokens ({args.packing} "

@@ -315,3 +315,48 @@ def test_packing_documents_trains_and_matches_one_process(tmp):
     assert one.returncode == 0, one.stderr[-3000:]
     loss = json.loads(one.stdout.strip().splitlines()[-1])["eval_loss"]
     assert abs(loss - recipe_eval) < 1e-4 * recipe_eval, (loss, recipe_eval)
+
+
+def test_lora_recipe_trains_resumes_at_another_tsp_size_and_exports(workers, tmp):
+    """``--lora-r`` on a checkpoint loaded shard-on-read (the adapters folded onto the shards):
+    4 steps at tsp = 2 with DeepSpeed ZeRO-2 (2 sequences a step); resumed from step 2 at
+    tsp = 1 x dp = 2 with DDP (1 sequence per replica: the same batches), the same curve. ``final`` (merged, streamed) loads in one plain process and
+    ``final-adapter`` with ``PeftModel.from_pretrained`` on the checkpoint, both with the run's
+    eval loss."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out, resumed = os.path.join(tmp, "lora"), os.path.join(tmp, "lora-resumed")
+    # no dropout: its masks follow the tokens each rank holds, which the new layout changes
+    lora = ("--model", pretrained(tmp), "--lora-r", "4", "--lr", "1e-2")
+    first = run_on(
+        workers, *TINY, *lora, "--dp-engine", "deepspeed", "--save-every", "2",
+        "--micro-batch-size", "2", "--output-dir", out,
+    )  # fmt: skip
+    assert first.returncode == 0, first.stdout[-3000:]
+    assert "M trained" in first.stdout
+    os.makedirs(resumed)
+    os.symlink(os.path.join(out, "tokenizer"), os.path.join(resumed, "tokenizer"))
+    second = run_on(
+        workers, *TINY[:-2], *lora, "--tsp-size", "1", "--dp-engine", "ddp",
+        "--micro-batch-size", "1", "--output-dir", resumed, "--resume-from", os.path.join(out, "checkpoint-2"),
+    )  # fmt: skip
+    assert second.returncode == 0, second.stdout[-3000:]
+    rows = metrics(out)
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    for a, b in zip(rows[2:], metrics(resumed)):
+        assert a["step"] == b["step"] and abs(a["loss"] - b["loss"]) < 1e-5 * a["loss"], (a, b)
+    with open(os.path.join(out, "final_eval.json")) as f:
+        recipe_eval = json.load(f)["eval_loss"]
+    tok = AutoTokenizer.from_pretrained(os.path.join(out, "final"))
+    sys.path.insert(0, os.path.join(ROOT, "recipes"))
+    from _data import load_texts, pack
+
+    blocks = pack(load_texts(DATASET, "text"), tok, 512)[-2:]
+    merged = AutoModelForCausalLM.from_pretrained(os.path.join(out, "final")).eval()
+    base = AutoModelForCausalLM.from_pretrained(pretrained(tmp))
+    adapter = PeftModel.from_pretrained(base, os.path.join(out, "final-adapter")).eval()
+    for model in (merged, adapter):
+        with torch.no_grad():
+            loss = sum(model(input_ids=b[None], labels=b[None]).loss.item() for b in blocks) / 2
+        assert abs(loss - recipe_eval) < 1e-4 * recipe_eval, (loss, recipe_eval)

@@ -8,6 +8,8 @@ most ``max_group_bytes`` of float32 each; a larger parameter alone), and each gr
 checkpoint in a subdirectory ``group-<i>``, written and read on its own: a DeepSpeed save / load
 holds one group's fp32 masters and optimizer state at a time, not the whole rank's. The groups
 depend only on the parameter names and full shapes, and are recorded, so any layout reads them.
+Only trained parameters (``requires_grad``) are training state: frozen ones (a LoRA run's base
+model) come from the model resumed with, and are neither written nor read.
 ``rng/`` holds each rank's torch generator states. ``trainer_state.json`` holds the scheduler,
 optimizer hyperparameters, the caller's ``extra_state``, the parameter names and full shapes, the
 groups and every file's size. A checkpoint is written as ``.<name>.incomplete`` beside ``path`` and
@@ -36,7 +38,7 @@ from .sources import PARAM, finish_restore, local_state, prepare_restore, restor
 from .writer import on_writer, replace_dir
 
 STATE = "trainer_state.json"
-FORMAT = "tsp_ext.dcp.v2"
+FORMAT = "tsp_ext.dcp.v3"  # v3: records the trained parameters (frozen ones are not saved)
 RNG = "rng"
 GROUP_BYTES = 2**31  # default bound on the full float32 size of one group's parameters
 
@@ -73,7 +75,8 @@ def save(
     json.dumps(extra_state)  # not JSON: TypeError here, before anything is written
     layout = Layout(model)
     shapes = _model_shapes(model, layout)  # an uneven layout is refused here, on every rank
-    groups = _groups(shapes, max_group_bytes)
+    trained = _trained(model)
+    groups = _groups({n: s for n, s in shapes.items() if n in trained}, max_group_bytes)
     incomplete = _incomplete_dir(path)
     on_writer(lambda: _fresh_dir(incomplete), f"preparing {incomplete}")
     kinds = rng_kinds()
@@ -98,6 +101,7 @@ def save(
     meta = {
         "format": FORMAT,
         "model": shapes,
+        "trained": sorted(trained),
         "groups": groups,
         "optimizer_keys": keys,
         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
@@ -160,6 +164,13 @@ def load(
     mine = _model_shapes(model, layout)
     if meta["model"] != mine:
         raise ValueError(f"{path} holds another model: {_model_difference(meta['model'], mine)}")
+    trained = sorted(_trained(model))
+    if meta["trained"] != trained:
+        saved, now = set(meta["trained"]), set(trained)
+        raise ValueError(
+            f"{path} trained other parameters than this model trains (requires_grad): only in "
+            f"the checkpoint {sorted(saved - now)[:3]}, only here {sorted(now - saved)[:3]}"
+        )
     if engine is not None:
         prepare_restore(engine, {k for ks in meta["optimizer_keys"].values() for k in ks})
     for i, names in enumerate(meta["groups"]):
@@ -242,6 +253,10 @@ def _group_dir(i: int) -> str:
 
 def _fqn(name: str, key: str) -> str:
     return f"model.{name}" if key == PARAM else f"optim.{name}.{key}"
+
+
+def _trained(model: nn.Module) -> set[str]:
+    return {n for n, p in model.named_parameters() if p.requires_grad}
 
 
 def _model_shapes(model: nn.Module, layout: Layout) -> dict[str, list[int]]:

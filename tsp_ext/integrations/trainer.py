@@ -64,7 +64,8 @@ class TSPTrainerMixin:
     Extra keyword arguments: ``tsp`` (the TSP size or a ``TSPConfig``; None: the model is
     already a TSP model, or the DeepSpeed config's ``"tsp"`` block gives it) and
     ``data_parallel`` (``"ddp"`` or ``"fsdp2"``; ``"deepspeed"``, the default with
-    ``args.deepspeed``).
+    ``args.deepspeed``). ``peft_config`` (a ``LoraConfig``, as TRL's trainers take it) makes the
+    model a PEFT model before TSP folds it (``hf.lora``); ``save_model`` then writes the adapter.
     """
 
     def __init__(
@@ -78,6 +79,7 @@ class TSPTrainerMixin:
     ) -> None:
         data_parallel = _check_args(args, data_parallel)
         args.device  # noqa: B018  Accelerate sets up the process group (gloo / nccl)
+        model = _with_adapter(model, kwargs.pop("peft_config", None), args.seed)
         self.ds_config = self.ds_engine = None
         if data_parallel == "deepspeed":
             self.ds_config, tsp = trainer_config(args, model, tsp)
@@ -272,6 +274,20 @@ class _Unwrapped(nn.Module):
 
     def forward(self, **kwargs):
         return self.module(**kwargs)
+
+
+def _with_adapter(model: nn.Module, peft_config, seed: int) -> nn.Module:
+    """``model`` with a PEFT adapter of ``peft_config`` (None: unchanged), the same on every rank
+    (``seed``), its adapters folded right away if ``model`` is a TSP model already."""
+    if peft_config is None:
+        return model
+    from peft import get_peft_model
+
+    torch.manual_seed(seed)
+    peft = get_peft_model(model, peft_config)
+    if getattr(model, "tsp", None) is not None:
+        apply_tsp(peft)
+    return peft
 
 
 def _model_inputs(batch: dict) -> dict:
