@@ -22,7 +22,8 @@ is Arctic Long Sequence Training as DeepSpeed ships it (arXiv 2506.13996). ``tsp
 ``tsp_keep_mlp``, ``tsp_layers`` and ``tsp_offload`` are ``tsp`` with ``TSPConfig(overlap=False)``,
 ``TSPConfig(recompute_mlp=False)``, ``TSPConfig(checkpoint_layers=True, mlp_tile=h)``, that with
 ``offload_checkpoints=True``; ``tsp_long`` (the longest context) is ``tsp_offload`` with
-``overlap=False`` (one head group's buffers at a time).
+``overlap=False`` (one head group's buffers at a time). ``tsp_lora`` is ``tsp`` on a PEFT LoRA
+model (``LORA``: r = 16 on all seven projections, the base frozen).
 """
 
 from __future__ import annotations
@@ -395,6 +396,18 @@ def _tile_mlp(mlp: nn.Module, shards: int) -> None:
     mlp.forward = forward
 
 
+# the adapter of the LoRA layouts: what long-context LoRA recipes commonly use
+LORA = dict(r=16, lora_alpha=32, target_modules="all-linear")
+
+
+def with_lora(model: nn.Module) -> nn.Module:
+    """``model`` as a PEFT LoRA model (``LORA``), the same adapter on every rank."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    return get_peft_model(model, LoraConfig(**LORA))
+
+
 BUILDERS: dict[str, Callable[..., Prepared]] = {
     "single": build_single,
     "tsp": build_tsp,
@@ -407,6 +420,7 @@ BUILDERS: dict[str, Callable[..., Prepared]] = {
     "tsp_long": lambda m, i, w, d: build_tsp(
         m, i, w, d, **_long_context(m), offload_checkpoints=True, overlap=False
     ),
+    "tsp_lora": lambda m, i, w, d: build_tsp(with_lora(m), i, w, d),
     "tp": build_tp,
     "tp_sp": build_tp_sp,
     "ulysses": build_ulysses,
@@ -418,4 +432,6 @@ BUILDERS: dict[str, Callable[..., Prepared]] = {
 LAYOUTS = tuple(BUILDERS)
 # what a sweep runs unless told: every layout but the steps between TSP's defaults and tsp_long
 # and between Ulysses and ALST (select those by name)
-SWEEP_LAYOUTS = tuple(n for n in LAYOUTS if n not in ("tsp_layers", "tsp_offload", "ulysses_zero3"))
+SWEEP_LAYOUTS = tuple(
+    n for n in LAYOUTS if n not in ("tsp_layers", "tsp_offload", "ulysses_zero3", "tsp_lora")
+)

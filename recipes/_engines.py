@@ -75,7 +75,6 @@ class Engine:
             return torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, fused=True)
 
         schedule = lr_lambda(args.warmup_steps, args.max_steps)
-        trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapter's
         if kind == "deepspeed":
             import tsp_ext.deepspeed as tds
 
@@ -83,7 +82,6 @@ class Engine:
                 model=model,
                 config=ds_config(args),
                 optimizer=factory,
-                model_parameters=trainable,
                 lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule),
             )
             self.forward_model = self.engine
@@ -100,7 +98,8 @@ class Engine:
             )
         else:
             raise ValueError(f"unknown --dp-engine {kind!r}")
-        self.optimizer = factory(trainable)
+        # the parameters TSP made (LoRA: the adapter's only)
+        self.optimizer = factory([p for p in model.parameters() if p.requires_grad])
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
 
     def backward(self, loss: torch.Tensor) -> None:

@@ -320,9 +320,9 @@ def test_packing_documents_trains_and_matches_one_process(tmp):
 def test_lora_recipe_trains_resumes_at_another_tsp_size_and_exports(workers, tmp):
     """``--lora-r`` on a checkpoint loaded shard-on-read (the adapters folded onto the shards):
     4 steps at tsp = 2 with DeepSpeed ZeRO-2 (2 sequences a step); resumed from step 2 at
-    tsp = 1 x dp = 2 with DDP (1 sequence per replica: the same batches), the same curve. ``final`` (merged, streamed) loads in one plain process and
-    ``final-adapter`` with ``PeftModel.from_pretrained`` on the checkpoint, both with the run's
-    eval loss."""
+    tsp = 1 x dp = 2 with DDP (1 sequence per replica: the same batches), the same curve.
+    ``final`` (merged, streamed) loads in one plain process and ``final-adapter`` with
+    ``PeftModel.from_pretrained`` on the checkpoint, both with the run's eval loss."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -339,7 +339,8 @@ def test_lora_recipe_trains_resumes_at_another_tsp_size_and_exports(workers, tmp
     os.symlink(os.path.join(out, "tokenizer"), os.path.join(resumed, "tokenizer"))
     second = run_on(
         workers, *TINY[:-2], *lora, "--tsp-size", "1", "--dp-engine", "ddp",
-        "--micro-batch-size", "1", "--output-dir", resumed, "--resume-from", os.path.join(out, "checkpoint-2"),
+        "--micro-batch-size", "1", "--output-dir", resumed,
+        "--resume-from", os.path.join(out, "checkpoint-2"),
     )  # fmt: skip
     assert second.returncode == 0, second.stdout[-3000:]
     rows = metrics(out)

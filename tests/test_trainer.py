@@ -36,7 +36,7 @@ def rows(seed: int, n: int) -> list[dict]:
     ]
 
 
-def make_trainer(tsp, out_dir, data_parallel="ddp", **overrides):
+def make_trainer(tsp, out_dir, data_parallel="ddp", peft_config=None, **overrides):
     """2 sequences x 2 accumulation steps per replica and step, AdamW with clipping;
     ``data_parallel="zero2"`` / ``"zero3"``: ``TrainingArguments(deepspeed=ZERO2)`` / stage 3
     (``"zero3_offload"``: with ``offload_optimizer`` on the CPU)."""
@@ -66,14 +66,22 @@ def make_trainer(tsp, out_dir, data_parallel="ddp", **overrides):
         if data_parallel.endswith("_offload"):
             zero["offload_optimizer"] = {"device": "cpu"}
         settings["deepspeed"], data_parallel = {**ZERO2, "zero_optimization": zero}, None
+    model = build("llama", torch.float32)
+    if peft_config is not None and not tsp:  # the reference: PEFT the way TSPTrainer does it
+        from peft import get_peft_model
+
+        torch.manual_seed(settings["seed"])
+        model = get_peft_model(model, peft_config)
     kw = dict(
-        model=build("llama", torch.float32),
+        model=model,
         args=TrainingArguments(**{**settings, **overrides}),
         train_dataset=rows(1, ROWS),
         eval_dataset=rows(2, 4),
         data_collator=default_data_collator,
     )
-    return TSPTrainer(**kw, tsp=tsp, data_parallel=data_parallel) if tsp else Trainer(**kw)
+    if not tsp:
+        return Trainer(**kw)
+    return TSPTrainer(**kw, tsp=tsp, data_parallel=data_parallel, peft_config=peft_config)
 
 
 def curve(trainer) -> dict:
@@ -184,6 +192,34 @@ def test_trainer_dp2_matches_plain_ddp(workers, tmp, data_parallel):
     got, ref = dp2_runs(workers, tmp)["tsp"][data_parallel], dp2_runs(workers, tmp)["ddp"]
     assert_same_curve(got, ref)
     assert got["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5)
+
+
+def lora_worker(rank, world, tsp, out_dir, data_parallel="ddp"):
+    """``peft_config=LoraConfig(...)``, as TRL's trainers take it: the curve, the eval loss and
+    the saved adapter (PEFT's format)."""
+    from peft import LoraConfig
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+    trainer = make_trainer(tsp, out_dir, data_parallel, peft_config=config)
+    trainer.train()
+    out = {**curve(trainer), "eval_loss": trainer.evaluate()["eval_loss"]}
+    trainer.save_model()
+    return out
+
+
+def test_trainer_peft_config_matches_one_process_peft(workers, tmp):
+    """TSPTrainer(peft_config=...) at D = 2 with ZeRO-2 vs Trainer on the same PEFT model in one
+    process: the same curve; the adapter it saves reloads with PeftModel.from_pretrained."""
+    from peft import PeftModel
+    from transformers import default_data_collator
+
+    ref = workers.run(lora_worker, 1, 0, f"{tmp}/lora-one", timeout=300)[0]
+    got = workers.run(lora_worker, 2, 2, f"{tmp}/lora-tsp", "zero2", timeout=300)[0]
+    assert_same_curve(got, ref)
+    model = PeftModel.from_pretrained(build("llama", torch.float32), f"{tmp}/lora-tsp")
+    with torch.no_grad():
+        loss = causal_lm_loss(model, default_data_collator(rows(2, 4)))
+    assert loss.item() == pytest.approx(got["eval_loss"], rel=1e-5)
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

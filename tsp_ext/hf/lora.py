@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import math
 import struct
+import sys
 import zlib
 from collections.abc import Callable
 
@@ -44,20 +45,20 @@ MLP = ("gate_proj", "up_proj", "down_proj")
 
 def peft_base(model: nn.Module) -> nn.Module | None:
     """The Hugging Face model inside a ``peft.PeftModel`` (None if ``model`` is not one)."""
-    try:
-        from peft import PeftModel
-    except ImportError:
+    if "peft" not in sys.modules:  # no PEFT model can exist: do not import it (time, memory)
         return None
+    from peft import PeftModel
+
     return model.get_base_model() if isinstance(model, PeftModel) else None
 
 
 def is_lora_layer(module: nn.Module) -> bool:
     """Whether ``module`` is a PEFT tuner layer (any method) or a ``modules_to_save`` copy."""
-    try:
-        from peft.tuners.tuners_utils import BaseTunerLayer
-        from peft.utils import ModulesToSaveWrapper
-    except ImportError:
+    if "peft" not in sys.modules:
         return False
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils import ModulesToSaveWrapper
+
     return isinstance(module, (BaseTunerLayer, ModulesToSaveWrapper))
 
 
