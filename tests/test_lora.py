@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 import tsp_ext
 from tsp_ext import TSPConfig, apply_tsp, full_grads, init_tsp_mesh, shard_batch
 from tsp_ext.engine.lora import SeededDropout
+from tsp_ext.memory import SavedTensorBytes
 
 pytestmark = pytest.mark.multiproc
 
@@ -144,13 +145,23 @@ def test_adapter_gradients_match_peft(workers, world):
             assert not frozen_grads, frozen_grads
 
 
+def saved_bytes(model, sharded) -> int:
+    """Bytes autograd saves for one forward of ``model`` (parameters not counted)."""
+    with SavedTensorBytes(ignore=model.parameters()) as saved:
+        model(**sharded).loss.backward()
+    return saved.nbytes
+
+
 def training_worker(rank, world, tmp):
-    """Three LoRA steps with dropout at D = 2, then the adapter saved, merged and exported."""
+    """Three LoRA steps with dropout at D = 2, then the adapter saved, merged and exported;
+    the bytes saved for backward against full fine-tuning's."""
     mesh = init_tsp_mesh(world)
-    peft = build_lora("llama", torch.float64, "all-linear", dropout=0.1)
-    apply_tsp(peft, mesh)
     data = batch(96, 2, 24)
     sharded = shard_batch(data, mesh)
+    full_saved = saved_bytes(apply_tsp(build("llama", torch.float64), mesh), sharded)
+    peft = build_lora("llama", torch.float64, "all-linear", dropout=0.1)
+    apply_tsp(peft, mesh)
+    lora_saved = saved_bytes(peft, sharded)
     trainable = [p for p in peft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-2)
     for _ in range(3):
@@ -172,6 +183,7 @@ def training_worker(rank, world, tmp):
         merged_loss = merged(**sharded).loss.item()
     tsp_ext.save_pretrained(merged, os.path.join(tmp, "merged"))
     return {
+        "saved": (lora_saved, full_saved),
         "eval": eval_loss,
         "merged": merged_loss,
         "generated": generated,
@@ -181,9 +193,11 @@ def training_worker(rank, world, tmp):
 
 
 def test_adapter_trains_saves_and_reloads_in_one_process(workers, tmp):
-    """At D = 2: the base shards are 1/D of the base, the adapter saved in PEFT's format
-    reloads with PeftModel.from_pretrained in one process with the same eval loss and the same
-    greedy continuation, and both merged exports (save_pretrained(merge_adapter=True), streamed;
+    """At D = 2: a LoRA step (with dropout) saves for backward no more than a full fine-tuning
+    step (nothing of the adapters; the frozen embedding's lookup saves nothing), the base shards
+    are 1/D of the base, the adapter saved in PEFT's format reloads with
+    PeftModel.from_pretrained in one process with the same eval loss and the same greedy
+    continuation, and both merged exports (save_pretrained(merge_adapter=True), streamed;
     merge_and_unload, local, then save_pretrained) load as plain checkpoints with that loss."""
     results = workers.run(training_worker, 2, tmp, timeout=300)
     base = build("llama", torch.float64)
@@ -194,6 +208,7 @@ def test_adapter_trains_saves_and_reloads_in_one_process(workers, tmp):
         for n in names
     )
     for r in results:
+        assert r["saved"][0] <= r["saved"][1], r["saved"]  # nothing of the adapters is saved
         assert r["base"] * 2 == full_base, (r["base"], full_base)
         assert r["eval"] == results[0]["eval"] and r["merged"] == pytest.approx(r["eval"], 1e-12)
     assert sorted(os.listdir(os.path.join(tmp, "adapter"))) == [

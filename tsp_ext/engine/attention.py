@@ -20,9 +20,8 @@ and the rank's own shards — O(S/D) activations, O(1/D) weights.
 
 LoRA adapters (``engine.lora``): B rows of q/k/v travel with their group's shards and add
 ``U · B_rᵀ`` to its projection (``U`` made once per call from the replicated A's); o's A columns
-travel too and add ``A_r · Ao_rᵀ`` into ``Z [B, T, r]``, the second output, which the caller
-maps through the replicated ``B_o``. Frozen base shards still travel but get no gradient GEMMs
-and no reduction.
+travel too and add ``A_r · Ao_rᵀ`` into ``Z [B, T, r]``, which the replicated ``B_o`` maps into
+the output. Frozen base shards still travel but get no gradient GEMMs and no reduction.
 
 A KV head used by several groups (D > n_kv_heads, or a group boundary inside a KV head's query
 heads) is replicated on those ranks; its gradient is the sum over all of its users, summed among
@@ -40,7 +39,13 @@ from .attention_backends import select_backend
 from .chunked_attention import chunked_attention_backward, chunked_attention_forward
 from .heads import AttentionSpec
 from .layout import RowSpans, Span, ZigzagLayout
-from .lora import LoraPlan, SeededDropout, input_projection, input_projection_backward
+from .lora import (
+    LoraPlan,
+    SeededDropout,
+    input_projection,
+    input_projection_backward,
+    scaled_stack,
+)
 from .masked_attention import masked_chunked_attention
 from .options import EngineOptions
 from .pointwise import add_matmul, from_saved, matmul, rope_phases, to_save
@@ -68,6 +73,8 @@ class _Schedule:
         self.lora = lora or LoraPlan()
         self.drop = SeededDropout(self.lora.dropout, None)
         self.trainable: frozenset[str] = frozenset()
+        self.merged = False  # adapters merged into the travelling shards (``set_adapters``)
+        self.a_stack = self.b_out = None
         self.D, self.p = comm.size_and_rank(group)
         self.layout = ZigzagLayout.from_local(x.shape[1], self.D)
         stream = self.layout.spans(self.p)
@@ -77,6 +84,27 @@ class _Schedule:
         repeating = self.q_spans == stream and torch.is_grad_enabled()
         self.kernel = select_backend(
             options.attn_backend, x.device, x.dtype, options.attn_block, spec.head_dim, repeating
+        )
+
+    def set_adapters(self, drop: SeededDropout, lora_a: list, b_out) -> None:
+        """This call's dropout and whether the adapters are merged into each group's shards
+        (without active dropout: ``engine.lora``)."""
+        self.drop, self.b_out = drop, b_out
+        self.merged = not drop.active
+        if self.merged and lora_a:
+            self.a_stack = scaled_stack(lora_a, self.lora)
+
+    def stacked(self, w: dict[str, torch.Tensor]):
+        """``stacked_weights`` of group shards ``w``, merged with the q/k/v adapters if so."""
+        return stacked_weights(w, self.spec.head_dim, self.a_stack)
+
+    def out_weight(self, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Group's o shard, merged with o's adapter (``Wo_r + s·B_o·Ao_r``) if so."""
+        if not self.merged or "lo" not in w:
+            return w["wo"]
+        wo = w["wo"]
+        return torch.addmm(
+            wo, self.b_out.to(wo.dtype), w["lo"].to(wo.dtype), alpha=self.lora.output
         )
 
     def shapes(self, r: int, own: dict[str, torch.Tensor], names) -> list[torch.Size]:
@@ -212,9 +240,11 @@ def output_backward(
     storage, and ``dWo = dYᵀ · A [h, n_q·d]`` in ``acc`` (None unless ``weight_grad``). ``a``: the
     group's ``A [B, n_q, T, d]`` (a slice of the saved heads-major A).
 
-    ``lora = (dZ [B, T, r], Ao_r [r, n_q·d], mask)`` adds the adapter's ``Z += drop(A)·Ao_rᵀ``:
-    ``dA += drop⁻(dZ · Ao_r)`` and returns ``dAo_r = dZᵀ · drop(A)`` in ``acc`` third (else None);
-    ``mask``: the dropout mask ``[B, T, n_q·d]`` or None."""
+    ``lora = (dZ [B, T, r], Ao_r [r, n_q·d], mask, Z, merged)`` for the adapter's ``Z +=
+    drop(A)·Ao_rᵀ``: ``dA += drop⁻(dZ · Ao_r)`` (unless ``merged``: ``wo`` is the merged weight,
+    whose ``dA`` has it), returns ``dAo_r = dZᵀ · drop(A)`` in ``acc`` third (else None) and adds
+    this group's term into ``Z [B·T, r]`` (rebuilt for B's gradient); ``mask``: the dropout mask
+    ``[B, T, n_q·d]`` or None."""
     B, nq, T, d = a.shape
     h = dy.shape[-1]
     da = torch.matmul(dy.unsqueeze(1), wo.view(h, nq, d).transpose(0, 1))  # [B, n_q, T, d]
@@ -223,16 +253,19 @@ def output_backward(
         dy_t = dy.flatten(0, 1).t()
         dwo = torch.cat([matmul(dy_t, a[:, j].reshape(B * T, d), acc) for j in range(nq)], dim=1)
     if lora is not None:
-        dz, ao, mask = lora
+        dz, ao, mask, z, merged = lora
         r = ao.shape[0]
-        ao_heads = ao.to(da.dtype).view(r, nq, d).transpose(0, 1)  # [n_q, r, d]
-        d_in = torch.matmul(dz.to(da.dtype).unsqueeze(1), ao_heads)  # [B, n_q, T, d]
         a_in = a.transpose(1, 2).reshape(B * T, nq * d)  # token-major copy: the adapter's input
         if mask is not None:
-            d_in.mul_(mask.view(B, T, nq, d).transpose(1, 2))
             a_in.mul_(mask.view(B * T, -1))
-        da += d_in
+        if not merged:
+            ao_heads = ao.to(da.dtype).view(r, nq, d).transpose(0, 1)  # [n_q, r, d]
+            d_in = torch.matmul(dz.to(da.dtype).unsqueeze(1), ao_heads)  # [B, n_q, T, d]
+            if mask is not None:
+                d_in.mul_(mask.view(B, T, nq, d).transpose(1, 2))
+            da += d_in
         d_ao = matmul(dz.reshape(B * T, r).t(), a_in, acc)
+        add_matmul(z, a_in, ao.t())
     return da.transpose(1, 2), dwo, d_ao
 
 
@@ -274,9 +307,8 @@ def tsp_attention_forward(
 ):
     """Forward schedule (RoPE by ``phases``, ``pointwise.rope_phases`` of the tokens' cos/sin).
     Returns ``Y_p [B, T, h]`` plus, if ``keep``, ``A [B, n_h, T, d]`` and ``lse [B, n_h, T]`` of
-    every group's heads (what backward needs), else None for both, then the LoRA input projection
-    ``U [B·T, Σ r]`` of ``lora_a`` (the replicated A's of ``sched.lora.inputs``; else None) and
-    o's adapter output ``Z [B·T, r]`` (when ``own`` has ``lo``; else None).
+    every group's heads (what backward needs), else None for both. LoRA: ``lora_a`` the
+    replicated A's of ``sched.lora.inputs`` (o's replicated B: ``sched.set_adapters``).
 
     Inference only (training passes neither): ``kv_sink(r, K_r, V_r)`` receives each group's
     all-gathered K/V ``[B, S, n_kv(r), d]`` in token order (a prefill keeps its own group's as its
@@ -288,11 +320,17 @@ def tsp_attention_forward(
     # A of every group, heads-major: [B, n_h, T, d]; group r fills its heads q_heads(r)
     a_all = x.new_empty(B, spec.n_heads, T, spec.head_dim) if keep else None
     lse_all = None
-    u = input_projection(x.reshape(B * T, -1), lora_a, sched.lora, sched.drop) if lora_a else None
-    z = x.new_zeros(B * T, own["lo"].shape[0], dtype=sched.acc) if "lo" in own else None
+    u = z = None
+    if not sched.merged:  # the adapters' terms apart from the base's (dropout)
+        u = (
+            input_projection(x.reshape(B * T, -1), lora_a, sched.lora, sched.drop)
+            if lora_a
+            else None
+        )
+        z = x.new_zeros(B * T, own["lo"].shape[0], dtype=sched.acc) if "lo" in own else None
 
     def project(w):
-        return project_qkv(x, w, phases, q_norm, k_norm, spec, u=u)
+        return project_qkv(x, w, phases, q_norm, k_norm, spec, sched.stacked(w), u)
 
     for group in sched.projected_groups(own, project):
         r, w = group.r, group.w
@@ -315,12 +353,13 @@ def tsp_attention_forward(
                 lse_all = lse.new_empty(B, spec.n_heads, T)
             heads = spec.q_heads(r)
             a_all[:, heads], lse_all[:, heads] = a.transpose(1, 2), lse
-        add_matmul(y.view(-1, y.shape[-1]), a.reshape(B * T, -1), w["wo"].t())
+        add_matmul(y.view(-1, y.shape[-1]), a.reshape(B * T, -1), sched.out_weight(w).t())
         if z is not None:
             add_matmul(z, sched.drop.apply(a.reshape(B * T, -1), (3, r)), w["lo"].t())
         del q, k_all, v_all, a, lse  # before the next group's are made (without overlap)
-    z = z.to(own["lo"].dtype) if z is not None else None
-    return y.to(x.dtype), a_all, lse_all, u, z
+    if z is not None:
+        add_matmul(y.view(B * T, -1), z, (sched.lora.output * sched.b_out).t())
+    return y.to(x.dtype), a_all, lse_all
 
 
 def share_kv(grads: dict[str, torch.Tensor], spec: AttentionSpec, p: int, group) -> None:
@@ -347,13 +386,11 @@ def tsp_attention_backward(
     a_all,
     lse_all,
     lora_a=None,
-    u=None,
-    dz=None,
 ):
     """Backward schedule. Returns ``dX_p``, the fully reduced gradients of this rank's own shards
     in ``sched.trainable`` (dict), this rank's partial gradients of the replicated q/k norm
-    weights and of the LoRA A's ``lora_a`` (the forward's ``U`` is ``u``; ``dz``: the gradient of
-    its ``Z``).
+    weights, of the LoRA A's ``lora_a`` and of o's LoRA B (``sched.set_adapters``; None
+    without).
     ``saved_x``: what ``pointwise.to_save`` made of X_p. With ``overlap`` X_p is rebuilt once;
     without, for each use (a group's projection, then its weight gradients), so that it is not
     alive during the kernels (memory before speed).
@@ -370,7 +407,11 @@ def tsp_attention_backward(
     names = [n for n in own if n in sched.trainable]  # the gradients reduced to their owner
     dy = dy.contiguous()
     dx = torch.zeros(B, T, h, dtype=acc, device=dy.device)
-    du = torch.zeros_like(u, dtype=acc) if u is not None else None
+    u = du = dz = z = None
+    b_out = sched.b_out
+    if b_out is not None:  # dZ needs only dY; Z is rebuilt group by group for B's gradient
+        dz = matmul(dy.reshape(B * T, h), sched.lora.output * b_out, acc)
+        z = torch.zeros_like(dz)
     inverse = phases.conj().resolve_conj()  # RoPE's adjoint, for every group's projection
     d_norm = None
     d_own: dict[str, torch.Tensor] = {}
@@ -380,11 +421,16 @@ def tsp_attention_backward(
     def x_p() -> torch.Tensor:
         return kept_x if kept_x is not None else from_saved(*saved_x)
 
+    if lora_a:  # the adapters' input projection, rebuilt (not saved)
+        u = input_projection(x_p().reshape(B * T, h), lora_a, sched.lora, sched.drop)
+        du = torch.zeros_like(u, dtype=acc)
+
     def recompute(w):
         """Q, K, V of group r from the saved X_p, its projection (only q/k norms read it: None
         without them, so that it is not kept) and its stacked weights."""
-        weight = stacked_weights(w, spec.head_dim)
-        q, kv, lin = project_qkv(x_p(), w, phases, q_norm, k_norm, spec, weight, u)
+        weight = sched.stacked(w)
+        u_term = None if sched.merged else u
+        q, kv, lin = project_qkv(x_p(), w, phases, q_norm, k_norm, spec, weight, u_term)
         return q, kv, lin if q_norm is not None else None, weight
 
     def finish(r, w, weight, lin, dq, dkv, handle, d_out):
@@ -439,9 +485,9 @@ def tsp_attention_backward(
         if dz is not None:
             like = dy.new_empty(B * T, w["lo"].shape[1], dtype=a_all.dtype)
             mask = sched.drop.mask((3, r), like)  # the forward's, drawn again
-            lora = (dz.view(B, T, -1), w["lo"], mask)
+            lora = (dz.view(B, T, -1), w["lo"], mask, z, sched.merged)
         da, dwo, d_lo = output_backward(
-            dy, w["wo"], a_all[:, heads], acc, "wo" in sched.trainable, lora
+            dy, sched.out_weight(w), a_all[:, heads], acc, "wo" in sched.trainable, lora
         )
         d_out = {n: t for n, t in (("wo", dwo), ("lo", d_lo)) if n in sched.trainable}
         k_all, v_all = expand_kv(*group.kv(), spec.kv_map(r))
@@ -480,72 +526,57 @@ def tsp_attention_backward(
     d_lora = None
     if du is not None:
         x2 = x_p().reshape(B * T, h)
-        dx2 = dx.view(B * T, h)
+        dx2 = None if sched.merged else dx.view(B * T, h)  # merged: dX has it already
         d_lora = input_projection_backward(du, x2, lora_a, sched.lora, sched.drop, dx2)
         d_lora = [g.to(a.dtype) for g, a in zip(d_lora, lora_a)]
-    return dx.to(dy.dtype), d_own, d_norm, d_lora
+    d_b_out = None
+    if b_out is not None:
+        d_b_out = matmul(dy.reshape(B * T, h).t(), z, acc).mul_(sched.lora.output).to(b_out.dtype)
+    return dx.to(dy.dtype), d_own, d_norm, d_lora, d_b_out
 
 
 class _TSPAttentionFunction(torch.autograd.Function):
     """Autograd boundary of the schedule: saves only local tensors, re-communicates in backward.
-    Inputs after the norms: the ``n_lora`` replicated LoRA A's, then the shards ``names``; outputs
-    ``Y`` and o's adapter output ``Z`` (``[B, T, 0]`` without one)."""
+    Inputs after the norms: o's replicated LoRA B (or None), the ``n_lora`` replicated LoRA A's,
+    then the shards ``names``."""
 
     @staticmethod
-    def forward(ctx, sched, names, n_lora, x, cos, sin, q_norm, k_norm, *tensors):
+    def forward(ctx, sched, names, n_lora, x, cos, sin, q_norm, k_norm, b_out, *tensors):
         lora_a, weights = list(tensors[:n_lora]), tensors[n_lora:]
         own = dict(zip(names, weights))
         keep = any(ctx.needs_input_grad)
-        needs = ctx.needs_input_grad[8 + n_lora :]
+        needs = ctx.needs_input_grad[9 + n_lora :]
         sched.trainable = frozenset(n for n, need in zip(names, needs) if need)
-        sched.drop = SeededDropout.for_call(sched.lora.dropout)
+        sched.set_adapters(SeededDropout.for_call(sched.lora.dropout), lora_a, b_out)
         phases = rope_phases(cos, sin, x.dtype)
-        y, a_all, lse_all, u, z = tsp_attention_forward(
+        y, a_all, lse_all = tsp_attention_forward(
             sched, x, phases, own, q_norm, k_norm, keep, lora_a
         )
         ctx.sched, ctx.names, ctx.n_lora = sched, names, n_lora
         if keep:  # X_p as its norm's input when it is a norm's output (rebuilt in backward)
             x, norm_weight, ctx.eps = to_save(x)
-            saved = (x, norm_weight, cos, sin, q_norm, k_norm, a_all, lse_all, u, *tensors)
+            saved = (x, norm_weight, cos, sin, q_norm, k_norm, a_all, lse_all, b_out, *tensors)
             ctx.save_for_backward(*saved)
-        B, T, _ = y.shape
-        return y, (z.view(B, T, -1) if z is not None else y.new_empty(B, T, 0))
+        return y
 
     @staticmethod
-    def backward(ctx, dy, dz):
-        x, norm_weight, cos, sin, q_norm, k_norm, a_all, lse_all, u, *tensors = ctx.saved_tensors
+    def backward(ctx, dy):
+        x, norm_weight, cos, sin, q_norm, k_norm, a_all, lse_all, b_out, *tensors = (
+            ctx.saved_tensors
+        )
         lora_a, weights = tensors[: ctx.n_lora], tensors[ctx.n_lora :]
         own = dict(zip(ctx.names, weights))
         phases = rope_phases(cos, sin, x.dtype)
-        B, T, _ = dy.shape
-        dz = dz.reshape(B * T, -1) if "lo" in own else None
-        dx, d_own, d_norm, d_lora = tsp_attention_backward(
-            ctx.sched,
-            dy,
-            (x, norm_weight, ctx.eps),
-            phases,
-            own,
-            q_norm,
-            k_norm,
-            a_all,
-            lse_all,
-            lora_a,
-            u,
-            dz,
-        )
+        dx, d_own, d_norm, d_lora, d_b_out = tsp_attention_backward(
+            ctx.sched, dy, (x, norm_weight, ctx.eps), phases, own, q_norm, k_norm, a_all,
+            lse_all, lora_a,
+        )  # fmt: skip
         d_qn, d_kn = d_norm if d_norm is not None else (None, None)
         return (
-            None,
-            None,
-            None,
-            dx,
-            None,
-            None,
-            d_qn,
-            d_kn,
+            None, None, None, dx, None, None, d_qn, d_kn, d_b_out,
             *(d_lora or ()),
             *(d_own.get(n) for n in ctx.names),
-        )
+        )  # fmt: skip
 
 
 def tsp_attention(
@@ -561,6 +592,7 @@ def tsp_attention(
     q_spans: tuple[Span, ...] | RowSpans | None = None,
     lora: LoraPlan | None = None,
     lora_a: list[torch.Tensor] | None = None,
+    b_out: torch.Tensor | None = None,
 ):
     """TSP attention of this rank's tokens: ``x [B, S/D, h]`` -> ``Y_p [B, S/D, h]`` (no o bias).
 
@@ -571,9 +603,9 @@ def tsp_attention(
 
     LoRA (``engine.lora``): ``lora`` names the adapted projections; ``weights`` then also holds
     the B rows ``lq, lk, lv`` ``[rows, r]`` of the adapted q/k/v and o's A columns ``lo [r,
-    n_q·d]``, and ``lora_a`` the replicated A's ``[r, h]`` of ``lora.inputs`` (their gradient is
-    this rank's part: wrap them in ``comm.replicated``). With ``lo``, returns ``(Y_p, Z [B, S/D,
-    r])``: the caller adds ``s_o · Z · B_oᵀ``.
+    n_q·d]``, ``lora_a`` the replicated A's ``[r, h]`` of ``lora.inputs`` and ``b_out`` o's
+    replicated B ``[h, r]`` (their gradients are this rank's part: wrap them in
+    ``comm.replicated``).
     """
     sched = _Schedule(spec, group, options, x, q_spans, lora)
     B, T, _ = x.shape
@@ -584,16 +616,7 @@ def tsp_attention(
         )
     cos, sin = cos.expand(B, T, -1), sin.expand(B, T, -1)
     lora_a = list(lora_a or ())
-    y, z = _TSPAttentionFunction.apply(
-        sched,
-        tuple(weights),
-        len(lora_a),
-        x,
-        cos,
-        sin,
-        q_norm,
-        k_norm,
-        *lora_a,
+    return _TSPAttentionFunction.apply(
+        sched, tuple(weights), len(lora_a), x, cos, sin, q_norm, k_norm, b_out, *lora_a,
         *weights.values(),
-    )
-    return (y, z) if "lo" in weights else y
+    )  # fmt: skip

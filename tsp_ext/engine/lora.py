@@ -10,11 +10,19 @@ A LoRA projection is ``y = x·Wᵀ + s·(drop(x)·Aᵀ)·Bᵀ`` (``A [r, in]``, 
   groups and gives ``dA`` (partial: summed over the TSP group by the caller) and ``dX``.
 * **column-sharded** bases (o, down: rank p holds columns of W) shard ``A`` with W and keep ``B``
   replicated: ``A_r`` travels with ``W_r``, each group or step adds ``drop(act_r)·A_rᵀ`` into
-  ``Z [T, r]``, and the caller applies ``s·Z·Bᵀ`` outside the schedule (plain autograd: Z is small).
+  ``Z [T, r]``, and ``s·Z·Bᵀ`` joins the output. Backward: ``dZ = s·dY·B`` is known before the
+  groups / steps, which rebuild ``Z`` on the way for ``dB = s·dYᵀ·Z``.
 
-Dropout masks are never saved: each is drawn again in backward from a per-call seed and a key
-(projection, group, tile), so the adapters add ``[T, r]`` tensors to what a layer saves, nothing
-of size ``[T, h]``.
+Without active dropout (p = 0, or evaluation) each travelling shard is merged with its adapter
+just before use, ``W_r + s·B_r·A`` (q/k/v, gate/up) or ``W_r + s·B·A_r`` (o, down): a GEMM of
+inner size r over the weight instead of passes over the activations, and the schedules then run
+as for a plain model (``dX`` through the merged weight includes the adapter's); ``U`` and ``Z``
+are only rebuilt in backward, for the adapters' gradients. With dropout the adapter input
+differs from the base's, so the terms are added separately as above.
+
+Nothing of the adapters is saved for backward: ``U`` and ``Z`` are rebuilt, and dropout masks are
+drawn again from a per-call seed and a key (projection, group, tile). A LoRA step saves exactly
+what a full fine-tuning step saves.
 """
 
 from __future__ import annotations
@@ -34,14 +42,13 @@ class LoraPlan:
         inputs: the row-sharded projections with an adapter, in the schedule's stacking order
             (attention: a subset of ``("q", "k", "v")``; MLP: of ``("gate", "up")``).
         scalings: ``s`` of each of ``inputs``.
-        output: whether the column-sharded projection (o / down) has one (its ``s`` is applied by
-            the caller).
+        output: ``s`` of the column-sharded projection's (o / down) adapter, None without one.
         dropout: adapter dropout probability (PEFT's ``lora_dropout``, the same for all).
     """
 
     inputs: tuple[str, ...] = ()
     scalings: tuple[float, ...] = ()
-    output: bool = False
+    output: float | None = None
     dropout: float = 0.0
 
     def __post_init__(self) -> None:
@@ -112,6 +119,11 @@ def diagonal_blocks(full: torch.Tensor, present: list[bool], rows: list[int], ra
     return out
 
 
+def scaled_stack(a: list[torch.Tensor], plan: LoraPlan) -> torch.Tensor:
+    """``[s_j·A_j]_j`` ``[Σ r, h]``: the input adapters' A's, scaled, in stacking order."""
+    return torch.cat([s * aj for s, aj in zip(plan.scalings, a)])
+
+
 def input_projection(
     x2: torch.Tensor, a: list[torch.Tensor], plan: LoraPlan, drop: SeededDropout
 ) -> torch.Tensor:
@@ -119,8 +131,7 @@ def input_projection(
     adapters may be kept wider than the base)."""
     dtype = a[0].dtype
     if not drop.active:
-        stacked = torch.cat([s * aj for s, aj in zip(plan.scalings, a)])
-        return matmul(x2, stacked.t(), dtype)
+        return matmul(x2, scaled_stack(a, plan).t(), dtype)
     parts = [
         matmul(drop.apply(x2, (j,)), (s * aj).t(), dtype)
         for j, (s, aj) in enumerate(zip(plan.scalings, a))
@@ -134,10 +145,11 @@ def input_projection_backward(
     a: list[torch.Tensor],
     plan: LoraPlan,
     drop: SeededDropout,
-    dx2: torch.Tensor,
+    dx2: torch.Tensor | None,
 ) -> list[torch.Tensor]:
-    """Adjoint of ``input_projection``: adds ``dX`` into ``dx2 [N, h]`` and returns this rank's
-    partial ``dA_j [r_j, h]`` (in ``du``'s dtype; the caller sums them over the TSP group)."""
+    """Adjoint of ``input_projection``: adds ``dX`` into ``dx2 [N, h]`` (None: the merged
+    weights carried it already) and returns this rank's partial ``dA_j [r_j, h]`` (in ``du``'s
+    dtype; the caller sums them over the TSP group)."""
     grads, c0 = [], 0
     for j, (s, aj) in enumerate(zip(plan.scalings, a)):
         du_j = du[:, c0 : c0 + aj.shape[0]]
@@ -145,6 +157,8 @@ def input_projection_backward(
         mask = drop.mask((j,), x2)
         xin = x2 if mask is None else x2 * mask
         grads.append(matmul(du_j.t(), xin, du.dtype).mul_(s))
+        if dx2 is None:
+            continue
         if mask is None:
             add_matmul(dx2, du_j, s * aj)
         else:

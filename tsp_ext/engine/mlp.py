@@ -24,8 +24,8 @@ S/D is.
 LoRA adapters (``engine.lora``) ride a second ring beside the base shards (they may be kept in a
 wider dtype): gate/up's B rows, block-diagonal ``[2 f_q, r_g + r_u]``, add ``U·Bᵀ`` to the
 pre-activations (``U`` made once from the replicated A's), and down's A columns ``[r_d, f_q]`` add
-``drop(act)·Aᵀ`` into ``Z``, the second output. Frozen bases get no weight-gradient GEMMs: the
-gradient ring then carries the adapters' gradients only.
+``drop(act)·Aᵀ`` into ``Z``, which down's replicated B maps into the output. Frozen bases get no
+weight-gradient GEMMs: the gradient ring then carries the adapters' gradients only.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from .lora import (
     diagonal_blocks,
     input_projection,
     input_projection_backward,
+    scaled_stack,
 )
 from .options import EngineOptions
 from .pointwise import add_matmul, from_saved, matmul, to_save
@@ -79,12 +80,12 @@ class _Workspace:
 
 
 def _pre_activations(x2: torch.Tensor, shard: _Shard, work: _Workspace | None, u=None):
-    """``[X·Gᵀ | X·Uᵀ]`` ``[n, 2f]`` of ``x2 [n, h]`` and ``shard.gu = [G; U]``, one GEMM into
-    the workspace (a new tensor if None), plus the adapters' ``u · shard.b_inᵀ`` (``u [n, Σ
-    r]``)."""
+    """``[X·Gᵀ | X·Uᵀ]`` ``[n, 2f]`` of ``x2 [n, h]`` and ``shard.gu_use = [G; U]``, one GEMM
+    into the workspace (a new tensor if None), plus the adapters' ``u · shard.b_inᵀ`` when they
+    are not merged (``u [n, Σ r]``; None: merged or none)."""
     hid = work.get("hid", x2.shape[0], shard.f, 2) if work is not None else None
-    hid = torch.mm(x2, shard.gu.t(), out=hid)
-    if shard.b_in is not None:
+    hid = torch.mm(x2, shard.gu_use.t(), out=hid)
+    if u is not None:
         add_matmul(hid, u, shard.b_in.t())
     return hid
 
@@ -92,11 +93,25 @@ def _pre_activations(x2: torch.Tensor, shard: _Shard, work: _Workspace | None, u
 class _Shard:
     """One ring step's shard of owner q: ``gu = [G_q; U_q]`` ``[2 f_q, h]``, ``dn = Dn_q [h,
     f_q]`` and the adapter pieces, ``b_in`` (gate/up's B rows, block-diagonal ``[2 f_q, Σ r]``)
-    and ``a_out`` (down's A columns ``[r_d, f_q]``), each None without one."""
+    and ``a_out`` (down's A columns ``[r_d, f_q]``), each None without one. ``gu_use`` /
+    ``dn_use``: what the step computes with, the shards merged with their adapters
+    (``merge``) or the shards themselves."""
 
     def __init__(self, q: int, gu, dn, b_in=None, a_out=None) -> None:
         self.q, self.gu, self.dn, self.b_in, self.a_out = q, gu, dn, b_in, a_out
         self.f = dn.shape[1]
+        self.gu_use, self.dn_use = gu, dn
+
+    def merge(self, a_stack, b_out, s_out) -> None:
+        """``[G; U] + B_in · a_stack`` and ``Dn + s·B_out · A_out`` (new tensors: the ring
+        buffers travel on)."""
+        if self.b_in is not None:
+            self.gu_use = torch.addmm(
+                self.gu, self.b_in.to(self.gu.dtype), a_stack.to(self.gu.dtype)
+            )
+        if self.a_out is not None:
+            dn, a_out = self.dn, self.a_out.to(self.dn.dtype)
+            self.dn_use = torch.addmm(dn, b_out.to(dn.dtype), a_out, alpha=s_out)
 
 
 def _accumulate(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, add: bool) -> None:
@@ -114,20 +129,23 @@ def _swiglu_weight_grads(x2, dy2, shard: _Shard, out, work: _Workspace, lora, hi
     until the next tile), the gradient of the gate/up pre-activations: the caller adds
     ``dX = dH · [G; U]`` and ``dU = dH · b_in``.
 
-    ``lora = (u, dz, mask, add)``: the tile's adapter input projection ``[n, Σ r]`` (or None),
-    down adapter's output gradient ``[n, r_d]`` (or None), its dropout mask ``[n, f]`` (or None)
-    and whether ``out`` already holds earlier tiles' sums. ``hidden``: the saved gate/up
-    pre-activations ``[n, 2f]`` (left intact); recomputed if None.
+    ``lora = (u, dz, mask, add, z, merged)``: the tile's adapter input projection ``[n, Σ r]``
+    (or None), down adapter's output gradient ``[n, r_d]`` (or None), its dropout mask ``[n, f]``
+    (or None), whether ``out`` already holds earlier tiles' sums, the tile's rows of down
+    adapter's ``Z`` (rebuilt here for its B's gradient; None without) and whether the shard's
+    adapters are merged into ``gu_use`` / ``dn_use`` (then ``u`` and ``dZ`` add no terms).
+    ``hidden``: the saved gate/up pre-activations ``[n, 2f]`` (left intact); recomputed if
+    None.
     """
-    u, dz, mask, add = lora
+    u, dz, mask, add, z, merged = lora
     f, n = shard.f, x2.shape[0]
     if hidden is None:
-        hid = _pre_activations(x2, shard, work, u)
+        hid = _pre_activations(x2, shard, work, None if merged else u)
     else:
         hid = work.get("hid", n, f, 2)
         hid.copy_(hidden)
-    dm = torch.mm(dy2, shard.dn, out=work.get("dm", n, f))
-    if dz is not None:  # the down adapter's share of d(act)
+    dm = torch.mm(dy2, shard.dn_use, out=work.get("dm", n, f))
+    if dz is not None and not merged:  # the down adapter's share of d(act)
         d_act = matmul(dz, shard.a_out, dm.dtype)
         dm.add_(d_act if mask is None else d_act.mul_(mask))
     dh, act = swiglu_pointwise_backward(dm, hid, work.get("s", n, f), work.get("act", n, f))
@@ -136,8 +154,11 @@ def _swiglu_weight_grads(x2, dy2, shard: _Shard, out, work: _Workspace, lora, hi
         _accumulate(out.dn, dy2.t(), act, add)
     if out.b_in is not None:
         _accumulate(out.b_in, dh.t(), u, add)
-    if out.a_out is not None:
-        _accumulate(out.a_out, dz.t(), act if mask is None else act * mask, add)
+    if dz is not None:
+        dropped = act if mask is None else act * mask
+        if out.a_out is not None:
+            _accumulate(out.a_out, dz.t(), dropped, add)
+        add_matmul(z, dropped, shard.a_out.t())
     return dh
 
 
@@ -186,6 +207,15 @@ class _RingSchedule:
         self.r_out = a_out.shape[0] if a_out is not None else 0
         self.drop = SeededDropout(self.lora.dropout, None)
         self.base_trainable = self.lora_trainable = True
+        self.merged, self.a_stack, self.b_out = False, None, None
+
+    def set_adapters(self, drop: SeededDropout, a_in: list, b_out) -> None:
+        """This call's dropout and whether each shard is merged with its adapters (without
+        active dropout: ``engine.lora``)."""
+        self.drop, self.b_out = drop, b_out
+        self.merged = not drop.active
+        if self.merged and a_in:
+            self.a_stack = scaled_stack(a_in, self.lora)
 
     @property
     def has_lora(self) -> bool:
@@ -238,21 +268,25 @@ class _RingSchedule:
                     b_in = extra[: 2 * f * r_in].view(2 * f, r_in)
                 if self.r_out:
                     a_out = extra[2 * f * r_in : self.lora_numel(f)].view(self.r_out, f)
-            yield t, _Shard(q, gu, dn, b_in, a_out)
+            shard = _Shard(q, gu, dn, b_in, a_out)
+            if self.merged:
+                shard.merge(self.a_stack, self.b_out, self.lora.output)
+            yield t, shard
 
 
 def tsp_mlp_forward(
     sched: _RingSchedule, x: torch.Tensor, weights, keep_hidden: bool = False, lora=None
 ):
     """Forward ring: ``X_p [B, T, h]`` -> ``Y_p [B, T, h]``, plus, if ``keep_hidden``, every
-    step's gate/up pre-activations, a list of D ``[B, T, 2 f_q]`` (else None), the adapters'
-    input projection ``U [B·T, Σ r]`` and down adapter's output ``Z [B·T, r_d]`` (None without).
-    ``lora = (A's of sched.lora.inputs, ([B_gate, B_up], A_down))`` or None."""
+    step's gate/up pre-activations, a list of D ``[B, T, 2 f_q]`` (else None).
+    ``lora = (A's of sched.lora.inputs, ([B_gate, B_up], A_down), B_down)`` or None."""
     y = torch.zeros(x.shape, dtype=sched.acc, device=x.device)
     x2, y2 = x.reshape(-1, sched.h), y.view(-1, sched.h)
-    a_in, adapters = lora or ([], ([None, None], None))
-    u = input_projection(x2, a_in, sched.lora, sched.drop) if a_in else None
-    z = x2.new_zeros(x2.shape[0], sched.r_out, dtype=sched.acc) if sched.r_out else None
+    a_in, adapters, b_out = lora or ([], ([None, None], None), None)
+    u = z = None
+    if not sched.merged:  # the adapters' terms apart from the base's (dropout)
+        u = input_projection(x2, a_in, sched.lora, sched.drop) if a_in else None
+        z = x2.new_zeros(x2.shape[0], sched.r_out, dtype=sched.acc) if sched.r_out else None
     hidden = [] if keep_hidden else None
     work = sched.workspace(x)
     for _, shard in sched.shards(weights, adapters):
@@ -266,13 +300,13 @@ def tsp_mlp_forward(
                 hid = _pre_activations(x2[rows], shard, work, u[rows] if u is not None else None)
             hg, hu = hid.chunk(2, dim=-1)
             act = torch.ops.aten.silu.out(hg, out=work.get("act", hid.shape[0], f)).mul_(hu)
-            add_matmul(y2[rows], act, shard.dn.t())
+            add_matmul(y2[rows], act, shard.dn_use.t())
             if z is not None:
                 dropped = sched.drop.apply(act, (2, shard.q, rows.start))
                 add_matmul(z[rows], dropped, shard.a_out.t())
     if z is not None:
-        z = z.to(adapters[1].dtype)
-    return y.to(x.dtype), hidden, u, z
+        add_matmul(y2, z, (sched.lora.output * b_out).t())
+    return y.to(x.dtype), hidden
 
 
 def tsp_mlp_backward(
@@ -280,14 +314,20 @@ def tsp_mlp_backward(
 ):
     """Backward rings: returns ``dX_p``, the fully reduced gradients of this rank's trainable
     shards (``[dG, dU, dDn]`` or None; with adapters ``[dB_gate, dB_up]`` entries and ``dA_down``
-    or None) and this rank's partial gradients of the replicated A's. ``hidden``: what
-    ``tsp_mlp_forward(keep_hidden=True)`` returned, or None to recompute. ``lora = (A's, ([B_gate,
-    B_up], A_down), U, dZ)`` as in the forward, with its ``U`` and ``Z``'s gradient (or None)."""
+    or None), this rank's partial gradients of the replicated A's and of down's replicated B (or
+    None). ``hidden``: what ``tsp_mlp_forward(keep_hidden=True)`` returned, or None to recompute.
+    ``lora``: as in the forward (``U`` and ``Z`` are rebuilt)."""
     dy2, x2 = dy.contiguous().view(-1, sched.h), x.reshape(-1, sched.h)
     dx = torch.zeros(x.shape, dtype=sched.acc, device=x.device)
     dx2 = dx.view(-1, sched.h)
-    a_in, adapters, u, dz = lora or ([], ([None, None], None), None, None)
-    du = torch.zeros_like(u, dtype=sched.acc) if u is not None else None
+    a_in, adapters, b_out = lora or ([], ([None, None], None), None)
+    u = du = dz = z = None
+    if a_in:
+        u = input_projection(x2, a_in, sched.lora, sched.drop)
+        du = torch.zeros_like(u, dtype=sched.acc)
+    if b_out is not None:  # dZ needs only dY; Z is rebuilt tile by tile for B's gradient
+        dz = matmul(dy2, sched.lora.output * b_out, sched.acc)
+        z = torch.zeros_like(dz)
     owner_grads = GradientRing(sched.ring)
     work = sched.workspace(x)
     tiles = sched.tiles()
@@ -304,11 +344,12 @@ def tsp_mlp_backward(
             if dz_t is not None:
                 like = x2.new_empty(rows.stop - rows.start, shard.f)
                 mask = sched.drop.mask((2, shard.q, rows.start), like)
-            tile_lora = (u_t, dz_t, mask, i > 0)
+            z_t = z[rows] if z is not None else None
+            tile_lora = (u_t, dz_t, mask, i > 0, z_t, sched.merged)
             dh = _swiglu_weight_grads(x2[rows], dy2[rows], shard, layout, work, tile_lora, h_t)
             if i == len(tiles) - 1 and numel:
                 owner_grads.add(t, share)  # on its way (the last hop too) while dX is computed
-            add_matmul(dx2[rows], dh, shard.gu)
+            add_matmul(dx2[rows], dh, shard.gu_use)
             if shard.b_in is not None:
                 add_matmul(du[rows], dh, shard.b_in)
     f = sched.sizes[sched.p]
@@ -327,52 +368,53 @@ def tsp_mlp_backward(
     d_a_out = own.a_out.to(a_out.dtype) if own.a_out is not None else None
     d_a_in = []
     if du is not None:
-        d_a_in = input_projection_backward(du, x2, a_in, sched.lora, sched.drop, dx2)
+        dx_adapter = None if sched.merged else dx2  # merged: dX has it already
+        d_a_in = input_projection_backward(du, x2, a_in, sched.lora, sched.drop, dx_adapter)
         d_a_in = [g.to(a.dtype) for g, a in zip(d_a_in, a_in)]
-    return dx.to(x.dtype), base, (d_b, d_a_out), d_a_in
+    d_b_out = None
+    if b_out is not None:
+        d_b_out = matmul(dy2.t(), z, sched.acc).mul_(sched.lora.output).to(b_out.dtype)
+    return dx.to(x.dtype), base, (d_b, d_a_out), d_a_in, d_b_out
 
 
 class _TSPMLPFunction(torch.autograd.Function):
     """Autograd boundary of the ring schedule: saves X_p (as its RMSNorm's input when it is a
     norm's output: ``pointwise.to_save``) and the rank's own shards (plus every
     step's gate/up pre-activations, D x ``[B, S/D, 2 f_q]``, when ``options.recompute_mlp`` is
-    off), and with adapters their pieces and ``U``. Inputs after the base shards: the
-    ``n_in`` replicated A's, gate's and up's B rows (or None), down's A columns (or None);
-    outputs ``Y`` and down adapter's ``Z`` (``[B, T, 0]`` without one)."""
+    off), and with adapters their pieces. Inputs after the base shards: the ``n_in``
+    replicated A's, gate's and up's B rows, down's A columns, down's replicated B (each None
+    without an adapter)."""
 
     @staticmethod
     def forward(ctx, group, options, sizes, plan, n_in, x, gate, up, down, *lora):
-        a_in, b_gate, b_up, a_out = list(lora[:n_in]), *lora[n_in:]
+        a_in, b_gate, b_up, a_out, b_out = list(lora[:n_in]), *lora[n_in:]
         adapters = ([b_gate, b_up], a_out)
         weights = (gate, up, down)
         sched = _RingSchedule(group, options, x, weights, sizes, plan, adapters)
         grad = any(ctx.needs_input_grad)
         sched.base_trainable = any(ctx.needs_input_grad[6:9])
-        sched.lora_trainable = any(ctx.needs_input_grad[9:])
-        sched.drop = SeededDropout.for_call(sched.lora.dropout)
+        sched.lora_trainable = any(ctx.needs_input_grad[9 + n_in : 12 + n_in])
+        sched.set_adapters(SeededDropout.for_call(sched.lora.dropout), a_in, b_out)
         keep = not options.recompute_mlp and grad
-        y, hidden, proj, z = tsp_mlp_forward(sched, x, weights, keep, (a_in, adapters))
+        y, hidden = tsp_mlp_forward(sched, x, weights, keep, (a_in, adapters, b_out))
         ctx.sched, ctx.n_hidden, ctx.n_in = sched, len(hidden or ()), n_in
         x, norm_weight, ctx.eps = to_save(x)  # its norm's input when it is a norm's output
-        ctx.save_for_backward(x, norm_weight, *weights, proj, *lora, *(hidden or ()))
-        B, T, _ = y.shape
-        return y, (z.view(B, T, -1) if z is not None else y.new_empty(B, T, 0))
+        ctx.save_for_backward(x, norm_weight, *weights, *lora, *(hidden or ()))
+        return y
 
     @staticmethod
-    def backward(ctx, dy, dz):
-        x, norm_weight, gate, up, down, proj, *rest = ctx.saved_tensors
-        n_lora = ctx.n_in + 3
+    def backward(ctx, dy):
+        x, norm_weight, gate, up, down, *rest = ctx.saved_tensors
+        n_lora = ctx.n_in + 4
         lora, hidden = rest[:n_lora], rest[n_lora:] or None
-        a_in, b_gate, b_up, a_out = list(lora[: ctx.n_in]), *lora[ctx.n_in :]
+        a_in, b_gate, b_up, a_out, b_out = list(lora[: ctx.n_in]), *lora[ctx.n_in :]
         x = from_saved(x, norm_weight, ctx.eps)
-        B, T, _ = dy.shape
-        dz = dz.reshape(B * T, -1) if a_out is not None else None
         adapters = ([b_gate, b_up], a_out)
-        dx, base, (d_b, d_a_out), d_a_in = tsp_mlp_backward(
-            ctx.sched, dy, x, (gate, up, down), hidden, (a_in, adapters, proj, dz)
+        dx, base, (d_b, d_a_out), d_a_in, d_b_out = tsp_mlp_backward(
+            ctx.sched, dy, x, (gate, up, down), hidden, (a_in, adapters, b_out)
         )
         base = base or (None, None, None)
-        return (None, None, None, None, None, dx, *base, *d_a_in, *d_b, d_a_out)
+        return (None, None, None, None, None, dx, *base, *d_a_in, *d_b, d_a_out, d_b_out)
 
 
 def tsp_mlp(
@@ -392,15 +434,13 @@ def tsp_mlp(
 
     LoRA (``engine.lora``): ``lora`` names the adapted projections and ``adapters`` holds their
     pieces: the replicated A's ``a_gate, a_up [r, h]`` (their gradient is this rank's part: wrap
-    them in ``comm.replicated``), this rank's B rows ``b_gate, b_up [f_p, r]`` and down's A
-    columns ``a_down [r, f_p]``. With ``a_down``, returns ``(Y_p, Z [B, S/D, r])``: the caller
-    adds ``s_down · Z · B_downᵀ``.
+    them in ``comm.replicated``), this rank's B rows ``b_gate, b_up [f_p, r]``, down's A
+    columns ``a_down [r, f_p]`` and down's replicated B ``b_down [h, r]`` (wrapped alike).
     """
     adapters = adapters or {}
     plan = lora or LoraPlan()
     a_in = [adapters[f"a_{n}"] for n in plan.inputs]
-    extra = (adapters.get("b_gate"), adapters.get("b_up"), adapters.get("a_down"))
-    y, z = _TSPMLPFunction.apply(
+    extra = [adapters.get(n) for n in ("b_gate", "b_up", "a_down", "b_down")]
+    return _TSPMLPFunction.apply(
         group, options, sizes, plan, len(a_in), x, gate, up, down, *a_in, *extra
     )
-    return (y, z) if extra[2] is not None else y

@@ -47,10 +47,12 @@ def deinterleave_heads(t: torch.Tensor, d: int) -> torch.Tensor:
     return t.reshape(-1, d // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
 
 
-def stacked_weights(w: dict[str, torch.Tensor], d: int):
+def stacked_weights(w: dict[str, torch.Tensor], d: int, merge: torch.Tensor | None = None):
     """``(W, b, B)``: ``[Wq; Wk; Wv]`` ``[(n_q + 2 n_kv)·d, h]`` with the q/k heads' rows
     interleaved (``interleave_heads``), the stacked biases alike (or None) and the LoRA B rows of
-    ``w`` (``lq, lk, lv``, those present) alike, block-diagonal ``[rows, Σ r]`` (or None)."""
+    ``w`` (``lq, lk, lv``, those present) alike, block-diagonal ``[rows, Σ r]`` (or None).
+    ``merge``: the adapters' scaled A's ``[Σ r, h]`` (``lora.scaled_stack``): W is then
+    ``W + B · merge``, the adapted projection (``engine.lora``)."""
 
     def interleaved(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
         return interleave_heads(t, d) if t is not None and name[1] in "qk" else t
@@ -60,7 +62,10 @@ def stacked_weights(w: dict[str, torch.Tensor], d: int):
 
     rows = [w[n].shape[0] for n in _W]
     lora = block_diagonal([interleaved(n, w.get(n)) for n in _L], rows)
-    return stack(_W), stack(_B) if "bq" in w else None, lora
+    weight = stack(_W)
+    if merge is not None and lora is not None:
+        add_matmul(weight, lora, merge)
+    return weight, stack(_B) if "bq" in w else None, lora
 
 
 def _split(t: torch.Tensor, w: dict[str, torch.Tensor], d: int) -> list[torch.Tensor]:
@@ -75,16 +80,17 @@ def project_qkv(x, w, phases, q_norm, k_norm, spec: AttentionSpec, weight=None, 
     projection ``L [B, T, rows]`` of the tokens ``x [B, T, h]`` for the head group whose shards
     are ``w`` (RoPE by ``phases [B, T, 1, d/2]``, ``pointwise.rope_phases``). ``weight``: what
     ``stacked_weights(w, d)`` returned, if the caller has it; ``u [B·T, Σ r]``: the LoRA input
-    projection (``lora.input_projection``) when ``w`` holds adapter rows. Not differentiable (see
-    ``project_qkv_backward``). Q and K come with each head's dimensions interleaved (module
-    docstring). Everything is heads-major: the kernels take Q so, ``KV`` is the K/V all-gather's
-    send buffer (its chunks then land in token order by contiguous block copies), and RoPE writes
-    that layout faster than a token-major one. ``split_kv`` views K and V ``[B, T, n_kv, d]``."""
+    projection (``lora.input_projection``) when ``w`` holds adapter rows not merged into W. Not
+    differentiable (see ``project_qkv_backward``). Q and K come with each head's dimensions
+    interleaved (module docstring). Everything is heads-major: the kernels take Q so, ``KV`` is
+    the K/V all-gather's send buffer (its chunks then land in token order by contiguous block
+    copies), and RoPE writes that layout faster than a token-major one. ``split_kv`` views K and V
+    ``[B, T, n_kv, d]``."""
     B, T, _ = x.shape
     d = spec.head_dim
     W, b, lora = weight if weight is not None else stacked_weights(w, d)
     lin = F.linear(x, W, b)
-    if lora is not None:
+    if lora is not None and u is not None:
         add_matmul(lin.view(-1, lin.shape[-1]), u, lora.t())
     q, k, v = _split(lin, w, d)
     if q_norm is not None:

@@ -106,6 +106,8 @@ def apply_tsp(
         if peft_base(model) is None:
             raise ValueError("apply_tsp was already applied to this model")
         fold_on_shards(model)  # get_peft_model on a TSP model: fold the adapters it added
+        base = peft_base(model)
+        base.tsp = replace(base.tsp, bucketed=replicated_vectors(base))
         _patch_peft(model)
         return model
     peft_model, adapter = model, None

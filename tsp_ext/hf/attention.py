@@ -18,7 +18,7 @@ from ..engine import comm
 from ..engine.attention import AttentionSpec, tsp_attention
 from ..engine.documents import query_spans
 from ..engine.layout import ZigzagLayout
-from .lora import adapters_of, output_adapter, plan_of
+from .lora import adapters_of, plan_of
 from .sharding import Role, ShardedModule
 
 # keyword argument carrying the local query spans of packed documents from the model's input check
@@ -188,26 +188,15 @@ class TSPAttention(ShardedModule):
         for n in ("q", "k", "v"):
             if f"{n}_proj" in adapted:
                 own[f"l{n}"] = adapted[f"{n}_proj"].b
-        if plan.output:
+        b_out = None
+        if plan.output is not None:
             own["lo"] = adapted["o_proj"].a
+            b_out = comm.replicated(adapted["o_proj"].b, self.group)
         lora_a = [comm.replicated(adapted[f"{n}_proj"].a, self.group) for n in plan.inputs]
         y = tsp_attention(
-            x,
-            cos,
-            sin,
-            own,
-            q_norm,
-            k_norm,
-            self.spec,
-            self.group,
-            self.options,
-            spans,
-            plan,
-            lora_a,
-        )
-        if plan.output:
-            y, z = y
-            y = output_adapter(y, z, adapted["o_proj"], self.group)
+            x, cos, sin, own, q_norm, k_norm, self.spec, self.group, self.options, spans,
+            plan, lora_a, b_out,
+        )  # fmt: skip
         if self.o_proj.bias is not None:
             y = y + comm.replicated(self.o_proj.bias, self.group)
         return y, None

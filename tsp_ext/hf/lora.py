@@ -403,13 +403,6 @@ def plan_of(
     return LoraPlan(
         inputs=tuple(n.removesuffix("_proj") for n in present),
         scalings=tuple(adapted[n].s for n in present),
-        output=output in adapted,
+        output=adapted[output].s if output in adapted else None,
         dropout=drops.pop() if drops and training else 0.0,
     )
-
-
-def output_adapter(y: torch.Tensor, z: torch.Tensor, proj: TSPLoraLinear, group) -> torch.Tensor:
-    """``y + s · Z · Bᵀ`` with the column-sharded projection's replicated B (its gradient summed
-    over the TSP group)."""
-    b = comm.replicated(proj.b, group)
-    return y + (proj.s * nn.functional.linear(z.to(b.dtype), b)).to(y.dtype)

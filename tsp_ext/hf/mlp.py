@@ -13,7 +13,7 @@ from ..config import TSPConfig
 from ..engine import comm
 from ..engine.mlp import tsp_mlp
 from ..engine.partition import check_split, split_range, split_sizes
-from .lora import adapters_of, output_adapter, plan_of
+from .lora import adapters_of, plan_of
 from .sharding import ShardedModule
 
 
@@ -82,13 +82,10 @@ class TSPGatedMLP(ShardedModule):
         for n in ("gate", "up"):
             if f"{n}_proj" in adapted:
                 pieces[f"b_{n}"] = adapted[f"{n}_proj"].b
-        if plan.output:
+        if plan.output is not None:
             pieces["a_down"] = adapted["down_proj"].a
-        y = tsp_mlp(x, *w, self.group, self.options, self.sizes, plan, pieces)
-        if plan.output:
-            y, z = y
-            y = output_adapter(y, z, adapted["down_proj"], self.group)
-        return y
+            pieces["b_down"] = comm.replicated(adapted["down_proj"].b, self.group)
+        return tsp_mlp(x, *w, self.group, self.options, self.sizes, plan, pieces)
 
     def inference_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gate, up, down shards with active LoRA adapters added (local)."""

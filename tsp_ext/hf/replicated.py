@@ -69,10 +69,13 @@ class TSPLMHead(nn.Module):
 
 
 def replicated_vectors(model: nn.Module) -> tuple[str, ...]:
-    """Names of a TSP model's replicated 1-D parameters (norm weights, o_proj biases)."""
+    """Names of a TSP model's small replicated parameters, used once per step: 1-D ones (norm
+    weights, o_proj biases) and the LoRA adapters' replicated pieces (``[r, h]`` / ``[h, r]``)."""
     roles = param_roles(model)
     return tuple(
-        n for n, p in model.named_parameters() if p.dim() == 1 and roles[n] is Role.REPLICATED
+        n
+        for n, p in model.named_parameters()
+        if (p.dim() == 1 or ".lora_" in n) and roles[n] is Role.REPLICATED
     )
 
 
@@ -80,6 +83,7 @@ def bucketed_grads(model: nn.Module):
     """Context of one training forward: the replicated vectors' gradients are summed over the TSP
     group by one all-reduce at the end of backward instead of one per use. Parameters a DP engine
     gathers per layer (FSDP2 DTensors, ZeRO-3) keep their per-use all-reduce."""
-    params = [model.get_parameter(n) for n in model.tsp.bucketed]
+    named = dict(model.named_parameters())  # an adapter merged away (merge_and_unload) is gone
+    params = [named[n] for n in model.tsp.bucketed if n in named]
     stays_put = [p for p in params if not gathered_per_use(p)]
     return bucketed_replicated([p for p in stays_put if p.requires_grad], model.tsp.group)
