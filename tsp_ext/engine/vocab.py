@@ -73,6 +73,8 @@ class _EmbeddingExchange(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if not ctx.needs_input_grad[1]:  # a frozen table (LoRA): nothing to send back
+            return None, None, None, None, None
         inverse, wanted = ctx.saved_tensors
         group, send_counts, recv_counts, padding_idx, first = ctx.meta
         shape, dtype = ctx.weight_meta
@@ -93,11 +95,14 @@ class _HeadRing:
     """One call's schedule: LM-head shards on the ring (in buffers of the largest shard, ``V_max``
     rows), local tokens in blocks."""
 
-    def __init__(self, group, options: EngineOptions, h: torch.Tensor, offsets: list[int]) -> None:
+    def __init__(
+        self, group, options: EngineOptions, h: torch.Tensor, offsets: list[int], weight_grad=True
+    ) -> None:
         self.ring = comm.Ring(group)
         self.options, self.offsets = options, offsets
         self.max_rows = max(b - a for a, b in zip(offsets, offsets[1:]))
         self.acc = options.accum_for(h.dtype)
+        self.weight_grad = weight_grad  # False: a frozen head (LoRA), no dW GEMM or ring
 
     def shards(
         self, weight: torch.Tensor, steps: int | None = None
@@ -131,9 +136,11 @@ class _HeadRing:
     @staticmethod
     def accumulate(dh, dw, h: torch.Tensor, c: slice, dz: torch.Tensor, w: torch.Tensor) -> None:
         """Add the logits-block gradient ``dz [c, V_q]`` (``h``'s dtype) of tokens ``c`` against
-        shard ``w [V_q, h]`` into ``dh [N, h]`` and the first V_q rows of ``dw``."""
+        shard ``w [V_q, h]`` into ``dh [N, h]`` and the first V_q rows of ``dw`` (None: no
+        weight gradient)."""
         add_matmul(dh[c], dz, w)
-        add_matmul(dw[: w.shape[0]], dz.t(), h[c])
+        if dw is not None:
+            add_matmul(dw[: w.shape[0]], dz.t(), h[c])
 
     def backward(self, h: torch.Tensor, weight: torch.Tensor, block_grad: Callable, last=None):
         """Second ring pass: ``(dH [N, h], dW [V_p, h])`` given ``block_grad(first, c, W_q)``,
@@ -148,10 +155,13 @@ class _HeadRing:
             dh, steps = dh_last * scale, D - 1
         owner_grads = GradientRing(self.ring)
         for t, first, w in self.shards(weight, steps):
-            dw = self.zeros(self.max_rows, h)
+            dw = self.zeros(self.max_rows, h) if self.weight_grad else None
             for c in self.blocks(h.shape[0]):
                 self.accumulate(dh, dw, h, c, block_grad(first, c, w), w)
-            owner_grads.add(t, dw)
+            if dw is not None:
+                owner_grads.add(t, dw)
+        if not self.weight_grad:
+            return dh.to(h.dtype), None
         if last is not None:
             owner_grads.add(D - 1, dw_last, scale=scale)
         dw = owner_grads.result()[: weight.shape[0]]  # padded rows: never any gradient
@@ -163,7 +173,7 @@ class _RingCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, labels, weight, offsets, group, options, ignore_index, differentiated):
-        sched = _HeadRing(group, options, h, offsets)
+        sched = _HeadRing(group, options, h, offsets, ctx.needs_input_grad[2])
         valid = labels != ignore_index
         n = h.shape[0]
         run_max = torch.full((n,), float("-inf"), dtype=sched.acc, device=h.device)
@@ -174,7 +184,8 @@ class _RingCrossEntropy(torch.autograd.Function):
             col, hit = sched.targets(labels, first, w.shape[0], valid)
             final = differentiated and t == sched.ring.size - 1
             if final:  # the last shard's gradient shares, unscaled
-                last = (sched.zeros(n, h), sched.zeros(sched.max_rows, h))
+                dw_last = sched.zeros(sched.max_rows, h) if sched.weight_grad else None
+                last = (sched.zeros(n, h), dw_last)
             for c in sched.blocks(n):
                 z = F.linear(h[c], w).to(sched.acc)
                 target[c] += torch.where(hit[c], z.gather(1, col[c]).squeeze(1), 0)
@@ -215,7 +226,7 @@ class _RingLogits(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, weight, offsets, group, options):
-        sched = _HeadRing(group, options, h, offsets)
+        sched = _HeadRing(group, options, h, offsets, ctx.needs_input_grad[1])
         out = h.new_empty(h.shape[0], offsets[-1])
         for _, first, w in sched.shards(weight):
             out[:, first : first + w.shape[0]] = F.linear(h, w)
