@@ -23,7 +23,8 @@ is Arctic Long Sequence Training as DeepSpeed ships it (arXiv 2506.13996). ``tsp
 ``TSPConfig(recompute_mlp=False)``, ``TSPConfig(checkpoint_layers=True, mlp_tile=h)``, that with
 ``offload_checkpoints=True``; ``tsp_long`` (the longest context) is ``tsp_offload`` with
 ``overlap=False`` (one head group's buffers at a time). ``tsp_lora`` is ``tsp`` on a PEFT LoRA
-model (``LORA``: r = 16 on all seven projections, the base frozen).
+model (``LORA``: r = 16 on all seven projections, the base frozen), ``tsp_qlora`` that with the
+base NF4-packed (``TSPConfig(quantize_base="nf4")``).
 """
 
 from __future__ import annotations
@@ -421,6 +422,7 @@ BUILDERS: dict[str, Callable[..., Prepared]] = {
         m, i, w, d, **_long_context(m), offload_checkpoints=True, overlap=False
     ),
     "tsp_lora": lambda m, i, w, d: build_tsp(with_lora(m), i, w, d),
+    "tsp_qlora": lambda m, i, w, d: build_tsp(with_lora(m), i, w, d, quantize_base="nf4"),
     "tp": build_tp,
     "tp_sp": build_tp_sp,
     "ulysses": build_ulysses,
@@ -433,5 +435,7 @@ LAYOUTS = tuple(BUILDERS)
 # what a sweep runs unless told: every layout but the steps between TSP's defaults and tsp_long
 # and between Ulysses and ALST (select those by name)
 SWEEP_LAYOUTS = tuple(
-    n for n in LAYOUTS if n not in ("tsp_layers", "tsp_offload", "ulysses_zero3", "tsp_lora")
+    n
+    for n in LAYOUTS
+    if n not in ("tsp_layers", "tsp_offload", "ulysses_zero3", "tsp_lora", "tsp_qlora")
 )

@@ -1,13 +1,17 @@
-"""LoRA against full fine-tuning under TSP: memory per rank and step time, one run.
+"""LoRA and QLoRA against full fine-tuning under TSP: memory per rank, weight traffic and step
+time, one run.
 
-    python -m benchmarks.lora --devices 2 4 --seq-len 4096 --rounds 3 \\
-        --json docs/benchmarks/lora_cpu.json
+    python -m benchmarks.lora --devices 2 4 --seq-len 2048 --rounds 3 \\
+        --model '{"hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 8,
+                  "num_key_value_heads": 8}' --json docs/benchmarks/lora_cpu.json
 
-Both layouts (``tsp`` and ``tsp_lora``: r = 16 on all seven projections, ``layouts.LORA``) train
-the same model on the same batch, in turn, ``--rounds`` times over (medians), so a drift of the
-machine touches both alike. Per device count the table gives each one's bytes per rank
-(parameters, gradients, optimizer state, saved activations) and the LoRA step time as a ratio of
-the full fine-tuning step's.
+The layouts (``tsp``, ``tsp_lora``: r = 16 on all seven projections, ``layouts.LORA``, and
+``tsp_qlora``: that with the frozen base NF4-packed) train the same model on the same batch, in
+turn, ``--rounds`` times over (medians), so a drift of the machine touches them alike. Per device
+count the table gives each one's bytes per rank (parameters and buffers, gradients, optimizer
+state, saved activations), the bytes it receives by head-group broadcast and on the ring (the
+weights' traffic: MLP and LM-head shards, gradient accumulators) and its step time as a ratio
+of full fine-tuning's.
 """
 
 from __future__ import annotations
@@ -21,47 +25,50 @@ from .harness import measure
 from .layouts import LORA
 from .run import combine_rounds
 
-LAYOUTS = ("tsp", "tsp_lora")
+LAYOUTS = {"tsp": "full fine-tuning", "tsp_lora": "LoRA r=16", "tsp_qlora": "QLoRA r=16 (NF4)"}
 MEMORY = ("params", "grads", "optimizer", "activations")
+TRAFFIC = ("broadcast", "send_recv")
 
 
-def compare(devices: list[int], seq_len: int, model_cfg=None, rounds: int = 3, **kwargs) -> dict:
-    """``{"lora": LORA, "rows": [...]}``: per device count one row with both layouts' results
-    (``measure``'s rows, medians over the rounds) and the ratios LoRA / full."""
+def compare(
+    devices: list[int], seq_len: int, model_cfg=None, rounds: int = 3, layouts=tuple(LAYOUTS), **kw
+) -> dict:
+    """``{"lora": LORA, "rows": [...]}``: per device count one row holding each layout's result
+    (``measure``'s row, medians over the rounds) and the step-time ratios to ``tsp``'s."""
     rows = []
     for D in devices:
-        runs: dict[str, list[dict]] = {name: [] for name in LAYOUTS}
+        runs: dict[str, list[dict]] = {name: [] for name in layouts}
         for _ in range(rounds):
-            for name in LAYOUTS:
-                runs[name].append(measure(name, D, seq_len, model_cfg, **kwargs))
-        full, lora = (combine_rounds(runs[name]) for name in LAYOUTS)
-        row = {"devices": D, "seq_len": seq_len, "full": full, "lora": lora}
-        if full["status"] == lora["status"] == "ok":
-            row["step_ratio"] = lora["step_seconds"] / full["step_seconds"]
-            row["activation_ratio"] = (
-                lora["memory_bytes"]["activations"] / full["memory_bytes"]["activations"]
-            )
+            for name in layouts:
+                runs[name].append(measure(name, D, seq_len, model_cfg, **kw))
+        row = {"devices": D, "seq_len": seq_len}
+        row.update({name: combine_rounds(r) for name, r in runs.items()})
+        full = row.get("tsp")
+        for name in layouts:
+            if full and full["status"] == row[name]["status"] == "ok":
+                row[name]["step_ratio"] = row[name]["step_seconds"] / full["step_seconds"]
         rows.append(row)
     return {"lora": LORA, "rows": rows}
 
 
 def markdown(result: dict) -> str:
     mib = 2**20
-    lines = [
-        "| D | layout | params MiB | grads MiB | optimizer MiB | saved activations MiB "
-        "| step s | LoRA / full step |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    head = " | ".join(f"{k} MiB" for k in (*MEMORY, "broadcast", "ring"))
+    lines = [f"| D | layout | {head} | step s | / full step |", "|---" * 10 + "|"]
     for row in result["rows"]:
-        for name, key in (("full fine-tuning", "full"), ("LoRA r=16", "lora")):
-            r = row[key]
-            if r["status"] != "ok":
-                lines.append(f"| {row['devices']} | {name} | {r['status']} |  |  |  |  |  |")
+        for name, label in LAYOUTS.items():
+            r = row.get(name)
+            if r is None:
                 continue
-            mem = [f"{r['memory_bytes'][k] / mib:.2f}" for k in MEMORY]
-            ratio = f"{row['step_ratio']:.2f}" if key == "lora" and "step_ratio" in row else ""
+            if r["status"] != "ok":
+                lines.append(f"| {row['devices']} | {label} | {r['status']} |" + " |" * 8)
+                continue
+            cells = [r["memory_bytes"][k] for k in MEMORY]
+            cells += [r["comm_bytes"].get(k, 0) for k in TRAFFIC]
+            cells = [f"{c / mib:.2f}" for c in cells]
+            ratio = f"{r['step_ratio']:.2f}" if "step_ratio" in r else ""
             lines.append(
-                f"| {row['devices']} | {name} | {' | '.join(mem)} | {r['step_seconds']:.3f} "
+                f"| {row['devices']} | {label} | {' | '.join(cells)} | {r['step_seconds']:.3f} "
                 f"| {ratio} |"
             )
     return "\n".join(lines)
@@ -72,14 +79,20 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m benchmarks.lora", description=__doc__.split("\n")[0]
     )
     ap.add_argument("--devices", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--seq-len", type=int, default=4096)
+    ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3, help="timed steps per round (median)")
+    ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--model", type=json.loads, default=None, help="config overrides, JSON")
     ap.add_argument("--json", help="write the result here")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    result = compare(args.devices, args.seq_len, args.model, args.rounds, steps=args.steps)
+    result = compare(
+        args.devices, args.seq_len, args.model, args.rounds, tuple(args.layouts),
+        steps=args.steps, dtype=args.dtype,
+    )  # fmt: skip
+    result["dtype"] = args.dtype
     print(markdown(result))
     if args.json:
         with open(args.json, "w") as f:

@@ -49,6 +49,9 @@ class TSPConfig:
         offload_checkpoints: keep those layer inputs in host memory until backward (pinned,
             copied on a side stream on CUDA; see ``tsp_ext.hf.checkpointing.HostStore``).
             Needs ``checkpoint_layers``.
+        quantize_base: ``"nf4"`` (QLoRA): store the frozen projection shards of a PEFT LoRA
+            model in 4-bit NormalFloat (``engine.nf4``, 0.5625 bytes a weight), send them so on
+            the broadcast / ring and dequantize each just before use; None: as loaded.
     """
 
     tsp_size: int | None = None
@@ -62,8 +65,11 @@ class TSPConfig:
     loss_chunk: int = 1024
     checkpoint_layers: bool = False
     offload_checkpoints: bool = False
+    quantize_base: str | None = None
 
     def __post_init__(self) -> None:
+        if self.quantize_base not in (None, "nf4"):
+            raise ValueError(f"quantize_base={self.quantize_base!r}: use 'nf4' or None")
         if self.tsp_size is not None and self.tsp_size < 1:
             raise ValueError(f"tsp_size must be >= 1, got {self.tsp_size}")
         if self.offload_checkpoints and not self.checkpoint_layers:
@@ -75,7 +81,8 @@ class TSPConfig:
 
     def engine_options(self) -> EngineOptions:
         """The options the engine's schedules read: every field but ``tsp_size``,
-        ``shard_vocab`` and the checkpointing ones (which ``apply_tsp`` reads)."""
+        ``shard_vocab``, ``quantize_base`` and the checkpointing ones (which ``apply_tsp``
+        reads)."""
         return EngineOptions(**{f.name: getattr(self, f.name) for f in fields(EngineOptions)})
 
     def accum_for(self, dtype: torch.dtype) -> torch.dtype:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..hf.lora import ADAPTER_MARK, PEFT_PREFIX, TSPLoraLinear, peft_base
+from ..hf.nf4 import NF4Linear
 from .adapter import save_adapter
 from .state import full_shape, full_tensor, require_tsp, reshard_fsdp
 from .writer import WRITER, raise_everywhere, replace_dir
@@ -182,7 +183,7 @@ def save_pretrained(
             parent = os.path.dirname(os.path.abspath(path))
             os.makedirs(parent, exist_ok=True)
             tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
-            entries = [(out, t.dtype, full_shape(model, src, t)) for out, src, t, _ in plan]
+            entries = [(out, t.dtype, full_shape(model, src, t)) for out, src, t, _, _ in plan]
             files = _ShardFiles(tmp, entries, max_bytes)
         except BaseException as e:  # every rank must learn that the save failed
             error = e
@@ -208,10 +209,11 @@ def save_pretrained(
 
 
 def _export_plan(model: nn.Module, tied: bool) -> list:
-    """``(Hugging Face name, name in the model, tensor, LoRA projection or None)`` of every
-    tensor to write, in state-dict order. A PEFT model's names lose PEFT's prefix and
-    ``.base_layer``, its adapter tensors are left out and each adapted base weight carries its
-    ``TSPLoraLinear`` (merged as it streams)."""
+    """``(Hugging Face name, name in the model, this rank's tensor (or a meta tensor like it),
+    a function making it (None: it is that tensor), LoRA projection or None)`` of every tensor to
+    write, in state-dict order, then NF4-packed bases (dequantized as they stream). A PEFT model's
+    names lose PEFT's prefix and ``.base_layer``, its adapter tensors are left out and each
+    adapted base weight carries its ``TSPLoraLinear`` (merged as it streams)."""
     base = peft_base(model)
     adapted = {}
     if base is not None:
@@ -220,23 +222,28 @@ def _export_plan(model: nn.Module, tied: bool) -> list:
             for prefix, m in model.named_modules()
             if isinstance(m, TSPLoraLinear) and m.active
         }
+    tensors = [(n, t, None) for n, t in model.state_dict(keep_vars=True).items()]
+    for prefix, m in model.named_modules():
+        if isinstance(m, NF4Linear):  # not in the state dict: packed bytes
+            like = torch.empty(m.shape, dtype=m.dtype, device="meta")
+            tensors.append((f"{prefix}.weight", like, lambda m=m: m.weight))
     plan = []
-    for name, t in model.state_dict(keep_vars=True).items():
+    for name, t, make in tensors:
         out = name
         if base is not None:
             if ADAPTER_MARK in name:
                 continue
             out = name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
         if not (tied and out == "lm_head.weight"):
-            plan.append((out, name, t, adapted.get(name)))
+            plan.append((out, name, t, make, adapted.get(name)))
     return plan
 
 
 def _stream(model: nn.Module, plan: list):
     """``(name, full tensor on the writer, else None)`` of each planned tensor (collective):
     an adapted weight is merged with its full A and B on the writer."""
-    for out, name, t, lora in plan:
-        full = full_tensor(model, name, t, dst=WRITER)
+    for out, name, t, make, lora in plan:
+        full = full_tensor(model, name, t if make is None else make(), dst=WRITER)
         if lora is not None:
             prefix = name.removesuffix("base_layer.weight")
             a_name = f"{prefix}lora_A.{lora.adapter_name}.weight"

@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import comm
+from . import comm, nf4
 from .attention_backends import select_backend
 from .chunked_attention import chunked_attention_backward, chunked_attention_forward
 from .heads import AttentionSpec
@@ -80,6 +80,7 @@ class _Schedule:
         stream = self.layout.spans(self.p)
         self.q_spans = stream if q_spans is None else q_spans
         self.acc = options.accum_for(x.dtype)
+        self.dtype = x.dtype  # what NF4-packed shards (QLoRA's base) are dequantized to
         # packed documents and inference prefill change the kernels' shapes from call to call
         repeating = self.q_spans == stream and torch.is_grad_enabled()
         self.kernel = select_backend(
@@ -129,13 +130,21 @@ class _Schedule:
     def weight_stream(self, own: dict[str, torch.Tensor]):
         """Yield ``(r, W_r)`` for r = 0..D-1; W_{r+1} is broadcast while the caller works on W_r.
         Each broadcast carries group r's own sizes (groups differ by at most one head); shards of
-        different dtypes (adapters kept wider than a half-precision base) travel in one buffer
-        per dtype."""
+        different dtypes (adapters kept wider than a half-precision base, NF4-packed bytes) travel
+        in one buffer per dtype; packed ones are dequantized on arrival."""
         by_dtype: dict[torch.dtype, list[str]] = {}
         for n, t in own.items():
             by_dtype.setdefault(t.dtype, []).append(n)
         parts = list(by_dtype.values())
-        shapes = [[self.shapes(r, own, names) for names in parts] for r in range(self.D)]
+        packed = [n for n, t in own.items() if t.dtype == torch.uint8]
+
+        def sent(r: int, names: list[str]) -> list[torch.Size]:
+            real = self.shapes(r, own, names)
+            return [
+                torch.Size([nf4.packed_bytes(s)]) if n in packed else s for n, s in zip(names, real)
+            ]
+
+        shapes = [[sent(r, names) for names in parts] for r in range(self.D)]
 
         def post(r: int):
             posted = []
@@ -162,6 +171,8 @@ class _Schedule:
             w = {}
             for names, shape, (buf, _) in zip(parts, shapes[r], cur):
                 w.update(zip(names, comm.unpack(buf, shape)))
+            for n, s in zip(packed, self.shapes(r, own, packed)):
+                w[n] = nf4.unpack(w[n], s, self.dtype)
             yield r, w
 
     def projected_groups(self, own: dict[str, torch.Tensor], project: Callable):

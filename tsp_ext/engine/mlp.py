@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import comm
+from . import comm, nf4
 from .lora import (
     LoraPlan,
     SeededDropout,
@@ -197,7 +197,9 @@ class _RingSchedule:
         self.D, self.p = self.ring.size, self.ring.rank
         self.h = x.shape[-1]
         self.sizes = sizes or [weights[0].shape[0]] * self.D  # f_q of every owner q
-        self.numel = 3 * self.h * max(self.sizes)
+        self.dtype = x.dtype
+        self.packed = weights[0].dtype == torch.uint8  # NF4 bytes (QLoRA): dequantized per step
+        self.numel = max(self.base_numel(f) for f in self.sizes)
         self.acc = options.accum_for(x.dtype)
         self.rows = x.shape[:-1].numel()  # B x S/D tokens
         self.tile = min(options.mlp_tile or self.rows, self.rows)
@@ -216,6 +218,26 @@ class _RingSchedule:
         self.merged = not drop.active
         if self.merged and a_in:
             self.a_stack = scaled_stack(a_in, self.lora)
+
+    def base_numel(self, f: int) -> int:
+        """Ring-buffer elements of a ``[G; U; Dn]`` shard of width ``f`` (bytes if packed)."""
+        if not self.packed:
+            return 3 * self.h * f
+        return 2 * nf4.packed_bytes(torch.Size((f, self.h))) + nf4.packed_bytes(
+            torch.Size((self.h, f))
+        )
+
+    def base_views(self, cur: torch.Tensor, f: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[G; U]`` ``[2f, h]`` and ``Dn [h, f]`` of a ring buffer holding a width-``f`` shard
+        (views; dequantized copies if packed)."""
+        h = self.h
+        if not self.packed:
+            return cur[: 2 * f * h].view(2 * f, h), cur[2 * f * h : 3 * f * h].view(h, f)
+        row, col = torch.Size((f, h)), torch.Size((h, f))
+        n = nf4.packed_bytes(row)
+        g, u = (nf4.unpack(cur[i * n : (i + 1) * n], row, self.dtype) for i in range(2))
+        dn = nf4.unpack(cur[2 * n : 2 * n + nf4.packed_bytes(col)], col, self.dtype)
+        return torch.cat([g, u]), dn
 
     @property
     def has_lora(self) -> bool:
@@ -258,8 +280,8 @@ class _RingSchedule:
             lora = circulate(self.ring, comm.pack(pieces, numel=numel), self.options.overlap, True)
         for t, cur in base:
             q = (self.p - t) % self.D
-            f, h = self.sizes[q], self.h
-            gu, dn = cur[: 2 * f * h].view(2 * f, h), cur[2 * f * h : 3 * f * h].view(h, f)
+            f = self.sizes[q]
+            gu, dn = self.base_views(cur, f)
             b_in = a_out = None
             if lora is not None:
                 _, extra = next(lora)

@@ -47,6 +47,7 @@ from .lora import (
     peft_base,
 )
 from .mlp import TSPGatedMLP
+from .nf4 import quantize_projections
 from .replicated import TSPEmbedding, TSPLMHead, TSPRMSNorm, replicated_vectors
 from .vocab import TSPVocabEmbedding, TSPVocabLMHead
 
@@ -107,6 +108,8 @@ def apply_tsp(
             raise ValueError("apply_tsp was already applied to this model")
         fold_on_shards(model)  # get_peft_model on a TSP model: fold the adapters it added
         base = peft_base(model)
+        if config.quantize_base == "nf4":
+            quantize_projections(base)
         base.tsp = replace(base.tsp, bucketed=replicated_vectors(base))
         _patch_peft(model)
         return model
@@ -153,6 +156,13 @@ def apply_tsp(
     for name, param in model.named_parameters():  # the TSP modules' shards start trainable
         if name in frozen:
             param.requires_grad_(False)
+    if config.quantize_base == "nf4":
+        if adapter is None:
+            raise ValueError(
+                "quantize_base='nf4' (QLoRA) quantizes a frozen base: apply TSP to a PEFT LoRA "
+                "model (get_peft_model first)"
+            )
+        quantize_projections(model)
     changed = {
         "_attn_implementation": model.config._attn_implementation,
         "use_cache": model.config.use_cache,

@@ -19,6 +19,7 @@ from ..engine.attention import AttentionSpec, tsp_attention
 from ..engine.documents import query_spans
 from ..engine.layout import ZigzagLayout
 from .lora import adapters_of, plan_of
+from .nf4 import storage
 from .sharding import Role, ShardedModule
 
 # keyword argument carrying the local query spans of packed documents from the model's input check
@@ -143,13 +144,16 @@ class TSPAttention(ShardedModule):
         return super().role(name)
 
     def _own(self, merged: bool = False) -> dict[str, torch.Tensor]:
-        """This rank's shards by the engine's names; ``merged``: with active LoRA adapters added
-        to their base shards (inference), else the bases alone."""
+        """This rank's shards by the engine's names, as they travel (QLoRA: NF4-packed bytes);
+        ``merged``: dequantized, with active LoRA adapters added (inference)."""
         projs = {"wq": self.q_proj, "wo": self.o_proj, "wk": self.k_proj, "wv": self.v_proj}
-        own = {
-            n: p.merged_weight() if merged and hasattr(p, "merged_weight") else p.weight
-            for n, p in projs.items()
-        }
+        if merged:
+            own = {
+                n: p.merged_weight() if hasattr(p, "merged_weight") else p.weight
+                for n, p in projs.items()
+            }
+        else:
+            own = {n: storage(p) for n, p in projs.items()}
         if self.q_proj.bias is not None:
             own.update(bq=self.q_proj.bias, bk=self.k_proj.bias, bv=self.v_proj.bias)
         return own

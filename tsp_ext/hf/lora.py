@@ -291,6 +291,12 @@ class TSPLoraLinear(ShardedModule):
         """Add ``s·B·A`` into the base shard (local: no communication)."""
         if self.merged_adapters:
             return
+        if not isinstance(self.base_layer, nn.Linear):
+            raise ValueError(
+                "the base is NF4-quantized (QLoRA): merging would round the adapter to 4 bits; "
+                "save the adapter (save_pretrained) or export the merged model with "
+                "tsp_ext.save_pretrained(model, path, merge_adapter=True)"
+            )
         with torch.no_grad():
             merged = self.weight + self.delta()
             if safe_merge and not torch.isfinite(merged).all():

@@ -14,6 +14,7 @@ from ..engine import comm
 from ..engine.mlp import tsp_mlp
 from ..engine.partition import check_split, split_range, split_sizes
 from .lora import adapters_of, plan_of
+from .nf4 import storage
 from .sharding import ShardedModule
 
 
@@ -71,7 +72,7 @@ class TSPGatedMLP(ShardedModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 3 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"x must be [B, S/D, {self.hidden_size}], got {tuple(x.shape)}")
-        w = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+        w = tuple(storage(p) for p in (self.gate_proj, self.up_proj, self.down_proj))
         adapted = adapters_of(self, ("gate_proj", "up_proj", "down_proj"))
         if not adapted:
             return tsp_mlp(x, *w, self.group, self.options, self.sizes)

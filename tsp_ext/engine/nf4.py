@@ -1,0 +1,58 @@
+"""4-bit NormalFloat (NF4) weights, as QLoRA stores its frozen base (Dettmers et al., 2023).
+
+A tensor is cut, flattened, into blocks of ``BLOCK`` values; each block keeps its absolute maximum
+(float32) and every value the index (4 bits, two to a byte) of the nearest of the 16 NF4 levels
+times that maximum. 0.5625 bytes a value instead of 2 (bf16): the frozen shards are stored, and
+travel the broadcast / ring, in this form (``pack``), and are dequantized just before use. The
+levels are bitsandbytes' ``nf4`` code; blocks are not double-quantized.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+BLOCK = 64
+LEVELS = (
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+)  # fmt: skip
+
+
+def packed_bytes(shape: torch.Size) -> int:
+    """Bytes of ``pack`` for a tensor of ``shape``: per block 4 (its maximum) + ``BLOCK / 2``."""
+    blocks = math.ceil(shape.numel() / BLOCK)
+    return blocks * (4 + BLOCK // 2)
+
+
+def pack(w: torch.Tensor) -> torch.Tensor:
+    """``w`` quantized: one uint8 tensor ``[packed_bytes(w.shape)]``, the float32 block maxima
+    first (so that they can be viewed as float32 in place), then the 4-bit codes."""
+    flat = w.detach().float().reshape(-1)
+    blocks = math.ceil(flat.numel() / BLOCK)
+    flat = torch.nn.functional.pad(flat, (0, blocks * BLOCK - flat.numel())).view(blocks, BLOCK)
+    absmax = flat.abs().amax(dim=1)
+    scaled = flat / torch.where(absmax > 0, absmax, 1.0)[:, None]
+    levels = torch.tensor(LEVELS, device=w.device)
+    bounds = (levels[1:] + levels[:-1]) / 2  # nearest level: count the midpoints below
+    codes = torch.bucketize(scaled, bounds).to(torch.uint8).view(-1, 2)
+    nibbles = codes[:, 0] << 4 | codes[:, 1]
+    return torch.cat([absmax.view(torch.uint8), nibbles])
+
+
+def unpack(packed: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """The ``dtype`` tensor of ``shape`` that ``packed`` (``pack``'s output) holds."""
+    blocks = math.ceil(shape.numel() / BLOCK)
+    absmax = packed[: 4 * blocks].view(torch.float32)
+    pairs = _byte_values(packed.device)[packed[4 * blocks :].long()]  # [blocks·BLOCK/2, 2]
+    values = pairs.view(blocks, BLOCK).mul_(absmax[:, None])
+    return values.view(-1)[: shape.numel()].view(shape).to(dtype)
+
+
+def _byte_values(device: torch.device) -> torch.Tensor:
+    """``[256, 2]``: the two levels each byte of codes stands for (high nibble first)."""
+    levels = torch.tensor(LEVELS, device=device)
+    return torch.stack([levels.repeat_interleave(16), levels.repeat(16)], dim=1)
