@@ -61,6 +61,11 @@ def add_shared_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: 2 x r)")
     p.add_argument("--lora-dropout", type=float, default=0.0)
     p.add_argument(
+        "--qlora",
+        action="store_true",
+        help="with --lora-r: the frozen base stored and sent 4-bit (NF4), as QLoRA",
+    )
+    p.add_argument(
         "--lora-targets",
         default=",".join(LORA_TARGETS),
         help="comma-separated projections that get an adapter",

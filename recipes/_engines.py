@@ -39,26 +39,28 @@ def ds_config(args) -> dict:
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         gradient_clipping=args.max_grad_norm,
     )
-    cfg["tsp"] = {**cfg.get("tsp", {}), "size": args.tsp_size, **checkpointing(args)}
+    cfg["tsp"] = {**cfg.get("tsp", {}), "size": args.tsp_size, **tsp_options(args)}
     cfg["bf16"] = {"enabled": bool(args.bf16)}
     return cfg
 
 
-def checkpointing(args) -> dict:
-    """The ``TSPConfig`` fields of ``--gradient-checkpointing`` / ``--offload-checkpoints``."""
-    if not args.gradient_checkpointing:
-        return {}
-    return {"checkpoint_layers": True, "offload_checkpoints": args.offload_checkpoints}
+def tsp_options(args) -> dict:
+    """The ``TSPConfig`` fields of ``--gradient-checkpointing`` / ``--offload-checkpoints`` and
+    ``--qlora``."""
+    options = {"quantize_base": "nf4"} if args.qlora else {}
+    if args.gradient_checkpointing:
+        options.update(checkpoint_layers=True, offload_checkpoints=args.offload_checkpoints)
+    return options
 
 
 def tsp_config(args) -> TSPConfig:
     """The TSP options of the run: DeepSpeed's ``"tsp"`` block, or the defaults; layer
-    checkpointing from the arguments either way."""
+    checkpointing and QLoRA's base from the arguments either way."""
     if args.dp_engine == "deepspeed":
         from tsp_ext.deepspeed import tsp_config_from_ds
 
         return tsp_config_from_ds(ds_config(args))
-    return TSPConfig(tsp_size=args.tsp_size, **checkpointing(args))
+    return TSPConfig(tsp_size=args.tsp_size, **tsp_options(args))
 
 
 class Engine:

@@ -94,6 +94,8 @@ def pretrained_model(args, vocab: int, mesh, config: TSPConfig, device=None):
 
 def lora_config(args):
     """The ``LoraConfig`` of ``--lora-*`` (None without ``--lora-r``)."""
+    if args.qlora and not args.lora_r:
+        raise SystemExit("--qlora trains a LoRA adapter on a 4-bit base: add --lora-r")
     if not args.lora_r:
         return None
     from peft import LoraConfig
@@ -105,9 +107,10 @@ def lora_config(args):
     )
 
 
-def add_lora(model, args):
+def add_lora(model, args, tsp_config: TSPConfig):
     """``model`` with a LoRA adapter (``--lora-r``), the same on every rank (``--seed``); a model
-    that is already a TSP model (``load_pretrained``) gets its adapters folded onto its shards."""
+    that is already a TSP model (``load_pretrained``) gets its adapters folded onto its shards
+    (and, ``--qlora``, its base quantized: ``tsp_config``)."""
     config = lora_config(args)
     if config is None:
         return model
@@ -116,7 +119,7 @@ def add_lora(model, args):
     torch.manual_seed(args.seed)
     peft = get_peft_model(model, config)
     if getattr(model, "tsp", None) is not None:
-        apply_tsp(peft)
+        apply_tsp(peft, config=tsp_config)
     return peft
 
 

@@ -34,6 +34,7 @@ from _model import (
     add_lora,
     build_tokenizer,
     check_context,
+    lora_config,
     preset_model,
     pretrained_model,
     resolve_model,
@@ -152,6 +153,7 @@ def check_args(args, world: int) -> None:
         )
     if args.model not in PRESETS:
         check_context(args.seq_len, AutoConfig.from_pretrained(args.model), args.model)
+    lora_config(args)  # --qlora without --lora-r stops here
     if args.offload_checkpoints and not args.gradient_checkpointing:
         raise SystemExit(
             "--offload-checkpoints offloads layer checkpoints: add --gradient-checkpointing"
@@ -349,7 +351,7 @@ def main(argv=None) -> None:
     mesh = init_tsp_mesh(args.tsp_size, timeout=timeout)
     dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
     model, full_params = build_model(args, len(tokenizer), mesh, acc.device)
-    model = add_lora(model, args)
+    model = add_lora(model, args, tsp_config(args))
     engine = Engine(args.dp_engine, model, mesh, args)
     start = engine.load(args.resume_from) if args.resume_from else 0
     log.info(

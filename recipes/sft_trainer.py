@@ -171,11 +171,12 @@ def main(argv=None) -> None:
     train = Dataset.from_dict({k: v[:-n_eval] for k, v in blocks.items()})
     held_out = Dataset.from_dict({k: v[-n_eval:] for k, v in blocks.items()})
 
+    peft_config = lora_config(args)
+    config = TSPConfig(tsp_size=args.tsp_size, quantize_base="nf4" if args.qlora else None)
     if args.model in PRESETS:  # the trainer makes it a TSP model
-        model, tsp = preset_model(args, len(tokenizer)), args.tsp_size
+        model = preset_model(args, len(tokenizer))
     else:  # each rank reads only its slices
-        mesh, config = init_tsp_mesh(args.tsp_size), TSPConfig(tsp_size=args.tsp_size)
-        model, tsp = pretrained_model(args, len(tokenizer), mesh, config), None
+        model = pretrained_model(args, len(tokenizer), init_tsp_mesh(args.tsp_size), config)
     os.makedirs(args.output_dir, exist_ok=True)
     dp = acc.num_processes // args.tsp_size
     tokens = args.micro_batch_size * args.gradient_accumulation_steps * dp * args.seq_len
@@ -187,9 +188,9 @@ def main(argv=None) -> None:
         data_collator=Collator(),
         processing_class=tokenizer,
         callbacks=[Metrics(os.path.join(args.output_dir, "metrics.jsonl"), tokens)],
-        tsp=tsp,
+        tsp=config,
         data_parallel=args.data_parallel,
-        peft_config=lora_config(args),
+        peft_config=peft_config,
     )
     log.info(
         f"{args.model}: {len(train)} training blocks of {args.seq_len} tokens ({args.packing} "

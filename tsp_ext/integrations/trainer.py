@@ -79,7 +79,7 @@ class TSPTrainerMixin:
     ) -> None:
         data_parallel = _check_args(args, data_parallel)
         args.device  # noqa: B018  Accelerate sets up the process group (gloo / nccl)
-        model = _with_adapter(model, kwargs.pop("peft_config", None), args.seed)
+        model = _with_adapter(model, kwargs.pop("peft_config", None), args.seed, tsp)
         self.ds_config = self.ds_engine = None
         if data_parallel == "deepspeed":
             self.ds_config, tsp = trainer_config(args, model, tsp)
@@ -276,9 +276,10 @@ class _Unwrapped(nn.Module):
         return self.module(**kwargs)
 
 
-def _with_adapter(model: nn.Module, peft_config, seed: int) -> nn.Module:
+def _with_adapter(model: nn.Module, peft_config, seed: int, tsp) -> nn.Module:
     """``model`` with a PEFT adapter of ``peft_config`` (None: unchanged), the same on every rank
-    (``seed``), its adapters folded right away if ``model`` is a TSP model already."""
+    (``seed``), its adapters folded right away if ``model`` is a TSP model already (with the
+    ``TSPConfig`` ``tsp``'s ``quantize_base``)."""
     if peft_config is None:
         return model
     from peft import get_peft_model
@@ -286,7 +287,7 @@ def _with_adapter(model: nn.Module, peft_config, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     peft = get_peft_model(model, peft_config)
     if getattr(model, "tsp", None) is not None:
-        apply_tsp(peft)
+        apply_tsp(peft, config=tsp if isinstance(tsp, TSPConfig) else None)
     return peft
 
 
