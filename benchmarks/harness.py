@@ -4,13 +4,13 @@
 NCCL with ``device="cuda"``, one GPU per rank), builds the same Llama from its config on every
 rank (seeded, nothing downloaded), parallelises it with the layout's library and returns one row:
 
-- ``memory_bytes``: ``params`` (with buffers), ``grads``, ``optimizer`` (local storage, DTensor
-  shards included), ``activations`` (saved for backward, parameters excluded), ``peak`` (CPU:
-  the peak resident set, VmHWM, reset at the start of the step; CUDA:
-  ``torch.cuda.max_memory_allocated``) and
-  ``peak_delta`` (peak minus the memory held when the step started), ``host`` (offloaded layer
-  checkpoints: the peak bytes in host memory, outside ``peak``), ``resident_grads`` (gradient
-  buffers that outlive the step, inside neither ``peak_delta`` nor the state: ZeRO-3's);
+- ``memory_bytes``: ``params`` (QLoRA: with its NF4-packed base), ``grads``, ``optimizer``
+  (local storage, DTensor shards included), ``activations`` (saved for backward, parameters
+  excluded), ``peak`` (CPU: the peak resident set, VmHWM, reset at the start of the step; CUDA:
+  ``torch.cuda.max_memory_allocated``) and ``peak_delta`` (peak minus the memory held when the
+  step started), ``host`` (offloaded layer checkpoints: the peak bytes in host memory, outside
+  ``peak``), ``resident_grads`` (gradient buffers that outlive the step, inside neither
+  ``peak_delta`` nor the state: ZeRO-3's);
 - ``comm_bytes``: bytes received per collective type in one step (see ``comm_counter``);
 - ``step_seconds`` (median over ``steps`` uninstrumented steps after ``warmup``), ``tokens_per_s``;
 - ``loss``: the global loss of the first step (same weights everywhere, so every layout must agree
@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from tsp_ext.hf.nf4 import NF4Linear
 from tsp_ext.memory import SavedTensorBytes
 from tsp_ext.planner import PRESETS
 from tsp_ext.testing.launch import run_processes
@@ -128,9 +129,9 @@ def _sync(device: torch.device) -> None:
 def _state_bytes(prep: Prepared, opt) -> tuple[int, int]:
     """(parameters, optimizer state) this rank stores: under a ZeRO-3 engine its partitions
     (``ds_tensor``) and the engine's fp32 partitions and moments."""
-    if prep.engine is None:  # buffers too: QLoRA's base is NF4-packed bytes, not parameters
-        weights = [*prep.model.parameters(), *prep.model.buffers()]
-        return _local_bytes(weights), _optimizer_bytes(opt)
+    if prep.engine is None:  # QLoRA's base is NF4-packed bytes, not parameters
+        packed = [m.packed for m in prep.model.modules() if isinstance(m, NF4Linear)]
+        return _local_bytes([*prep.model.parameters(), *packed]), _optimizer_bytes(opt)
     params = _local_bytes(getattr(p, "ds_tensor", p) for p in prep.model.parameters())
     zero = prep.engine.optimizer
     masters = getattr(zero, "fp32_partitioned_groups_flat", [])

@@ -239,6 +239,7 @@ def test_tsp_block_takes_every_config_field():
         "mlp_tile": 5,
         "checkpoint_layers": True,
         "offload_checkpoints": True,
+        "quantize_base": "nf4",
     }
     expected = TSPConfig(
         tsp_size=4,
@@ -252,6 +253,7 @@ def test_tsp_block_takes_every_config_field():
         mlp_tile=5,
         checkpoint_layers=True,
         offload_checkpoints=True,
+        quantize_base="nf4",
     )
     assert tsp_config_from_ds({"tsp": block}) == expected
     assert {f.name for f in dataclasses.fields(TSPConfig)} == set(block) - {"size"} | {"tsp_size"}

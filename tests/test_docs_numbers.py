@@ -221,3 +221,17 @@ def test_readme_headline_is_the_maxlen_run():
     )
     versus = "{} / {}".format(*ratios("tsp", "ulysses", digits=1))
     assert f"{versus} the length" in readme and f"{versus} its length" in bench
+
+
+def test_lora_table_is_its_json():
+    """docs/lora.md's table is ``benchmarks.lora``'s table of the JSON it links, and the
+    ratios it quotes are that JSON's."""
+    from benchmarks.lora import markdown
+
+    result = json.loads((RESULTS / "lora_cpu.json").read_text())
+    doc = (ROOT / "docs" / "lora.md").read_text()
+    assert markdown(result) in doc
+    for row in result["rows"]:
+        for name in ("tsp_lora", "tsp_qlora"):
+            ratio = f"{row[name]['step_ratio']:.2f}×"
+            assert f"D = {row['devices']}" in doc and ratio in doc, (name, ratio)
