@@ -126,12 +126,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _weights(model) -> list[torch.Tensor]:
+    """The tensors holding a model's weights: its parameters, and QLoRA's NF4-packed base."""
+    packed = [m.packed for m in model.modules() if isinstance(m, NF4Linear)]
+    return [*model.parameters(), *packed]
+
+
 def _state_bytes(prep: Prepared, opt) -> tuple[int, int]:
     """(parameters, optimizer state) this rank stores: under a ZeRO-3 engine its partitions
     (``ds_tensor``) and the engine's fp32 partitions and moments."""
-    if prep.engine is None:  # QLoRA's base is NF4-packed bytes, not parameters
-        packed = [m.packed for m in prep.model.modules() if isinstance(m, NF4Linear)]
-        return _local_bytes([*prep.model.parameters(), *packed]), _optimizer_bytes(opt)
+    if prep.engine is None:
+        return _local_bytes(_weights(prep.model)), _optimizer_bytes(opt)
     params = _local_bytes(getattr(p, "ds_tensor", p) for p in prep.model.parameters())
     zero = prep.engine.optimizer
     masters = getattr(zero, "fp32_partitioned_groups_flat", [])
@@ -173,7 +178,7 @@ def _instrumented_step(prep: Prepared, opt, device) -> dict:
         prep.host_store.reset_peak()
     with CommCounter() as comm:
         with prep.context():
-            with SavedTensorBytes(ignore=prep.model.parameters()) as saved:
+            with SavedTensorBytes(ignore=_weights(prep.model)) as saved:
                 local, _ = prep.loss()
             grads = _backward_and_update(prep, opt, local)
             del local
