@@ -17,6 +17,7 @@ from torch import nn
 from ..dp_storage import gathered_per_use
 from ..engine.comm import bucketed_replicated, replicated
 from ..engine.pointwise import rms_norm_keeping_input
+from .lora import ADAPTER_MARK
 from .sharding import Role, param_roles
 
 
@@ -75,7 +76,7 @@ def replicated_vectors(model: nn.Module) -> tuple[str, ...]:
     return tuple(
         n
         for n, p in model.named_parameters()
-        if (p.dim() == 1 or ".lora_" in n) and roles[n] is Role.REPLICATED
+        if (p.dim() == 1 or ADAPTER_MARK in n) and roles[n] is Role.REPLICATED
     )
 
 
