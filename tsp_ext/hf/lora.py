@@ -150,7 +150,7 @@ def detach_adapters(block: nn.Module, names: tuple[str, ...]) -> dict[str, nn.Mo
 
 
 def _adapter(peft_layer: nn.Module, adapter: str):
-    """``(A [r, in], B [out, r], scaling, dropout p)`` of a PEFT LoRA layer's adapter."""
+    """``(A [r, in], B [out, r], scaling, dropout p, alpha)`` of a PEFT LoRA layer's adapter."""
     dropout = peft_layer.lora_dropout[adapter]
     p = dropout.p if isinstance(dropout, nn.Dropout) else 0.0
     return (
@@ -158,6 +158,7 @@ def _adapter(peft_layer: nn.Module, adapter: str):
         peft_layer.lora_B[adapter].weight,
         float(peft_layer.scaling[adapter]),
         p,
+        peft_layer.lora_alpha[adapter],
     )
 
 
@@ -204,7 +205,7 @@ class TSPLoraLinear(ShardedModule):
         adapter: str,
         a: torch.Tensor,
         b: torch.Tensor,
-        scaling: float,
+        scaling: tuple[float, float],
         dropout: float,
         side: str,
         rows_of: Callable[[int], slice],
@@ -212,12 +213,15 @@ class TSPLoraLinear(ShardedModule):
         group,
     ) -> None:
         """``a``, ``b``: this rank's share (copied): ``A [r, in]`` and ``B [out_p, r]`` rows
-        (side ``"rows"``), or ``A [r, in_p]`` columns and ``B [out, r]`` (``"cols"``)."""
+        (side ``"rows"``), or ``A [r, in_p]`` columns and ``B [out, r]`` (``"cols"``);
+        ``scaling``: ``(s, lora_alpha)``."""
         nn.Module.__init__(self)
         self.base_layer, self.side, self.group = base_layer, side, group
         self._rows_of, self._parent_role = rows_of, parent_role
         self._active_adapter, self._disable_adapters, self.merged_adapters = adapter, False, []
-        self.r, self.scaling, self.p = {adapter: a.shape[0]}, {adapter: scaling}, dropout
+        s, alpha = scaling
+        self.r, self.p = {adapter: a.shape[0]}, dropout
+        self.scaling, self.lora_alpha = {adapter: s}, {adapter: alpha}  # PEFT's status reads both
         self.lora_A = nn.ModuleDict({adapter: _linear(a, a.requires_grad)})
         self.lora_B = nn.ModuleDict({adapter: _linear(b, b.requires_grad)})
         drop = nn.Dropout(dropout) if dropout else nn.Identity()
@@ -335,7 +339,7 @@ def attach_adapters(
     rank_role = getattr(module, "role", None)
     D, p = comm.size_and_rank(module.group)
     for name, peft_layer in taken.items():
-        a, b, scaling, dropout = _adapter(peft_layer, adapter)
+        a, b, scaling, dropout, alpha = _adapter(peft_layer, adapter)
         key = f"{name}.weight"
         side = "rows" if name in ROW_SHARDED else "cols"
         dim = module.shard_dims[key]
@@ -356,7 +360,7 @@ def attach_adapters(
 
         base = getattr(module, name)
         wrapped = lora_class()(
-            base, adapter, a, b, scaling, dropout, side, rows_of, parent_role, module.group
+            base, adapter, a, b, (scaling, alpha), dropout, side, rows_of, parent_role, module.group
         )
         setattr(module, name, wrapped)
 
