@@ -22,8 +22,8 @@ pytestmark = pytest.mark.multiproc
 
 ALL = LORA_TARGETS
 # (family, dtype, targets, LoraConfig extras): GQA with D > n_kv, biases (qwen2), q/k norms
-# (qwen3), rsLoRA and per-module ranks; the uneven D = 3 runs the first two (all seven and a
-# subset), float32 runs at D = 2
+# (qwen3), rsLoRA and per-module ranks; D = 4 and the uneven D = 3 run the first two (all seven
+# and a subset), float32 runs at D = 2
 CASES = [
     ("llama", torch.float64, ALL, {}),
     ("llama", torch.float64, ["q_proj", "v_proj", "down_proj"], {"use_rslora": True}),
@@ -118,7 +118,7 @@ def dropout_case(mesh):
 
 def parity_worker(rank, world):
     mesh = init_tsp_mesh(world)
-    cases = {3: CASES[:2], 2: [*CASES, FLOAT32]}.get(world, CASES)
+    cases = {3: CASES[:2], 4: CASES[:2], 2: [*CASES, FLOAT32]}.get(world, CASES)
     out = {(c[0], str(c[1]), len(c[2])): parity_case(mesh, *c) for c in cases}
     if world == 1:
         out[("dropout", "torch.float64", 7)] = dropout_case(mesh)
