@@ -25,6 +25,7 @@ _EXPORTS = {
     "TSPCache": ".hf.cache",
     "gather_sequence": ".hf.batch",
     "shard_batch": ".hf.batch",
+    "sequence_logps": ".hf.log_probs",
     "TSPConfig": ".config",
     "save_pretrained": ".checkpoint.export",
     "IGNORE_INDEX": ".engine.layout",

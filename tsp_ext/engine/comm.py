@@ -229,6 +229,17 @@ class _AllGatherSeq(torch.autograd.Function):
         return g.movedim(0, 1), None
 
 
+class _GatherSeqReplicated(_AllGatherSeq):
+    """forward: as ``_AllGatherSeq``, for a result every rank then uses identically.
+    backward: this rank's slice of the gradient (each rank seeds the same gradient of the one
+    replicated value, as with ``_SumOverRanks``; no hidden factor of D)."""
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        D, p = size_and_rank(ctx.group)
+        return grad.chunk(D, dim=1)[p], None
+
+
 class _RingPass(torch.autograd.Function):
     """forward: send ``x`` to rank p+1, return what rank p-1 sent.
     backward: send the gradient to rank p-1, return what rank p+1 sent."""
@@ -290,6 +301,12 @@ def broadcast_from_owner(x: torch.Tensor, owner: int, group: ProcessGroup) -> to
 def gather_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Differentiable all-gather ``[B, T, ...] -> [B, D*T, ...]`` (dual: reduce-scatter)."""
     return _AllGatherSeq.apply(x, group)
+
+
+def gather_seq_replicated(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Differentiable all-gather ``[B, T, ...] -> [B, D*T, ...]`` whose result every rank uses
+    the same way (a replicated loss): backward keeps this rank's slice of the gradient."""
+    return _GatherSeqReplicated.apply(x, group)
 
 
 def ring_pass(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:

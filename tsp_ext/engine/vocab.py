@@ -28,8 +28,11 @@ log-sum-exp is final, so a loss that will be differentiated takes that shard's d
 shards: 1/D of the logits are never recomputed and the weights make one hop fewer. Saved per
 rank: H_p, the labels, one log-sum-exp per token and the last shard's shares ``dH [N, h]`` and
 ``dW [V/D, h]`` (float32 at least; backward would allocate the same accumulators first thing).
-Shards of unequal size travel in buffers of the largest one; only the owner's real rows ever make
-logits, so padding never reaches the loss and gets no gradient.
+Per-token log-probabilities (``ring_token_logps``: DPO's sequence log-probs) fold the same
+statistics and return ``z_target - lse`` per token, with optional no-grad statistics of each
+token's distribution (entropy, ...) folded alongside; their gradients differ per token, so that
+backward visits all D shards. Shards of unequal size travel in buffers of the largest one; only
+the owner's real rows ever make logits, so padding never reaches the loss and gets no gradient.
 """
 
 from __future__ import annotations
@@ -168,6 +171,72 @@ class _HeadRing:
         return dh.to(h.dtype), dw.to(weight.dtype)
 
 
+class _OnlineSoftmax:
+    """Per-token statistics of the logits ``z [N, V]`` folded in shard by shard and block by block
+    (``fold``), in the accumulation dtype: running max and sum of exponentials (the log-sum-exp),
+    the target's logit, and on request the sums behind ``stats`` (``STATS``)."""
+
+    def __init__(self, n: int, acc: torch.dtype, device, stats: tuple[str, ...] = ()) -> None:
+        def zeros():
+            return torch.zeros(n, dtype=acc, device=device)
+
+        self.stats = stats
+        self.max = torch.full((n,), float("-inf"), dtype=acc, device=device)
+        self.sum, self.target = zeros(), zeros()
+        self.weighted = zeros() if "entropy" in stats else None  # Σ e^(z - max) · z
+        self.squares = zeros() if "log_sum_sq_probs" in stats else None  # Σ e^(2 (z - max))
+        self.total = zeros() if "mean_logits" in stats else None  # Σ z
+
+    def fold(self, c: slice, z: torch.Tensor, col: torch.Tensor, hit: torch.Tensor):
+        """Fold the block ``z [c, V_q]`` in (``col, hit``: ``_HeadRing.targets`` of its rows);
+        returns ``exp(z - max)`` with the updated max (in ``z``'s memory unless stats need z)."""
+        self.target[c] += torch.where(hit, z.gather(1, col).squeeze(1), 0)
+        if self.total is not None:
+            self.total[c] += z.sum(-1)
+        new_max = torch.maximum(self.max[c], z.amax(-1))
+        rescale = torch.exp(self.max[c] - new_max)
+        if self.weighted is None:
+            e = z.sub_(new_max[:, None]).exp_()
+        else:
+            e = (z - new_max[:, None]).exp_()
+            self.weighted[c] = self.weighted[c] * rescale + (e * z).sum(-1)
+        if self.squares is not None:
+            self.squares[c] = self.squares[c] * rescale.square() + e.square().sum(-1)
+        self.sum[c] = self.sum[c] * rescale + e.sum(-1)
+        self.max[c] = new_max
+        return e
+
+    def lse(self) -> torch.Tensor:
+        return self.max + torch.log(self.sum)
+
+    def results(self, lse: torch.Tensor, vocab_size: int) -> dict[str, torch.Tensor]:
+        """The requested per-token statistics of the full vocabulary."""
+        out = {}
+        if "entropy" in self.stats:
+            out["entropy"] = lse - self.weighted / self.sum
+        if "log_sum_sq_probs" in self.stats:
+            out["log_sum_sq_probs"] = torch.log(self.squares) - 2 * torch.log(self.sum)
+        if "mean_logits" in self.stats:
+            out["mean_logits"] = self.total / vocab_size
+        if "is_top1" in self.stats:
+            out["is_top1"] = self.target >= self.max
+        return {k: out[k] for k in self.stats}
+
+
+def _nll_block_grad(sched: _HeadRing, h, labels, valid, lse, coef) -> Callable:
+    """``block_grad`` for ``_HeadRing.backward`` of ``Σ coef_i · (lse_i - z_i[label_i])``:
+    ``(softmax - onehot) · coef`` of each logits block, recomputed."""
+
+    def block_grad(first, c, w):
+        col, hit = sched.targets(labels[c], first, w.shape[0], valid[c])
+        dz = F.linear(h[c], w).to(sched.acc)
+        dz.sub_(lse[c, None]).exp_().mul_(coef[c, None])  # softmax · coef, in place
+        dz.scatter_add_(1, col, -(coef[c] * hit)[:, None])  # - onehot(target) · coef
+        return dz.to(h.dtype)
+
+    return block_grad
+
+
 class _RingCrossEntropy(torch.autograd.Function):
     """``H [N, h]``, ``labels [N]`` -> sum of the cross-entropy of the valid local tokens."""
 
@@ -176,9 +245,7 @@ class _RingCrossEntropy(torch.autograd.Function):
         sched = _HeadRing(group, options, h, offsets, ctx.needs_input_grad[2])
         valid = labels != ignore_index
         n = h.shape[0]
-        run_max = torch.full((n,), float("-inf"), dtype=sched.acc, device=h.device)
-        run_sum = torch.zeros(n, dtype=sched.acc, device=h.device)
-        target = torch.zeros(n, dtype=sched.acc, device=h.device)
+        soft = _OnlineSoftmax(n, sched.acc, h.device)
         last = ()
         for t, first, w in sched.shards(weight):
             col, hit = sched.targets(labels, first, w.shape[0], valid)
@@ -187,21 +254,15 @@ class _RingCrossEntropy(torch.autograd.Function):
                 dw_last = sched.zeros(sched.max_rows, h) if sched.weight_grad else None
                 last = (sched.zeros(n, h), dw_last)
             for c in sched.blocks(n):
-                z = F.linear(h[c], w).to(sched.acc)
-                target[c] += torch.where(hit[c], z.gather(1, col[c]).squeeze(1), 0)
-                new_max = torch.maximum(run_max[c], z.amax(-1))
-                rescale = torch.exp(run_max[c] - new_max)
-                e = z.sub_(new_max[:, None]).exp_()
-                run_sum[c] = run_sum[c] * rescale + e.sum(-1)
-                run_max[c] = new_max
+                e = soft.fold(c, F.linear(h[c], w).to(sched.acc), col[c], hit[c])
                 if final:  # these tokens' log-sum-exp is final: dZ = softmax - onehot, in place
-                    dz = e.div_(run_sum[c, None]).mul_(valid[c, None])
+                    dz = e.div_(soft.sum[c, None]).mul_(valid[c, None])
                     dz.scatter_add_(1, col[c], -hit[c, None].to(dz.dtype))
                     sched.accumulate(*last, h, c, dz.to(h.dtype), w)
-        lse = run_max + torch.log(run_sum)
+        lse = soft.lse()
         ctx.save_for_backward(h, labels, lse, weight, *last)
         ctx.sched, ctx.ignore_index = sched, ignore_index
-        return torch.where(valid, lse - target, 0).sum()
+        return torch.where(valid, lse - soft.target, 0).sum()
 
     @staticmethod
     def backward(ctx, grad):
@@ -209,15 +270,43 @@ class _RingCrossEntropy(torch.autograd.Function):
         sched = ctx.sched
         valid = labels != ctx.ignore_index
         coef = torch.where(valid, grad.to(sched.acc), 0)  # d loss / d (lse - z_target), per token
-
-        def block_grad(first, c, w):
-            col, hit = sched.targets(labels[c], first, w.shape[0], valid[c])
-            dz = F.linear(h[c], w).to(sched.acc)
-            dz.sub_(lse[c, None]).exp_().mul_(coef[c, None])  # softmax · coef, in place
-            dz.scatter_add_(1, col, -(coef[c] * hit)[:, None])  # - onehot(target) · coef
-            return dz.to(h.dtype)
-
+        block_grad = _nll_block_grad(sched, h, labels, valid, lse, coef)
         dh, dw = sched.backward(h, weight, block_grad, (*last, grad) if last else None)
+        return dh, None, dw, None, None, None, None, None
+
+
+class _RingTokenLogProbs(torch.autograd.Function):
+    """``H [N, h]``, ``labels [N]`` -> ``log softmax(H·Wᵀ)[label]`` ``[N]`` (0 for ignored
+    labels), then the requested ``STATS`` ``[N]`` (no gradient). Unlike the summed loss, the
+    per-token gradients differ, so backward's ring recomputes every shard's logits."""
+
+    @staticmethod
+    def forward(ctx, h, labels, weight, offsets, group, options, ignore_index, stats):
+        sched = _HeadRing(group, options, h, offsets, ctx.needs_input_grad[2])
+        valid = labels != ignore_index
+        soft = _OnlineSoftmax(h.shape[0], sched.acc, h.device, stats)
+        for _, first, w in sched.shards(weight):
+            col, hit = sched.targets(labels, first, w.shape[0], valid)
+            for c in sched.blocks(h.shape[0]):
+                soft.fold(c, F.linear(h[c], w).to(sched.acc), col[c], hit[c])
+        lse = soft.lse()
+        ctx.save_for_backward(h, labels, lse, weight)
+        ctx.sched, ctx.ignore_index = sched, ignore_index
+        extra = [
+            s & valid if s.dtype == torch.bool else torch.where(valid, s, 0)
+            for s in soft.results(lse, offsets[-1]).values()
+        ]
+        ctx.mark_non_differentiable(*extra)
+        return (torch.where(valid, soft.target - lse, 0), *extra)
+
+    @staticmethod
+    def backward(ctx, grad, *_):
+        h, labels, lse, weight = ctx.saved_tensors
+        sched = ctx.sched
+        valid = labels != ctx.ignore_index
+        coef = torch.where(valid, -grad.to(sched.acc), 0)  # log p = -(lse - z_target)
+        block_grad = _nll_block_grad(sched, h, labels, valid, lse, coef)
+        dh, dw = sched.backward(h, weight, block_grad)
         return dh, None, dw, None, None, None, None, None
 
 
@@ -269,6 +358,33 @@ def ring_cross_entropy(
     return _RingCrossEntropy.apply(
         h, labels, weight, offsets, group, options, ignore_index, differentiated
     )
+
+
+STATS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+
+
+def ring_token_logps(
+    h: torch.Tensor,
+    labels: torch.Tensor,
+    weight: torch.Tensor,
+    offsets: list[int],
+    group,
+    options: EngineOptions,
+    ignore_index: int,
+    stats: tuple[str, ...] = (),
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token ``log softmax(h·Wᵀ)[label]`` ``[N]`` of the local tokens (0 where the label is
+    ``ignore_index``; differentiable), and the requested ``stats`` ``[N]`` of each token's
+    next-token distribution, without gradient: ``entropy``, ``log_sum_sq_probs`` (log Σ p²),
+    ``mean_logits`` (over the vocabulary), ``is_top1`` (the label is the most likely token).
+    Arguments as for ``ring_cross_entropy``; no full logits."""
+    unknown = set(stats) - set(STATS)
+    if unknown:
+        raise ValueError(f"unknown token statistics {sorted(unknown)}: choose from {STATS}")
+    logp, *extra = _RingTokenLogProbs.apply(
+        h, labels, weight, offsets, group, options, ignore_index, tuple(stats)
+    )
+    return logp, dict(zip(stats, extra))
 
 
 def ring_logits(

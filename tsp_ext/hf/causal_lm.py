@@ -4,6 +4,8 @@ made by ``shard_batch`` (and derives the query spans of packed documents once pe
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -85,6 +87,16 @@ class TSPCausalLMLoss:
         return comm.sum_over_ranks(local_sum, self.group) / total.to(local_sum.device)
 
 
+@dataclass
+class TSPCausalLMOutput(CausalLMOutputWithPast):
+    """``CausalLMOutputWithPast`` plus, with ``return_token_logps``, the local tokens'
+    ``token_logps [B, S/D]`` (log p(label), 0 where the label is ignored; differentiable) and
+    the requested ``token_stats`` (``{name: [B, S/D]}``, no gradient)."""
+
+    token_logps: torch.Tensor | None = None
+    token_stats: dict[str, torch.Tensor] | None = None
+
+
 def vocab_sharded_forward(
     self,
     input_ids: torch.Tensor | None = None,
@@ -94,6 +106,7 @@ def vocab_sharded_forward(
     shift_labels: torch.Tensor | None = None,
     num_items_in_batch: torch.Tensor | int | None = None,
     return_logits: bool = False,
+    return_token_logps: bool | tuple[str, ...] = False,
     logits_to_keep: int = 0,
     use_cache: bool | None = None,
     return_dict: bool | None = None,
@@ -104,6 +117,10 @@ def vocab_sharded_forward(
     With ``labels`` the loss is computed by the fused ring LM head + cross-entropy and no logits
     are built (``logits`` is None) unless ``return_logits=True``; without labels the logits of
     the local tokens ``[B, S/D, V]`` are returned, as Hugging Face does.
+
+    ``return_token_logps=True`` (with labels) also returns ``token_logps [B, S/D]``, each local
+    token's log p(label) from the same ring (``sequence_logps`` sums them per sequence); a tuple
+    of ``engine.vocab.STATS`` names (``"entropy"``, ...) adds those as ``token_stats``.
     """
     if logits_to_keep:
         raise ValueError("logits_to_keep is not supported by a TSP model (every token is local)")
@@ -121,14 +138,26 @@ def vocab_sharded_forward(
         **kwargs,
     )
     hidden = outputs.last_hidden_state
-    loss = logits = None
-    if labels is not None:
+    loss = logits = token_logps = token_stats = None
+    if return_token_logps is not False and labels is None:
+        raise ValueError("return_token_logps needs labels (and shift_labels: shard_batch)")
+    if labels is not None and return_token_logps is not False:
+        stats = () if return_token_logps is True else tuple(return_token_logps)
+        token_logps, token_stats = self.lm_head(hidden, shift_labels, per_token=stats)
+        local = -token_logps.sum()
+        loss = self.loss_function.global_mean(local, shift_labels, count=count)
+    elif labels is not None:
         local = self.lm_head(hidden, shift_labels)
         loss = self.loss_function.global_mean(local, shift_labels, count=count)
     if labels is None or return_logits:
         logits = self.lm_head(hidden)
-    out = CausalLMOutputWithPast(
-        loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+    out = TSPCausalLMOutput(
+        loss=loss,
+        logits=logits,
+        hidden_states=outputs.hidden_states,
+        attentions=outputs.attentions,
+        token_logps=token_logps,
+        token_stats=token_stats or None,
     )
     return out.to_tuple() if return_dict is False else out
 
@@ -144,6 +173,14 @@ def check_inputs(model: nn.Module, args: tuple, kwargs: dict):
     """
     if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
         return None
+    if kwargs.get("fused_lm_head") and kwargs.get("shift_labels") is None:
+        return None  # a full batch: hf.log_probs shards it and checks the shards (check_shards)
+    return args, check_shards(model, kwargs, args)
+
+
+def check_shards(model: nn.Module, kwargs: dict, args: tuple = ()) -> dict:
+    """``check_inputs``' checks of a call's inputs (collective); returns ``kwargs`` plus the
+    local query spans for the attention."""
     state = model.tsp
     D, p = comm.size_and_rank(state.group)
     error, facts = _local_error(args, kwargs, model.config.vocab_size, D, p)
@@ -158,7 +195,7 @@ def check_inputs(model: nn.Module, args: tuple, kwargs: dict):
     layout = ZigzagLayout.from_local(pos.shape[-1], D)
     if table[:, 2].any():  # per-document positions somewhere: do the chunks fit together?
         check_chunks(pos, layout, state.group)
-    return args, {**kwargs, SPANS_KWARG: query_spans(pos, layout, p)}
+    return {**kwargs, SPANS_KWARG: query_spans(pos, layout, p)}
 
 
 def _local_error(

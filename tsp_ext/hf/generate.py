@@ -17,6 +17,7 @@ from ..engine import comm
 from .cache import TSPCache
 from .causal_lm import vocab_sharded_forward
 from .inference import inference_forward
+from .log_probs import fused_lm_head_forward
 from .replicated import bucketed_grads
 
 # generate() options that need something a TSP cache does not do (crop, re-run, a second model)
@@ -44,8 +45,9 @@ def tsp_forward(
     **kwargs,
 ):
     """``forward`` of a TSP model. With a ``cache`` (or ``past_key_values``): prefill or decode
-    (``inference_forward``). Without: the training / prefill forward ``apply_tsp`` set up,
-    called with exactly the arguments given."""
+    (``inference_forward``). With ``fused_lm_head=True``: TRL's per-token log-probabilities
+    (``hf.log_probs``). Otherwise: the training / prefill forward ``apply_tsp`` set up, called
+    with exactly the arguments given."""
     cache = cache if cache is not None else kwargs.pop("past_key_values", None)
     if cache is not None:
         return inference_forward(self, input_ids, attention_mask, position_ids, cache, **kwargs)
@@ -54,6 +56,14 @@ def tsp_forward(
     if logits_to_keep:
         given["logits_to_keep"] = logits_to_keep
     train = vocab_sharded_forward if self.tsp.config.shard_vocab else type(self).forward
+    fused = kwargs.pop("fused_lm_head", False)
+    if (fused or kwargs.get("return_token_logps")) and not self.tsp.config.shard_vocab:
+        raise ValueError(
+            "per-token log-probabilities (fused_lm_head / return_token_logps) need the "
+            "vocab-sharded LM head: TSPConfig(shard_vocab=True), the default"
+        )
+    if fused:
+        train = fused_lm_head_forward
     with bucketed_grads(self):
         return train(self, **given, **kwargs)
 

@@ -13,7 +13,7 @@ from ..config import TSPConfig
 from ..engine import comm
 from ..engine.layout import IGNORE_INDEX
 from ..engine.partition import check_split, split_offsets
-from ..engine.vocab import embedding_exchange, ring_cross_entropy, ring_logits
+from ..engine.vocab import embedding_exchange, ring_cross_entropy, ring_logits, ring_token_logps
 from .sharding import ShardedModule
 
 
@@ -84,11 +84,17 @@ class TSPVocabLMHead(_VocabRows):
         return mod
 
     def forward(
-        self, h: torch.Tensor, labels: torch.Tensor | None = None, ignore_index: int = IGNORE_INDEX
-    ) -> torch.Tensor:
+        self,
+        h: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        ignore_index: int = IGNORE_INDEX,
+        per_token: tuple[str, ...] | None = None,
+    ):
         """Without ``labels``: the logits ``[B, T, V]`` of the local tokens, built shard by shard.
         With ``labels [B, T]`` (already shifted): the fused ring loss instead, the sum over the
-        labelled local tokens of ``-log softmax(h·Wᵀ)[label]`` (float32 at least).
+        labelled local tokens of ``-log softmax(h·Wᵀ)[label]`` (float32 at least). With
+        ``per_token`` (a tuple of ``engine.vocab.STATS`` names, maybe empty) as well: per-token
+        ``(log p [B, T], {stat: [B, T]})`` instead of the sum (``ring_token_logps``).
 
         One ``forward`` for both so that DP engines' module hooks (ZeRO-3, FSDP2) see each use.
         """
@@ -100,6 +106,9 @@ class TSPVocabLMHead(_VocabRows):
         out_of_range = (flat_labels < 0) | (flat_labels >= self.vocab_size)
         if (out_of_range & (flat_labels != ignore_index)).any():
             raise ValueError(f"labels must be in [0, {self.vocab_size}) or {ignore_index}")
-        return ring_cross_entropy(
-            flat, flat_labels, self.weight, self.offsets, self.group, self.options, ignore_index
-        )
+        ring = (self.weight, self.offsets, self.group, self.options, ignore_index)
+        if per_token is None:
+            return ring_cross_entropy(flat, flat_labels, *ring)
+        logp, stats = ring_token_logps(flat, flat_labels, *ring, stats=per_token)
+        shape = h.shape[:-1]
+        return logp.view(shape), {k: v.view(shape) for k, v in stats.items()}
