@@ -45,6 +45,7 @@ _EXPORTS = {
     "TSPVocabLMHead": ".hf.vocab",
     "TSPTrainer": ".integrations.trainer",
     "TSPTrainerMixin": ".integrations.trainer",
+    "TSPDPOTrainer": ".integrations.dpo",
 }
 
 # subpackages and modules reachable as attributes (``tsp_ext.checkpoint.save``) after

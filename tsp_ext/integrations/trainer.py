@@ -96,10 +96,15 @@ class TSPTrainerMixin:
             shard_model(model, self.tsp_mesh)
         elif data_parallel == "deepspeed":
             finish_trainer_config(self.ds_config, args, model, self.tsp_mesh)
-        super().__init__(model, args, *trainer_args, **kwargs)
+        self._init_trainer(model, args, *trainer_args, **kwargs)
         if data_parallel == "deepspeed":  # Trainer's no_sync would enter the engine's (ZeRO-2/3
             # refuse it: they reduce in every backward)
             self.accelerator.gradient_state.plugin_kwargs["sync_each_batch"] = True
+
+    def _init_trainer(self, model: nn.Module, args: TrainingArguments, *trainer_args, **kwargs):
+        """The trainer class's own ``__init__`` with the TSP model (``TSPDPOTrainer`` adapts
+        TRL's)."""
+        super().__init__(model, args, *trainer_args, **kwargs)
 
     # -- data: the same batches on every rank of a TSP group -------------------------------
 

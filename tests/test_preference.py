@@ -1,0 +1,278 @@
+"""Per-token log-probabilities and DPO under TSP against the unmodified Hugging Face model and
+single-process TRL ``DPOTrainer`` on the same batch."""
+
+from __future__ import annotations
+
+import copy
+import types
+
+import pytest
+import torch
+from checks import error_message, rel_err
+from models import LORA_TARGETS, batch, build
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from tsp_ext import TSPConfig, apply_tsp, full_grads, init_tsp_mesh, sequence_logps, shard_batch
+from tsp_ext.hf.batch import gather_sequence
+
+pytestmark = pytest.mark.multiproc
+
+B, S, V = 2, 128, 1024  # S/D · V/D at D = 2: twice the LM-head shard, the largest other tensor
+STATS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+
+
+def reference_fields(model, data) -> dict[str, torch.Tensor]:
+    """Per-token fields ``[B, S - 1]`` from the full fp64 logits of the unmodified model."""
+    logits = model(input_ids=data["input_ids"]).logits[:, :-1].double()
+    labels = data["labels"][:, 1:]
+    if "attention_mask" in data:
+        labels = labels.masked_fill(data["attention_mask"][:, 1:] == 0, -100)
+    mask = labels != -100
+    logp = logits.log_softmax(-1)
+    target = logp.gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1)
+    p = logp.exp()
+    fields = {
+        "log_probs": target,
+        "entropy": -(p * logp).sum(-1),
+        "log_sum_sq_probs": (2 * logp).logsumexp(-1),
+        "mean_logits": logits.mean(-1),
+        "is_top1": logits.argmax(-1) == labels,
+    }
+    return {k: torch.where(mask, v, torch.zeros_like(v)) for k, v in fields.items()}
+
+
+class LargestTensor(TorchDispatchMode):
+    """The most elements of any tensor an op returns while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+def token_logps_worker(rank, world):
+    """Sharded ``token_logps`` and the fused protocol's gathered fields vs the HF logits, their
+    gradients, and the largest tensor of a step."""
+    mesh = init_tsp_mesh(world)
+    model = build("llama", torch.float64, vocab_size=V)
+    ref = copy.deepcopy(model)
+    data = batch(V, B, S - 3, pad_last=9)  # S - 3: shard_batch pads to a multiple of 2D
+    data["labels"][:, :7] = -100  # a prompt
+    weights = torch.randn(B, S - 4, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    expect = reference_fields(ref, data)
+    (expect["log_probs"] * weights).sum().backward()
+
+    apply_tsp(model, mesh, config=TSPConfig(loss_chunk=8))
+    sharded = shard_batch(data, mesh)
+    out = model(**sharded, return_token_logps=True)
+    local = gather_sequence(out.token_logps.detach(), mesh, S - 3)[:, :-1]
+    seq = sequence_logps(out.token_logps, model)
+    errs = {
+        "token_logps": rel_err(local, expect["log_probs"]),
+        "sequence_logps": rel_err(seq.detach(), expect["log_probs"].sum(1)),
+    }
+    largest = LargestTensor()
+    with largest:
+        fused = model(**data, fused_lm_head=True)
+        (fused.log_probs * weights).sum().backward()
+    errs.update({k: rel_err(getattr(fused, k), v) for k, v in expect.items()})
+    grads = full_grads(model)
+    errs["grads"] = max(rel_err(grads[n], p.grad) for n, p in ref.named_parameters())
+    T = sharded["input_ids"].shape[1]
+    return errs, largest.numel, T * V // world
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 3])
+def test_token_logps_match_log_softmax_of_hf_logits(workers, world):
+    for errs, largest, local_logits in workers.run(token_logps_worker, world, timeout=120):
+        assert max(errs.values()) < 1e-10, errs
+        if world == 2:  # no [S/D, V/D] logits, let alone [S/D, V]
+            assert largest < local_logits, (largest, local_logits)
+
+
+# --- DPO against TRL's DPOTrainer ---------------------------------------------------------
+
+
+def word_tokenizer(vocab: int):
+    """A whitespace word-level tokenizer: ``w0 .. w{vocab-2}`` and ``eos`` (no training)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"w{i}": i for i in range(vocab - 1)} | {"eos": vocab - 1}
+    tok = Tokenizer(models.WordLevel(words, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="eos", pad_token="eos")
+
+
+def pairs(n: int, vocab: int, seed: int = 0):
+    """``n`` preference pairs of random words (prompt 3-9 words, completions 2-12), a Dataset."""
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(seed)
+
+    def words(lo, hi):
+        k = int(torch.randint(lo, hi, (1,), generator=g))
+        return " ".join(f"w{int(i)}" for i in torch.randint(0, vocab - 1, (k,), generator=g))
+
+    rows = [(words(3, 10), words(2, 13), words(2, 13)) for _ in range(n)]
+    return Dataset.from_dict(
+        {
+            "prompt": [r[0] for r in rows],
+            "chosen": [f" {r[1]} eos" for r in rows],
+            "rejected": [f" {r[2]} eos" for r in rows],
+        }
+    )
+
+
+def dpo_args(tmp, **kw):
+    from trl import DPOConfig
+
+    base = dict(
+        output_dir=tmp, per_device_train_batch_size=4, use_cpu=True, report_to=[], beta=0.3,
+        max_length=40, save_strategy="no", logging_steps=1, seed=7,
+    )  # fmt: skip
+    return DPOConfig(**{**base, **kw})
+
+
+def exact_fused_head(model) -> None:
+    """TRL's fused-LM-head protocol on ``model`` from its full fp64 logits (``reference_fields``):
+    TRL's own kernel computes in float32, so a float64 reference replaces it (the loss code stays
+    TRL's)."""
+    from trl.trainer.utils import FusedCausalLMOutput
+
+    def forward(self, input_ids=None, labels=None, fused_lm_head=False, **kwargs):
+        if not fused_lm_head:
+            return type(self).forward(self, input_ids=input_ids, labels=labels, **kwargs)
+        data = {"input_ids": input_ids, "labels": labels}
+        if kwargs.get("attention_mask") is not None:
+            data["attention_mask"] = kwargs["attention_mask"]
+        fields = reference_fields(self, data)
+        mask = fields["log_probs"] != 0
+        loss = -fields["log_probs"].sum() / mask.sum()
+        return FusedCausalLMOutput(loss=loss, label_mask=mask, **fields)
+
+    model.forward = types.MethodType(forward, model)
+
+
+def dpo_grads(trainer, model, inputs):
+    """``compute_loss`` on ``inputs`` and its backward: loss, metrics, trainable gradients."""
+    model.zero_grad(set_to_none=True)
+    loss = trainer.compute_loss(model, inputs)
+    loss.backward()
+    logged = trainer._metrics["train"].items()
+    metrics = {k: v[-1] for k, v in logged if k.startswith(("rewards", "logps", "logits"))}
+    return loss.detach(), metrics
+
+
+def dpo_worker(rank, world, tmp, lora, loss_type):
+    """One DPO step's loss, metrics and gradients: TSP (the trainer folds the reference) vs TRL.
+    Full fine-tuning trains a perturbed copy of the reference (non-zero rewards) at D > 1 and
+    the model itself at D = 1 (the trainer's own frozen copy); LoRA starts from zero B's."""
+    from peft import LoraConfig, get_peft_model
+    from trl import DPOTrainer
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    from tsp_ext import TSPDPOTrainer
+
+    tok = word_tokenizer(V)
+    data = pairs(8, V)
+    model = build("llama", torch.float64, vocab_size=V)
+    ref = None
+    if lora:
+        torch.manual_seed(3)
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS)
+        model = get_peft_model(model, config)
+    elif world > 1:
+        ref = copy.deepcopy(model)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+    plain = copy.deepcopy(model)
+    args = dpo_args(f"{tmp}/dpo{world}", loss_type=[loss_type])
+    ref_kw = {} if lora else {"ref_model": copy.deepcopy(ref if ref is not None else model)}
+    single = DPOTrainer(plain, args=args, train_dataset=data, processing_class=tok, **ref_kw)
+    for m in (single.model, single.ref_model):
+        if m is not None:
+            exact_fused_head(m.get_base_model() if lora and m is single.model else m)
+    examples = [single.train_dataset[i] for i in range(4)]
+    inputs = DataCollatorForPreference(pad_token_id=tok.pad_token_id)(examples)
+    loss_ref, metrics_ref = dpo_grads(single, plain, inputs)
+    ref_grads = {n: p.grad for n, p in plain.named_parameters() if p.grad is not None}
+
+    trainer = TSPDPOTrainer(
+        model, ref_model=ref, args=args, train_dataset=data, processing_class=tok, tsp=world,
+        data_parallel="ddp",
+    )  # fmt: skip
+    loss, metrics = dpo_grads(trainer, trainer.model, inputs)
+    grads = full_grads(trainer.model)
+    errs = {"loss": rel_err(loss, loss_ref)}
+    errs.update({k: abs(metrics[k] - v) / max(abs(v), 1.0) for k, v in metrics_ref.items()})
+    # TRL's frozen "ref" copy of a PEFT adapter gets no gradient; TSP disables the adapter instead
+    errs.update({n: rel_err(grads[n], g) for n, g in ref_grads.items()})
+    missing = sorted(n for n in ref_grads if n not in grads)
+    return errs, missing, metrics_ref["rewards/margins"]
+
+
+@pytest.mark.parametrize(
+    "world,lora,loss_type",
+    [(1, False, "sigmoid"), (2, False, "sigmoid"), (2, True, "ipo"), (4, True, "sigmoid"),
+     (3, False, "hinge")],
+)  # fmt: skip
+def test_dpo_matches_trl(workers, tmp, world, lora, loss_type):
+    for errs, missing, margin in workers.run(dpo_worker, world, tmp, lora, loss_type, timeout=240):
+        assert not missing
+        assert max(errs.values()) < 1e-10, errs
+        assert (margin != 0) == (world > 1 and not lora)  # a perturbed policy is compared
+
+
+def errors_worker(rank, world, tmp):
+    from peft import LoraConfig, get_peft_model
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    from tsp_ext import TSPDPOTrainer
+
+    tok, data = word_tokenizer(V), pairs(4, V)
+    args = dpo_args(f"{tmp}/errors")
+    msgs = {}
+
+    def trainer(model, **kw):
+        return TSPDPOTrainer(
+            model, args=kw.pop("args", args), train_dataset=data, processing_class=tok,
+            **{"tsp": world, **kw},
+        )  # fmt: skip
+
+    msgs["precompute"] = error_message(
+        lambda: trainer(build("llama"), args=dpo_args(tmp, precompute_ref_log_probs=True))
+    )
+    peft = get_peft_model(build("llama"), LoraConfig(r=2, target_modules=["q_proj"]))
+    with torch.no_grad():
+        next(p for n, p in peft.named_parameters() if "lora_B" in n).fill_(1.0)
+    msgs["trained"] = error_message(lambda: trainer(peft))
+    folded = apply_tsp(build("llama"), init_tsp_mesh(world))
+    msgs["folded"] = error_message(lambda: trainer(folded, tsp=None))
+    other = apply_tsp(build("llama"), init_tsp_mesh(1)) if world > 1 else None
+    if other is not None:
+        msgs["ref"] = error_message(lambda: trainer(build("llama"), ref_model=other))
+    good = trainer(build("llama", vocab_size=V))
+    examples = [good.train_dataset[i] for i in range(2)]
+    inputs = DataCollatorForPreference(pad_token_id=tok.pad_token_id)(examples)
+    if rank == world - 1:  # one rank's batch: all ranks raise
+        inputs["completion_mask"][3] = 0
+    msgs["empty"] = error_message(lambda: good.compute_loss(good.model, inputs))
+    return msgs
+
+
+def test_dpo_bad_input_is_refused_on_every_rank(workers, tmp):
+    for msgs in workers.run(errors_worker, 2, tmp, timeout=180):
+        assert "drop precompute_ref_log_probs" in msgs["precompute"]
+        assert "adapters are untrained" in msgs["trained"]
+        assert "needs ref_model=" in msgs["folded"]
+        assert "policy's TSP group" in msgs["ref"]
+        assert "rejected sequence of pair 1 has no completion tokens" in msgs["empty"]

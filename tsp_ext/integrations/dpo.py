@@ -1,0 +1,167 @@
+"""TRL's ``DPOTrainer`` on a TSP model: preference training at long context.
+
+    trainer = TSPDPOTrainer(model=model, args=DPOConfig(...), train_dataset=pairs,
+                            processing_class=tokenizer, tsp=2, peft_config=LoraConfig(...))
+    trainer.train()
+
+TRL scores every chosen and rejected sequence through the fused-LM-head protocol,
+``model(input_ids, attention_mask, labels, fused_lm_head=True).log_probs``; a TSP model answers
+it itself (``hf.log_probs``): it shards the full batch, runs the vocab-sharded ring (no rank
+ever holds logits beyond one ``[loss_chunk, V/D]`` block) and returns the per-token fields of the
+whole sequences on every rank. TRL's own loss code then runs unchanged, with the same values on
+every rank of a TSP group: every ``loss_type``, ``ld_alpha``, WPO weighting, its metrics (reward
+margins and accuracies, log-probs, entropy, token accuracy).
+
+The reference model is folded like the policy (1/D of its weights, run under ``no_grad``):
+
+- with LoRA (``peft_config=``, or a PEFT model whose adapters are still zero): the policy with
+  its adapters disabled, no second model;
+- ``ref_model=``: a plain Hugging Face model is made a frozen TSP model on the policy's mesh; a
+  TSP model must be on the policy's TSP group;
+- neither (full fine-tuning of a model given before ``apply_tsp``): a frozen copy of it.
+
+Everything else is ``TSPTrainerMixin``'s: the (dp, tsp) mesh, DDP / FSDP2 / DeepSpeed ZeRO over
+dp, the same batches on every rank of a TSP group, checkpoints and export.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import types
+from dataclasses import replace
+
+import torch.distributed as dist
+from accelerate.utils import is_peft_model
+from torch import nn
+from trl import DPOConfig, DPOTrainer
+
+from ..engine.agreement import agree
+from ..hf.apply import apply_tsp
+from ..hf.generate import tsp_forward
+from .trainer import TSPTrainerMixin
+
+
+class TSPDPOTrainer(TSPTrainerMixin, DPOTrainer):
+    """``trl.DPOTrainer`` for a TSP model; see the module docstring.
+
+    Args (besides ``DPOTrainer``'s): ``tsp`` and ``data_parallel`` as for ``TSPTrainer``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        ref_model: nn.Module | None = None,
+        args: DPOConfig | None = None,
+        **kwargs,
+    ) -> None:
+        if not isinstance(args, DPOConfig):
+            raise ValueError("TSPDPOTrainer needs args=DPOConfig(...)")
+        _check_config(args)
+        lora = kwargs.get("peft_config") is not None or is_peft_model(model)
+        if ref_model is None and not lora:
+            if getattr(model, "tsp", None) is not None:
+                raise ValueError(
+                    "full-parameter DPO of a model that is a TSP model already needs "
+                    "ref_model= (e.g. tsp_ext.load_pretrained of the same checkpoint), or pass "
+                    "the model before apply_tsp (the trainer folds a frozen copy of it)"
+                )
+            ref_model = copy.deepcopy(model)
+        self._reference = ref_model
+        super().__init__(model, args, **kwargs)
+
+    def _init_trainer(self, model: nn.Module, args: DPOConfig, **kwargs) -> None:
+        ref = _fold_reference(self._reference, model, self.tsp_mesh)
+        del self._reference
+        if is_peft_model(model):
+            base = model.get_base_model()
+            with _adapter_made_already(model):
+                DPOTrainer.__init__(
+                    self, base, ref, args, peft_config=_fresh_adapter(model), **kwargs
+                )
+        else:
+            DPOTrainer.__init__(self, model, ref, args, **kwargs)
+        for m in (self.model, self.ref_model):  # TRL wrapped forward with its own fused head
+            if m is not None:
+                base = m.get_base_model() if is_peft_model(m) else m
+                base.forward = types.MethodType(tsp_forward, base)
+        self._tp_size = self.get_tp_size()  # TRL's token count: every token once per TSP group
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """TRL's DPO loss of the full batch (the model shards it itself)."""
+        _check_pairs(inputs)
+        return DPOTrainer.compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
+
+
+def _check_config(args: DPOConfig) -> None:
+    if args.precompute_ref_log_probs:
+        raise ValueError(
+            "TSPDPOTrainer computes the reference log-probs in each step (the reference is "
+            "folded: 1/D of its weights per rank): drop precompute_ref_log_probs"
+        )
+    if args.sync_ref_model:
+        raise ValueError("TSPDPOTrainer does not support sync_ref_model: drop it")
+
+
+def _fold_reference(ref: nn.Module | None, policy: nn.Module, mesh) -> nn.Module | None:
+    """``ref`` as a frozen TSP model folded like ``policy`` (None stays None)."""
+    if ref is None:
+        return None
+    base = policy.get_base_model() if is_peft_model(policy) else policy
+    state = getattr(ref, "tsp", None)
+    if state is None:
+        ref.requires_grad_(False)
+        config = replace(base.tsp.config, checkpoint_layers=False, offload_checkpoints=False)
+        apply_tsp(ref, mesh, config=replace(config, quantize_base=None))
+    else:
+        ranks = dist.get_process_group_ranks
+        if ranks(state.group) != ranks(base.tsp.group):
+            raise ValueError(
+                f"ref_model is a TSP model on ranks {ranks(state.group)} but the policy's TSP "
+                f"group is {ranks(base.tsp.group)}: pass the reference before apply_tsp (the "
+                "trainer folds it on the policy's mesh) or apply_tsp it on the same mesh"
+            )
+        ref.requires_grad_(False)
+    return ref.eval()
+
+
+def _fresh_adapter(peft_model: nn.Module):
+    """The LoRA config of ``peft_model`` if its adapters are still zero (``lora_B``): then the
+    reference is the policy with adapters disabled."""
+    trained = [n for n, p in peft_model.named_parameters() if "lora_B" in n and p.detach().any()]
+    if trained:
+        raise ValueError(
+            "TSPDPOTrainer takes a PEFT model whose adapters are untrained (the reference is "
+            f"the base model with adapters disabled), but {trained[0]} is not zero: merge the "
+            "adapter into the base (merge_and_unload) and pass peft_config= for a new one"
+        )
+    return peft_model.peft_config["default"]
+
+
+@contextlib.contextmanager
+def _adapter_made_already(peft_model: nn.Module):
+    """TRL's ``get_peft_model(model, peft_config)`` returns ``peft_model``: its adapters are made
+    and folded already (before data parallelism wrapped or sharded them)."""
+    from trl.trainer import dpo_trainer
+
+    original = dpo_trainer.get_peft_model
+    dpo_trainer.get_peft_model = lambda *args, **kwargs: peft_model
+    try:
+        yield
+    finally:
+        dpo_trainer.get_peft_model = original
+
+
+def _check_pairs(inputs: dict) -> None:
+    """Every sequence of the batch has completion tokens (collective: on every rank at once)."""
+    mask = inputs["completion_mask"]
+    empty = (mask.sum(dim=1) == 0).nonzero().flatten().tolist()
+    error = None
+    if empty:
+        half = mask.shape[0] // 2
+        which = "chosen" if empty[0] < half else "rejected"
+        error = (
+            f"the {which} sequence of pair {empty[0] % half} has no completion tokens (its "
+            "prompt fills max_length): raise DPOConfig.max_length or drop the pair"
+        )
+    agree(error, [], dist.group.WORLD)
