@@ -235,3 +235,11 @@ def test_lora_table_is_its_json():
         for name in ("tsp_lora", "tsp_qlora"):
             ratio = f"{row[name]['step_ratio']:.2f}×"
             assert f"D = {row['devices']}" in doc and ratio in doc, (name, ratio)
+
+
+def test_preference_table_is_its_json():
+    """docs/preference.md's table is ``benchmarks.preference``'s table of the JSON it names."""
+    from benchmarks.preference import markdown
+
+    result = json.loads((RESULTS / "preference_cpu.json").read_text())
+    assert markdown(result) in (ROOT / "docs" / "preference.md").read_text()
