@@ -89,7 +89,7 @@ def token_logps_worker(rank, world):
     return errs, largest.numel, T * V // world
 
 
-@pytest.mark.parametrize("world", [1, 2, 4, 3])
+@pytest.mark.parametrize("world", [2, 3])  # D = 1 and 4: through DPO's log-probs below
 def test_token_logps_match_log_softmax_of_hf_logits(workers, world):
     for errs, largest, local_logits in workers.run(token_logps_worker, world, timeout=120):
         assert max(errs.values()) < 1e-10, errs
