@@ -255,8 +255,15 @@ def errors_worker(rank, world, tmp):
     with torch.no_grad():
         next(p for n, p in peft.named_parameters() if "lora_B" in n).fill_(1.0)
     msgs["trained"] = error_message(lambda: trainer(peft))
-    folded = apply_tsp(build("llama"), init_tsp_mesh(world))
-    msgs["folded"] = error_message(lambda: trainer(folded, tsp=None))
+    folded = trainer(apply_tsp(build("llama", vocab_size=V), init_tsp_mesh(world)), tsp=None)
+    policy, ref = (dict(m.named_parameters()) for m in (folded.model, folded.ref_model))
+    msgs["copy"] = (  # the reference copied from the shards: 1/D, frozen, not shared
+        policy.keys() == ref.keys()
+        and all(
+            ref[n].shape == p.shape and ref[n].data_ptr() != p.data_ptr() for n, p in policy.items()
+        )
+        and not any(p.requires_grad for p in ref.values())
+    )
     other = apply_tsp(build("llama"), init_tsp_mesh(1)) if world > 1 else None
     if other is not None:
         msgs["ref"] = error_message(lambda: trainer(build("llama"), ref_model=other))
@@ -273,8 +280,8 @@ def test_dpo_bad_input_is_refused_on_every_rank(workers, tmp):
     for msgs in workers.run(errors_worker, 2, tmp, timeout=180):
         assert "drop precompute_ref_log_probs" in msgs["precompute"]
         assert "adapters are untrained" in msgs["trained"]
-        assert "needs ref_model=" in msgs["folded"]
         assert "policy's TSP group" in msgs["ref"]
+        assert msgs["copy"] is True
         assert "rejected sequence of pair 1 has no completion tokens" in msgs["empty"]
 
 

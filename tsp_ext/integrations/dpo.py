@@ -18,7 +18,8 @@ The reference model is folded like the policy (1/D of its weights, run under ``n
   its adapters disabled, no second model;
 - ``ref_model=``: a plain Hugging Face model is made a frozen TSP model on the policy's mesh; a
   TSP model must be on the policy's TSP group;
-- neither (full fine-tuning of a model given before ``apply_tsp``): a frozen copy of it.
+- neither (full fine-tuning): a frozen copy of the policy, made from its shards once it is
+  folded (1/D of the weights: no rank ever holds a second full model).
 
 Everything else is ``TSPTrainerMixin``'s: the (dp, tsp) mesh, DDP / FSDP2 / DeepSpeed ZeRO over
 dp, the same batches on every rank of a TSP group, checkpoints and export.
@@ -59,16 +60,14 @@ class TSPDPOTrainer(TSPTrainerMixin, DPOTrainer):
             raise ValueError("TSPDPOTrainer needs args=DPOConfig(...)")
         _check_config(args)
         lora = kwargs.get("peft_config") is not None or is_peft_model(model)
-        if ref_model is None and not lora:
-            if getattr(model, "tsp", None) is not None:
-                raise ValueError(
-                    "full-parameter DPO of a model that is a TSP model already needs "
-                    "ref_model= (e.g. tsp_ext.load_pretrained of the same checkpoint), or pass "
-                    "the model before apply_tsp (the trainer folds a frozen copy of it)"
-                )
-            ref_model = copy.deepcopy(model)
-        self._reference = ref_model
+        self._reference, self._copy_reference = ref_model, ref_model is None and not lora
         super().__init__(model, args, **kwargs)
+
+    def _folded(self, model: nn.Module) -> None:
+        if self._copy_reference:  # full fine-tuning: a frozen copy of the policy's shards
+            state = model.tsp
+            shared = (state.group, state.mesh, state.host_store)
+            self._reference = copy.deepcopy(model, memo={id(o): o for o in shared})
 
     def _init_trainer(self, model: nn.Module, args: DPOConfig, **kwargs) -> None:
         ref = _fold_reference(self._reference, model, self.tsp_mesh)

@@ -92,6 +92,7 @@ class TSPTrainerMixin:
                 "use_cpu=True to TrainingArguments)"
             )
         self.data_parallel = data_parallel
+        self._folded(model)
         if data_parallel == "fsdp2":
             shard_model(model, self.tsp_mesh)
         elif data_parallel == "deepspeed":
@@ -100,6 +101,10 @@ class TSPTrainerMixin:
         if data_parallel == "deepspeed":  # Trainer's no_sync would enter the engine's (ZeRO-2/3
             # refuse it: they reduce in every backward)
             self.accelerator.gradient_state.plugin_kwargs["sync_each_batch"] = True
+
+    def _folded(self, model: nn.Module) -> None:
+        """Called once ``model`` is a TSP model, before data parallelism wraps or shards it
+        (``TSPDPOTrainer`` copies its reference from the shards here)."""
 
     def _init_trainer(self, model: nn.Module, args: TrainingArguments, *trainer_args, **kwargs):
         """The trainer class's own ``__init__`` with the TSP model (``TSPDPOTrainer`` adapts
