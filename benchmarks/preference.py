@@ -1,17 +1,19 @@
 """DPO under TSP against single-process TRL: per-rank memory and step time of one DPO step.
 
-    python -m benchmarks.preference --devices 1 2 4 --seq-len 1024 2048 \\
+    python -m benchmarks.preference --devices 2 4 --seq-len 1024 2048 \\
         --json docs/benchmarks/preference_cpu.json
 
-Each row trains the same model on the same preference pair (prompt: the first half of the
-sequence, chosen / rejected completions: the second half) with TRL's ``DPOTrainer``: ``trl`` in
-one process (TRL's own chunked fused LM head, full weights), ``tsp`` with ``TSPDPOTrainer`` at D
-ranks (policy and frozen reference folded). Per rank: the bytes autograd saves in the step's
+Each row trains the same model on the same preference pair (prompt: the first half of the sequence,
+chosen / rejected completions: the second half) with TRL's ``DPOTrainer``: ``trl`` in one process
+as long-context users run it (TRL's own chunked fused LM head, full weights, gradient checkpointing
+of every layer), ``trl_no_ckpt`` the same without checkpointing, ``tsp`` with ``TSPDPOTrainer`` at
+D ranks (policy and frozen reference folded). Per rank: the bytes autograd saves in the step's
 forward (policy, and the reference under ``no_grad``), the peak of tensor bytes allocated during
 the step (profiler allocation events, the resident weights and optimizer state excluded), the
-parameters' bytes (policy + reference) and the step time (median of ``--steps``, after one
-warm-up step; forward + backward of ``compute_loss``). Times are ratios of the ``trl`` row's at
-the same S, measured in one run.
+parameters' bytes (policy + reference) and the step time (median of ``--steps``, after one warm-up
+step; forward + backward of ``compute_loss``). Times are ratios of the ``trl`` row's at the same S,
+measured in one run. (DPO on the ALST path, Ulysses + ZeRO-3, is not measured: no such run is
+built yet.)
 """
 
 from __future__ import annotations
@@ -32,6 +34,13 @@ MODEL = dict(
     hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8,
     num_key_value_heads=4, vocab_size=8192,
 )  # fmt: skip
+
+
+NAMES = {
+    "trl": "TRL DPOTrainer, checkpointing",
+    "trl_no_ckpt": "TRL DPOTrainer, no checkpointing",
+    "tsp": "TSPDPOTrainer",
+}
 
 
 def _tokenizer(vocab: int):
@@ -70,11 +79,14 @@ def _rank(rank: int, world: int, spec: dict) -> dict:
         max_length=S, save_strategy="no", disable_tqdm=True,
     )  # fmt: skip
     kw = dict(args=args, train_dataset=data, processing_class=_tokenizer(MODEL["vocab_size"]))
-    if spec["layout"] == "trl":
-        trainer = DPOTrainer(model, ref_model=copy.deepcopy(model), **kw)
-    else:
+    if spec["layout"] == "tsp":
         trainer = TSPDPOTrainer(model, tsp=world, data_parallel="ddp", **kw)
+    else:
+        trainer = DPOTrainer(model, ref_model=copy.deepcopy(model), **kw)
     policy, ref = trainer.model, trainer.ref_model
+    policy.train()
+    if spec["layout"] == "trl":
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     inputs = _inputs(S, MODEL["vocab_size"])
     params = sum(p.numel() * p.element_size() for m in (policy, ref) for p in m.parameters())
 
@@ -116,6 +128,8 @@ def compare(devices: list[int], seq_lens: list[int], steps: int, out: str) -> di
     for S in seq_lens:
         base = measure("trl", 1, S, steps, out)
         rows.append({**base, "step_ratio": 1.0})
+        plain = measure("trl_no_ckpt", 1, S, steps, out)
+        rows.append({**plain, "step_ratio": plain["step_seconds"] / base["step_seconds"]})
         for D in devices:
             row = measure("tsp", D, S, steps, out)
             rows.append({**row, "step_ratio": row["step_seconds"] / base["step_seconds"]})
@@ -125,11 +139,11 @@ def compare(devices: list[int], seq_lens: list[int], steps: int, out: str) -> di
 def markdown(result: dict) -> str:
     mib = 2**20
     lines = [
-        "| S | layout | D | weights MiB | saved MiB | step peak MiB | step s | / TRL |",
+        "| S | layout | D | weights MiB | saved MiB | step peak MiB | step s | / TRL ckpt |",
         "|---" * 8 + "|",
     ]
     for r in result["rows"]:
-        name = "TRL DPOTrainer" if r["layout"] == "trl" else "TSPDPOTrainer"
+        name = NAMES[r["layout"]]
         lines.append(
             f"| {r['seq_len']} | {name} | {r['devices']} | {r['params'] / mib:.2f} | "
             f"{r['saved'] / mib:.2f} | {r['peak'] / mib:.2f} | {r['step_seconds']:.3f} | "
