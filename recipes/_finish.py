@@ -1,13 +1,36 @@
-"""The end of a recipe run: the final evaluation's record, then an orderly shutdown."""
+"""The start of a Trainer recipe run (Accelerate, logging, ``--model`` and ``--tsp-size``) and
+the end of every recipe run: the final evaluation's record, then an orderly shutdown."""
 
 from __future__ import annotations
 
 import gc
 import json
+import logging
 import os
+import sys
 
+import torch
 import torch.distributed as dist
+from _model import resolve_model
 from accelerate import Accelerator
+
+
+def start(args) -> tuple[Accelerator, bool]:
+    """Accelerate and the log (INFO on the main process) for a Trainer recipe, ``--model``
+    resolved and ``--tsp-size`` defaulted to every process and checked; returns the accelerator
+    and whether this run created the process group (``finish``'s ``owns_group``)."""
+    owns_group = not dist.is_initialized()
+    acc = Accelerator(cpu=not torch.cuda.is_available())
+    logging.basicConfig(
+        level=logging.INFO if acc.is_main_process else logging.WARNING,
+        format="%(message)s",
+        stream=sys.stdout,
+    )
+    resolve_model(args, acc)
+    args.tsp_size = args.tsp_size or acc.num_processes
+    if acc.num_processes % args.tsp_size:
+        raise SystemExit(f"--tsp-size {args.tsp_size} does not divide {acc.num_processes}")
+    return acc, owns_group
 
 
 def finish(

@@ -20,17 +20,14 @@ import json
 import logging
 import os
 import random
-import sys
 
 import torch
-import torch.distributed as dist
 from _args import add_shared_args
 from _data import SHAKESPEARE, load_texts
-from _finish import finish
+from _finish import finish, start
 from _metrics import peak_memory_bytes
-from _model import build_tokenizer, lora_config, preset_model, pretrained_model, resolve_model
+from _model import build_tokenizer, lora_config, preset_model, pretrained_model
 from _presets import PRESETS
-from accelerate import Accelerator
 from datasets import Dataset, load_dataset
 from transformers import TrainerCallback
 
@@ -99,17 +96,7 @@ class Progress(TrainerCallback):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    owns_group = not dist.is_initialized()
-    acc = Accelerator(cpu=not torch.cuda.is_available())
-    logging.basicConfig(
-        level=logging.INFO if acc.is_main_process else logging.WARNING,
-        format="%(message)s",
-        stream=sys.stdout,
-    )
-    resolve_model(args, acc)
-    args.tsp_size = args.tsp_size or acc.num_processes
-    if acc.num_processes % args.tsp_size:
-        raise SystemExit(f"--tsp-size {args.tsp_size} does not divide {acc.num_processes}")
+    acc, owns_group = start(args)
     if is_preference_dataset(args.dataset):
         pairs = load_dataset(args.dataset, split="train")
         texts = [p + c for p, c in zip(pairs["prompt"], pairs["chosen"])]

@@ -15,18 +15,15 @@ import argparse
 import json
 import logging
 import os
-import sys
 import time
 
 import torch
-import torch.distributed as dist
 from _args import add_shared_args
 from _data import load_blocks, load_texts
-from _finish import finish
+from _finish import finish, start
 from _metrics import peak_memory_bytes
-from _model import build_tokenizer, lora_config, preset_model, pretrained_model, resolve_model
+from _model import build_tokenizer, lora_config, preset_model, pretrained_model
 from _presets import PRESETS
-from accelerate import Accelerator
 from datasets import Dataset
 from transformers import TrainerCallback
 
@@ -151,17 +148,7 @@ def training_args(args, kind: str):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    owns_group = not dist.is_initialized()
-    acc = Accelerator(cpu=not torch.cuda.is_available())
-    logging.basicConfig(
-        level=logging.INFO if acc.is_main_process else logging.WARNING,
-        format="%(message)s",
-        stream=sys.stdout,
-    )
-    resolve_model(args, acc)
-    args.tsp_size = args.tsp_size or acc.num_processes
-    if acc.num_processes % args.tsp_size:
-        raise SystemExit(f"--tsp-size {args.tsp_size} does not divide {acc.num_processes}")
+    acc, owns_group = start(args)
     texts = load_texts(args.dataset, args.text_column)
     tokenizer = build_tokenizer(args, texts, acc)
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token

@@ -211,16 +211,13 @@ class _OnlineSoftmax:
 
     def results(self, lse: torch.Tensor, vocab_size: int) -> dict[str, torch.Tensor]:
         """The requested per-token statistics of the full vocabulary."""
-        out = {}
-        if "entropy" in self.stats:
-            out["entropy"] = lse - self.weighted / self.sum
-        if "log_sum_sq_probs" in self.stats:
-            out["log_sum_sq_probs"] = torch.log(self.squares) - 2 * torch.log(self.sum)
-        if "mean_logits" in self.stats:
-            out["mean_logits"] = self.total / vocab_size
-        if "is_top1" in self.stats:
-            out["is_top1"] = self.target >= self.max
-        return {k: out[k] for k in self.stats}
+        formulas = {
+            "entropy": lambda: lse - self.weighted / self.sum,
+            "log_sum_sq_probs": lambda: torch.log(self.squares) - 2 * torch.log(self.sum),
+            "mean_logits": lambda: self.total / vocab_size,
+            "is_top1": lambda: self.target >= self.max,
+        }
+        return {k: formulas[k]() for k in self.stats}
 
 
 def _nll_block_grad(sched: _HeadRing, h, labels, valid, lse, coef) -> Callable:

@@ -141,13 +141,13 @@ def vocab_sharded_forward(
     loss = logits = token_logps = token_stats = None
     if return_token_logps is not False and labels is None:
         raise ValueError("return_token_logps needs labels (and shift_labels: shard_batch)")
-    if labels is not None and return_token_logps is not False:
-        stats = () if return_token_logps is True else tuple(return_token_logps)
-        token_logps, token_stats = self.lm_head(hidden, shift_labels, per_token=stats)
-        local = -token_logps.sum()
-        loss = self.loss_function.global_mean(local, shift_labels, count=count)
-    elif labels is not None:
-        local = self.lm_head(hidden, shift_labels)
+    if labels is not None:
+        if return_token_logps is False:
+            local = self.lm_head(hidden, shift_labels)
+        else:
+            stats = () if return_token_logps is True else tuple(return_token_logps)
+            token_logps, token_stats = self.lm_head(hidden, shift_labels, per_token=stats)
+            local = -token_logps.sum()
         loss = self.loss_function.global_mean(local, shift_labels, count=count)
     if labels is None or return_logits:
         logits = self.lm_head(hidden)

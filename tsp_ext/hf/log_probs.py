@@ -8,10 +8,10 @@
   GRPO trainers call: ``model(input_ids, attention_mask, labels, fused_lm_head=True)`` with the
   *full* batch on every rank of a TSP group. The model shards it (``shard_batch``), runs, and
   returns a ``FusedLMHeadOutput`` whose per-token fields ``[B, S - 1]`` cover the whole sequences
-  on every rank, gathered from the ranks' ``[B, S/D]`` pieces (a few floats per token: no rank
-  ever holds logits beyond one ``[loss_chunk, V/D]`` block). Every rank then computes the same
-  loss from them; ``log_probs``' backward keeps each rank's own tokens' gradient
-  (``comm.gather_seq_replicated``). Called with ``shift_labels`` (an already sharded batch,
+  on every rank, gathered from the ranks' ``[B, S/D]`` pieces in one all-gather (a few floats
+  per token: no rank ever holds logits beyond one ``[loss_chunk, V/D]`` block). Every rank then
+  computes the same loss from them; ``log_probs``' backward keeps each rank's own tokens'
+  gradient (``comm.gather_seq_replicated``). Called with ``shift_labels`` (an already sharded batch,
   TRL's convention under context parallelism), the fields stay local, ``[B, S/D]``.
 """
 
@@ -24,10 +24,11 @@ from torch import nn
 from transformers.utils import ModelOutput
 
 from ..engine import comm
-from ..engine.layout import ZigzagLayout
+from ..engine.layout import IGNORE_INDEX, ZigzagLayout
 from ..engine.vocab import STATS
-from .batch import shard_batch
+from .batch import shard_batch, shifted_labels
 from .causal_lm import check_shards, vocab_sharded_forward
+from .lora import peft_base
 
 
 @dataclass
@@ -70,49 +71,47 @@ def fused_lm_head_forward(
     ``shift_labels`` this rank's shard of one."""
     if labels is None and shift_labels is None:
         raise ValueError("fused_lm_head=True needs labels: it returns their log-probabilities")
-    if shift_labels is not None:  # already sharded
+    if shift_labels is not None:  # already sharded: the fields stay local
         sharded = dict(input_ids=input_ids, position_ids=position_ids)
         sharded.update(labels=shift_labels, shift_labels=shift_labels)
-        return _fields(model, sharded, num_items_in_batch, kwargs, seq_len=None)
+        out = _run(model, sharded, num_items_in_batch, kwargs)
+        fields = {"log_probs": out.token_logps, **out.token_stats}
+        return FusedLMHeadOutput(loss=out.loss, label_mask=shift_labels != IGNORE_INDEX, **fields)
     batch = dict(input_ids=input_ids, labels=labels)
     if attention_mask is not None:
         batch["attention_mask"] = attention_mask
     if position_ids is not None:
         batch["position_ids"] = position_ids
-    sharded = shard_batch(batch, _tsp_state(model).mesh)
-    return _fields(model, sharded, num_items_in_batch, kwargs, seq_len=input_ids.shape[1] - 1)
+    state = _tsp_state(model)
+    out = _run(model, shard_batch(batch, state.mesh), num_items_in_batch, kwargs)
+    label_mask = shifted_labels(batch)[:, :-1] != IGNORE_INDEX
+    fields = _gathered(out, state.group, input_ids.shape[1] - 1)
+    return FusedLMHeadOutput(loss=out.loss, label_mask=label_mask, **fields)
 
 
-def _fields(model, sharded, num_items_in_batch, kwargs, seq_len) -> FusedLMHeadOutput:
-    """Run the sharded batch; per-token fields local, or gathered to ``[B, seq_len]``."""
+def _run(model, sharded: dict, num_items_in_batch, kwargs: dict):
+    """The sharded batch through the TSP forward, with every per-token field."""
     checked = check_shards(model, {**sharded, **kwargs})
-    out = vocab_sharded_forward(
+    return vocab_sharded_forward(
         model, **checked, num_items_in_batch=num_items_in_batch, return_token_logps=STATS
     )
-    fields = {"log_probs": out.token_logps, **out.token_stats}
-    fields["label_mask"] = sharded["shift_labels"] != -100
-    if seq_len is not None:
-        group = _tsp_state(model).group
-        fields = {k: _gather(v, group, seq_len) for k, v in fields.items()}
-    return FusedLMHeadOutput(loss=out.loss, **fields)
 
 
-def _gather(x: torch.Tensor, group, seq_len: int) -> torch.Tensor:
-    """Local ``[B, S'/D]`` -> ``[B, seq_len]`` in sequence order, the same on every rank."""
+def _gathered(out, group, seq_len: int) -> dict[str, torch.Tensor]:
+    """The local per-token fields ``[B, S'/D]`` as ``[B, seq_len]`` in sequence order, the same
+    on every rank: one all-gather of them all, stacked (its backward reaches ``log_probs``)."""
+    logp, stats = out.token_logps, out.token_stats
+    local = torch.stack([logp, *(s.to(logp.dtype) for s in stats.values())], dim=-1)
     D, _ = comm.size_and_rank(group)
-    if x.requires_grad:
-        full = comm.gather_seq_replicated(x, group)
-    else:  # flags travel as bytes (gloo gathers no bool)
-        wire = torch.uint8 if x.dtype == torch.bool else x.dtype
-        full = comm.gather_seq(x.detach().to(wire), group)
-    return ZigzagLayout.from_local(x.shape[1], D).unshard(full)[:, :seq_len].to(x.dtype)
+    full = ZigzagLayout.from_local(local.shape[1], D).unshard(
+        comm.gather_seq_replicated(local, group)
+    )[:, :seq_len]
+    dtypes = {"log_probs": logp.dtype, **{n: t.dtype for n, t in stats.items()}}
+    return {n: full[..., i].to(dtype) for i, (n, dtype) in enumerate(dtypes.items())}
 
 
 def _tsp_state(model: nn.Module):
-    state = getattr(model, "tsp", None)
-    if state is None:
-        base = getattr(model, "get_base_model", None)  # a PEFT model around a TSP model
-        state = getattr(base(), "tsp", None) if base is not None else None
+    state = getattr(peft_base(model) or model, "tsp", None)
     if state is None:
         raise ValueError(f"{type(model).__name__} is not a TSP model (apply_tsp)")
     return state

@@ -40,6 +40,7 @@ from trl import DPOConfig, DPOTrainer
 from ..engine.agreement import agree
 from ..hf.apply import apply_tsp
 from ..hf.generate import tsp_forward
+from ..hf.lora import peft_base
 from .trainer import TSPTrainerMixin
 
 
@@ -59,12 +60,13 @@ class TSPDPOTrainer(TSPTrainerMixin, DPOTrainer):
         if not isinstance(args, DPOConfig):
             raise ValueError("TSPDPOTrainer needs args=DPOConfig(...)")
         _check_config(args)
-        lora = kwargs.get("peft_config") is not None or is_peft_model(model)
-        self._reference, self._copy_reference = ref_model, ref_model is None and not lora
+        self._reference = ref_model
         super().__init__(model, args, **kwargs)
 
     def _folded(self, model: nn.Module) -> None:
-        if self._copy_reference:  # full fine-tuning: a frozen copy of the policy's shards
+        """Full fine-tuning without ``ref_model``: the reference is a copy of the policy's shards
+        (with LoRA it is the policy with its adapters disabled)."""
+        if self._reference is None and not is_peft_model(model):
             state = model.tsp
             shared = (state.group, state.mesh, state.host_store)
             self._reference = copy.deepcopy(model, memo={id(o): o for o in shared})
@@ -73,16 +75,15 @@ class TSPDPOTrainer(TSPTrainerMixin, DPOTrainer):
         ref = _fold_reference(self._reference, model, self.tsp_mesh)
         del self._reference
         if is_peft_model(model):
-            base = model.get_base_model()
             with _adapter_made_already(model):
                 DPOTrainer.__init__(
-                    self, base, ref, args, peft_config=_fresh_adapter(model), **kwargs
+                    self, peft_base(model), ref, args, peft_config=_fresh_adapter(model), **kwargs
                 )
         else:
             DPOTrainer.__init__(self, model, ref, args, **kwargs)
         for m in (self.model, self.ref_model):  # TRL wrapped forward with its own fused head
             if m is not None:
-                base = m.get_base_model() if is_peft_model(m) else m
+                base = peft_base(m) or m
                 base.forward = types.MethodType(tsp_forward, base)
         self._tp_size = self.get_tp_size()  # TRL's token count: every token once per TSP group
 
@@ -106,7 +107,7 @@ def _fold_reference(ref: nn.Module | None, policy: nn.Module, mesh) -> nn.Module
     """``ref`` as a frozen TSP model folded like ``policy`` (None stays None)."""
     if ref is None:
         return None
-    base = policy.get_base_model() if is_peft_model(policy) else policy
+    base = peft_base(policy) or policy
     state = getattr(ref, "tsp", None)
     if state is None:
         ref.requires_grad_(False)
