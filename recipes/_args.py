@@ -1,10 +1,11 @@
-"""The command-line arguments both fine-tuning recipes take (``finetune_long_llama.py`` and
-``sft_trainer.py``): the model, the data, the TSP size, the optimisation and evaluation."""
+"""The command-line arguments the recipes share (``finetune_long_llama.py``, ``sft_trainer.py``,
+``dpo.py``): the model, the data, the TSP size, the optimisation and evaluation."""
 
 from __future__ import annotations
 
 import argparse
 
+import torch
 from _data import SHAKESPEARE
 from _gguf import DEFAULT_CACHE, SHORTCUTS
 from _presets import PRESETS
@@ -69,4 +70,27 @@ def add_shared_args(p: argparse.ArgumentParser) -> None:
         "--lora-targets",
         default=",".join(LORA_TARGETS),
         help="comma-separated projections that get an adapter",
+    )
+
+
+def trainer_settings(args: argparse.Namespace) -> dict:
+    """The ``TrainingArguments`` fields the shared arguments set, for the Trainer recipes
+    (``sft_trainer.py``, ``dpo.py``), which add their own."""
+    return dict(
+        output_dir=args.output_dir,
+        per_device_train_batch_size=args.micro_batch_size,
+        per_device_eval_batch_size=1,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        max_steps=args.max_steps,
+        learning_rate=args.lr,
+        warmup_steps=args.warmup_steps,
+        max_grad_norm=args.max_grad_norm,
+        bf16=args.bf16,
+        logging_steps=1,
+        eval_strategy="steps",
+        eval_steps=args.eval_every,
+        report_to=[],
+        seed=args.seed,
+        use_cpu=not torch.cuda.is_available(),
+        disable_tqdm=True,
     )

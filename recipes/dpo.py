@@ -21,8 +21,7 @@ import logging
 import os
 import random
 
-import torch
-from _args import add_shared_args
+from _args import add_shared_args, trainer_settings
 from _data import SHAKESPEARE, load_texts
 from _finish import finish, start
 from _metrics import peak_memory_bytes
@@ -119,26 +118,11 @@ def main(argv=None) -> None:
     from trl import DPOConfig
 
     dpo_args = DPOConfig(
-        output_dir=args.output_dir,
-        per_device_train_batch_size=args.micro_batch_size,
-        per_device_eval_batch_size=1,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        max_steps=args.max_steps,
-        learning_rate=args.lr,
-        warmup_steps=args.warmup_steps,
-        max_grad_norm=args.max_grad_norm,
-        bf16=args.bf16,
+        **trainer_settings(args),
         beta=args.beta,
         loss_type=[args.loss_type],
         max_length=args.seq_len,
-        logging_steps=1,
-        eval_strategy="steps",
-        eval_steps=args.eval_every,
         save_strategy="no",
-        report_to=[],
-        seed=args.seed,
-        use_cpu=not torch.cuda.is_available(),
-        disable_tqdm=True,
     )
     os.makedirs(args.output_dir, exist_ok=True)
     trainer = TSPDPOTrainer(

@@ -18,7 +18,7 @@ import os
 import time
 
 import torch
-from _args import add_shared_args
+from _args import add_shared_args, trainer_settings
 from _data import load_blocks, load_texts
 from _finish import finish, start
 from _metrics import peak_memory_bytes
@@ -113,28 +113,13 @@ def trainer_class(kind: str):
 
 
 def training_args(args, kind: str):
-    settings = dict(
-        output_dir=args.output_dir,
-        per_device_train_batch_size=args.micro_batch_size,
-        per_device_eval_batch_size=1,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        max_steps=args.max_steps,
-        learning_rate=args.lr,
-        warmup_steps=args.warmup_steps,
+    settings = trainer_settings(args)
+    settings.update(
         lr_scheduler_type="cosine",
         weight_decay=0.0,
-        max_grad_norm=args.max_grad_norm,
-        bf16=args.bf16,
-        logging_steps=1,
-        eval_strategy="steps",
-        eval_steps=args.eval_every,
         save_strategy="steps" if args.save_every else "no",
         save_steps=args.save_every or 500,
-        report_to=[],
-        seed=args.seed,
-        use_cpu=not torch.cuda.is_available(),
         remove_unused_columns=False,
-        disable_tqdm=True,
     )
     if kind == "hf":
         from transformers import TrainingArguments
