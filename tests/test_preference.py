@@ -273,6 +273,11 @@ def errors_worker(rank, world, tmp):
     if rank == world - 1:  # one rank's batch: all ranks raise
         inputs["completion_mask"][3] = 0
     msgs["empty"] = error_message(lambda: good.compute_loss(good.model, inputs))
+    ids = inputs["input_ids"].clone()
+    ids[0, 0] = (ids[0, 0] + rank) % V  # another full batch on each rank
+    msgs["different"] = error_message(
+        lambda: good.model(input_ids=ids, labels=ids, fused_lm_head=True)
+    )
     return msgs
 
 
@@ -283,6 +288,50 @@ def test_dpo_bad_input_is_refused_on_every_rank(workers, tmp):
         assert "policy's TSP group" in msgs["ref"]
         assert msgs["copy"] is True
         assert "rejected sequence of pair 1 has no completion tokens" in msgs["empty"]
+        assert "the TSP ranks got different full batches" in msgs["different"]
+
+
+ZERO2 = {
+    "zero_optimization": {"stage": 2},
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "tsp": {"size": 2},
+}
+
+
+def dp_worker(rank, world, tmp, data_parallel, batch_size):
+    """Three DPO steps of every weight (float32) with ``TSPDPOTrainer`` at tsp = 2, dp = world /
+    2 with ``data_parallel`` (the reference copied from the folded shards), ``batch_size`` pairs
+    per dp replica: the logged loss, gradient norm and reward margin per step."""
+    from tsp_ext import TSPDPOTrainer
+
+    settings = dict(
+        per_device_train_batch_size=batch_size, max_steps=3, learning_rate=1e-3,
+        lr_scheduler_type="constant", max_grad_norm=0.5, disable_tqdm=True,
+    )  # fmt: skip
+    if data_parallel == "zero2":
+        settings["deepspeed"], data_parallel = ZERO2, None
+    args = dpo_args(f"{tmp}/dp_{world}_{data_parallel}", **settings)
+    model = build("llama", torch.float32, vocab_size=V)
+    kw = dict(args=args, train_dataset=pairs(16, V), processing_class=word_tokenizer(V))
+    trainer = TSPDPOTrainer(model, tsp=2, data_parallel=data_parallel, **kw)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return {k: [h[k] for h in logs] for k in ("loss", "grad_norm", "rewards/margins")}
+
+
+@pytest.mark.parametrize("data_parallel", ["fsdp2", "zero2"])
+def test_dpo_with_dp2_matches_one_tsp_group(workers, tmp, data_parallel):
+    """DPO at dp = 2 x tsp = 2 with FSDP2 / ZeRO-2 on the dp axis, 2 pairs per replica: the curve
+    of one TSP group (DDP, dp = 1) on the same 4 pairs per step (whose step is TRL's exactly:
+    test_dpo_matches_trl)."""
+    ref = workers.run(dp_worker, 2, tmp, "ddp", 4, timeout=300)[0]
+    got = workers.run(dp_worker, 4, tmp, data_parallel, 2, timeout=300)[0]
+    assert len(got["loss"]) == 3 and got["rewards/margins"][-1] != 0
+    for key, values in got.items():
+        assert values == pytest.approx(ref[key], rel=1e-5, abs=1e-6), key
 
 
 def test_dpo_recipe_trains_three_steps_and_exports(workers, tmp):

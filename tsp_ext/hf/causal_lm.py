@@ -178,24 +178,42 @@ def check_inputs(model: nn.Module, args: tuple, kwargs: dict):
     return args, check_shards(model, kwargs, args)
 
 
-def check_shards(model: nn.Module, kwargs: dict, args: tuple = ()) -> dict:
+def check_shards(
+    model: nn.Module, kwargs: dict, args: tuple = (), full_batch: dict | None = None
+) -> dict:
     """``check_inputs``' checks of a call's inputs (collective); returns ``kwargs`` plus the
-    local query spans for the attention."""
+    local query spans for the attention. ``full_batch``: the full batch the call sharded itself,
+    which must be the same on every rank of the TSP group (compared by a checksum)."""
     state = model.tsp
     D, p = comm.size_and_rank(state.group)
     error, facts = _local_error(args, kwargs, model.config.vocab_size, D, p)
+    if full_batch is not None:
+        facts = facts + [_checksum(full_batch[k]) for k in sorted(full_batch)]
     table = agree(error, facts, state.group)
     if (table[:, :2] != table[0, :2]).any():
-        shapes = ", ".join(f"rank {r}: [{b}, {t}]" for r, (b, t, _) in enumerate(table.tolist()))
+        rows = enumerate(table[:, :2].tolist())
+        shapes = ", ".join(f"rank {r}: [{b}, {t}]" for r, (b, t) in rows)
         raise ValueError(
             f"the TSP ranks got local batches of different shapes ({shapes}): every rank of a "
             "TSP group must shard the same full batch with tsp_ext.shard_batch"
+        )
+    if (table[:, 3:] != table[0, 3:]).any():
+        raise ValueError(
+            "the TSP ranks got different full batches: every rank of a TSP group must read the "
+            "same batches (split the data over the dp ranks only, e.g. TSPTrainerMixin)"
         )
     pos = kwargs["position_ids"]
     layout = ZigzagLayout.from_local(pos.shape[-1], D)
     if table[:, 2].any():  # per-document positions somewhere: do the chunks fit together?
         check_chunks(pos, layout, state.group)
     return {**kwargs, SPANS_KWARG: query_spans(pos, layout, p)}
+
+
+def _checksum(t: torch.Tensor) -> int:
+    """An order-sensitive integer checksum of an integer tensor (tells batches apart)."""
+    flat = t.reshape(-1).long()
+    weights = torch.arange(flat.numel(), device=flat.device) % 1009 + 1
+    return int((flat * weights).sum())
 
 
 def _local_error(

@@ -74,7 +74,7 @@ def fused_lm_head_forward(
     if shift_labels is not None:  # already sharded: the fields stay local
         sharded = dict(input_ids=input_ids, position_ids=position_ids)
         sharded.update(labels=shift_labels, shift_labels=shift_labels)
-        out = _run(model, sharded, num_items_in_batch, kwargs)
+        out = _run(model, sharded, num_items_in_batch, kwargs, None)
         fields = {"log_probs": out.token_logps, **out.token_stats}
         return FusedLMHeadOutput(loss=out.loss, label_mask=shift_labels != IGNORE_INDEX, **fields)
     batch = dict(input_ids=input_ids, labels=labels)
@@ -83,15 +83,16 @@ def fused_lm_head_forward(
     if position_ids is not None:
         batch["position_ids"] = position_ids
     state = _tsp_state(model)
-    out = _run(model, shard_batch(batch, state.mesh), num_items_in_batch, kwargs)
+    out = _run(model, shard_batch(batch, state.mesh), num_items_in_batch, kwargs, batch)
     label_mask = shifted_labels(batch)[:, :-1] != IGNORE_INDEX
     fields = _gathered(out, state.group, input_ids.shape[1] - 1)
     return FusedLMHeadOutput(loss=out.loss, label_mask=label_mask, **fields)
 
 
-def _run(model, sharded: dict, num_items_in_batch, kwargs: dict):
-    """The sharded batch through the TSP forward, with every per-token field."""
-    checked = check_shards(model, {**sharded, **kwargs})
+def _run(model, sharded: dict, num_items_in_batch, kwargs: dict, full_batch: dict | None):
+    """The sharded batch through the TSP forward, with every per-token field (``full_batch``:
+    the batch this rank sharded, checked to be every TSP rank's)."""
+    checked = check_shards(model, {**sharded, **kwargs}, full_batch=full_batch)
     return vocab_sharded_forward(
         model, **checked, num_items_in_batch=num_items_in_batch, return_token_logps=STATS
     )
