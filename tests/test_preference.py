@@ -4,6 +4,7 @@ single-process TRL ``DPOTrainer`` on the same batch."""
 from __future__ import annotations
 
 import copy
+import functools
 import types
 
 import pytest
@@ -322,13 +323,24 @@ def dp_worker(rank, world, tmp, data_parallel, batch_size):
     return {k: [h[k] for h in logs] for k in ("loss", "grad_norm", "rewards/margins")}
 
 
+def dp2_worker(rank, world, tmp):
+    return {dp: dp_worker(rank, world, tmp, dp, 2) for dp in ("fsdp2", "zero2")}
+
+
+@functools.cache
+def dp_runs(workers, tmp: str) -> dict:
+    return {
+        "one_group": workers.run(dp_worker, 2, tmp, "ddp", 4, timeout=300)[0],
+        **workers.run(dp2_worker, 4, tmp, timeout=300)[0],
+    }
+
+
 @pytest.mark.parametrize("data_parallel", ["fsdp2", "zero2"])
 def test_dpo_with_dp2_matches_one_tsp_group(workers, tmp, data_parallel):
     """DPO at dp = 2 x tsp = 2 with FSDP2 / ZeRO-2 on the dp axis, 2 pairs per replica: the curve
     of one TSP group (DDP, dp = 1) on the same 4 pairs per step (whose step is TRL's exactly:
     test_dpo_matches_trl)."""
-    ref = workers.run(dp_worker, 2, tmp, "ddp", 4, timeout=300)[0]
-    got = workers.run(dp_worker, 4, tmp, data_parallel, 2, timeout=300)[0]
+    ref, got = dp_runs(workers, tmp)["one_group"], dp_runs(workers, tmp)[data_parallel]
     assert len(got["loss"]) == 3 and got["rewards/margins"][-1] != 0
     for key, values in got.items():
         assert values == pytest.approx(ref[key], rel=1e-5, abs=1e-6), key
