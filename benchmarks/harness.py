@@ -43,8 +43,14 @@ from tsp_ext.memory import SavedTensorBytes
 from tsp_ext.planner import PRESETS
 from tsp_ext.testing.launch import run_processes
 
+from . import dpo_layouts, layouts
 from .comm_counter import CommCounter
-from .layouts import BUILDERS, LR, PROCESS_WIDE, Prepared, tp_sp_split
+from .layouts import LR, Prepared, tp_sp_split
+
+# the layouts measured: training (``layouts``) and preference training (``dpo_layouts``)
+BUILDERS = {**layouts.BUILDERS, **dpo_layouts.BUILDERS}
+LAYOUTS = tuple(BUILDERS)
+PROCESS_WIDE = layouts.PROCESS_WIDE | dpo_layouts.PROCESS_WIDE
 
 # a small Llama every layout divides at D in {2, 4}: heads 8 / D, KV heads 4 / D, MLP 704 / D
 DEFAULT_MODEL = PRESETS["tiny"].hf_config_kwargs()
@@ -276,7 +282,8 @@ def measure(
 ) -> dict:
     """Measure one layout at one sequence length; returns a result row (see the module docstring).
 
-    ``layout="single"`` always runs one process (``devices`` is ignored, the row says 1).
+    ``layout="single"`` (and ``"dpo_single"``) always runs one process (``devices`` is ignored,
+    the row says 1).
     ``device="cuda"`` runs NCCL with one GPU per rank. A run that dies for memory gives
     ``status="oom"``; a layout that cannot be built here, ``status="unsupported: <reason>"``.
     ``launch(fn, world, *args, timeout=...)`` runs the ranks (default: fresh gloo / NCCL
@@ -289,7 +296,7 @@ def measure(
     if warmup < 1 or steps < 1:
         raise ValueError(f"need warmup >= 1 and steps >= 1, got warmup={warmup}, steps={steps}")
     model = {**DEFAULT_MODEL, **(model_cfg or {})}
-    world = 1 if layout == "single" else devices
+    world = 1 if layout.removeprefix("dpo_") == "single" else devices
     tp, sp = tp_sp_split(layout, world)
     row = {
         "layout": layout,

@@ -29,6 +29,7 @@ base NF4-packed (``TSPConfig(quantize_base="nf4")``).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -69,7 +70,9 @@ class Prepared:
 
 
 def tp_sp_split(layout: str, devices: int) -> tuple[int, int]:
-    """(tp, sp) sizes of a layout on ``devices`` ranks; TSP folds both onto one axis (D, D)."""
+    """(tp, sp) sizes of a layout on ``devices`` ranks; TSP folds both onto one axis (D, D). A
+    DPO layout (``dpo_layouts``) is split as the layout it is named after."""
+    layout = layout.removeprefix("dpo_")
     if layout == "single":
         return 1, 1
     if layout.startswith("tsp"):
@@ -325,36 +328,63 @@ def _long_context(model) -> dict:
     return {"checkpoint_layers": True, "mlp_tile": model.config.hidden_size}
 
 
+def register_ulysses(model: nn.Module, B: int, S: int, world: int):
+    """DeepSpeed's Ulysses attention for ``model`` (installed process-wide in place of SDPA) on
+    ``world`` SP ranks for batches ``[B, S]``; returns its mpu (the SP groups)."""
+    import deepspeed
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    deepspeed.comm.init_distributed(dist_backend=dist.get_backend())
+    return UlyssesSPAttentionHF.register_with_transformers(
+        model, "sdpa", world, B, seq_length=S, seq_length_is_variable=False
+    )
+
+
+def zero3_engine(model: nn.Module, B: int, mpu, *, train: bool):
+    """``model`` in a ZeRO-3 engine over the SP ranks of ``mpu``: with AdamW to train, without an
+    optimizer (parameters partitioned, gathered per module) for a frozen model."""
+    import deepspeed
+
+    config = {"train_micro_batch_size_per_gpu": B, "zero_optimization": {"stage": 3}}
+    optimizer = (lambda params: torch.optim.AdamW(params, lr=LR)) if train else None
+    engine, *_ = deepspeed.initialize(model=model, config=config, mpu=mpu, optimizer=optimizer)
+    engine.train(train)
+    return engine
+
+
+def tile_mlps(model: nn.Module, local_len: int) -> None:
+    """Run every decoder MLP of ``model`` through DeepSpeed's ``TiledMLP``, in tiles of ``h``
+    tokens of a rank's ``local_len`` (as DeepSpeed's example)."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+
+    shards = math.ceil(local_len / model.config.hidden_size)
+    for layer in model.model.layers:
+        mlp = layer.mlp
+        params = [mlp.down_proj.weight, mlp.gate_proj.weight, mlp.up_proj.weight]
+        hf_forward = type(mlp).forward  # the class's own, untouched by the instance's below
+        mlp.forward = functools.partial(_tiled, TiledMLP, hf_forward, mlp, shards, params)
+
+
+def _tiled(tiled_mlp, hf_forward, mlp, shards, params, x):
+    return tiled_mlp.apply(hf_forward, mlp, x, shards, params)
+
+
 def build_ulysses_zero3(model, ids, world, device, *, tiled: bool = False) -> Prepared:
     """DeepSpeed's Ulysses SP with a ZeRO-3 engine over the same ranks and Hugging Face layer
     checkpointing; ``tiled`` adds what makes it ALST: ``TiledMLP`` (tiles of ``h`` tokens, as
     DeepSpeed's example), ``TiledFusedLogitsLoss`` (tiles of 1024 tokens, as TSP's loss) and
     the layer checkpoints offloaded to host memory. DeepSpeed's own offload context does
     nothing on CPU, so the checkpoints go to the same ``HostStore`` TSP's offload uses."""
-    import deepspeed
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import (
-        TiledFusedLogitsLoss,
-        UlyssesSPAttentionHF,
-    )
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
 
     from tsp_ext.hf.checkpointing import enable_layer_checkpointing
 
-    deepspeed.comm.init_distributed(dist_backend=dist.get_backend())
     B, S = ids.shape
-    mpu = UlyssesSPAttentionHF.register_with_transformers(
-        model, "sdpa", world, B, seq_length=S, seq_length_is_variable=False
-    )
+    mpu = register_ulysses(model, B, S, world)
     store = enable_layer_checkpointing(model, offload=tiled)
     if tiled:
-        for layer in model.model.layers:
-            _tile_mlp(layer.mlp, shards=math.ceil(S // world / model.config.hidden_size))
-    config = {"train_micro_batch_size_per_gpu": B, "zero_optimization": {"stage": 3}}
-    engine, *_ = deepspeed.initialize(
-        model=model,
-        config=config,
-        mpu=mpu,
-        optimizer=lambda params: torch.optim.AdamW(params, lr=LR),
-    )
+        tile_mlps(model, S // world)
+    engine = zero3_engine(model, B, mpu, train=True)
     group = mpu.get_sequence_parallel_group()
     inputs, labels = _sp_inputs(ids, world, dist.get_rank(group))
     # ZeRO averages the gradients over the SP ranks: each rank's share of the global mean, x D
@@ -382,19 +412,6 @@ def build_ulysses_zero3(model, ids, world, device, *, tiled: bool = False) -> Pr
         return local, total
 
     return Prepared(engine.module, loss, engine=engine, host_store=store)
-
-
-def _tile_mlp(mlp: nn.Module, shards: int) -> None:
-    """Run this Hugging Face gated MLP through DeepSpeed's ``TiledMLP`` in ``shards`` tiles."""
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
-
-    hf_forward = type(mlp).forward  # the class's own, untouched by the instance's below
-
-    def forward(x):
-        params = [mlp.down_proj.weight, mlp.gate_proj.weight, mlp.up_proj.weight]
-        return TiledMLP.apply(hf_forward, mlp, x, shards, params)
-
-    mlp.forward = forward
 
 
 # the adapter of the LoRA layouts: what long-context LoRA recipes commonly use

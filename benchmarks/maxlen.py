@@ -21,8 +21,7 @@ import argparse
 import json
 from collections.abc import Callable
 
-from .harness import measure
-from .layouts import LAYOUTS
+from .harness import LAYOUTS, measure
 
 MIB = 2**20
 

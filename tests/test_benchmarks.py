@@ -125,6 +125,57 @@ def test_alst_baseline_is_exact():
         assert max(errs.values()) < 1e-5, errs
 
 
+def _dpo_gradient_errors(rank: int, world: int) -> dict[str, float]:
+    """The DPO layouts' loss and policy gradients against ``dpo_single``'s (one process, the whole
+    pair), relative to the largest reference value. Policy and reference start equal, so the loss
+    is log 2 only if each layout's reference log-probabilities equal its policy's. TSP first:
+    ``dpo_alst`` patches transformers' attention process-wide."""
+    import copy
+
+    from deepspeed.utils import safe_get_full_grad
+
+    from benchmarks.harness import BUILDERS, build_model, make_batch
+    from tsp_ext import full_grads
+
+    seq = 256  # 2 MLP tiles of h = 32 tokens per rank; a log-probability tile each
+    model = build_model(TINY, torch.float32, seq)
+    ids = make_batch(model.config.vocab_size, 1, seq)
+    cpu = torch.device("cpu")
+
+    def run(layout: str, policy: torch.nn.Module):
+        prep = BUILDERS[layout](policy, ids, world if layout != "dpo_single" else 1, cpu)
+        local, total = prep.loss()
+        prep.engine.backward(local) if prep.engine else local.backward()
+        return prep, float(total)
+
+    single, expect = run("dpo_single", copy.deepcopy(model))
+    grads = {n: p.grad for n, p in single.model["policy"].named_parameters()}
+    tsp, tsp_loss = run("dpo_tsp_long", copy.deepcopy(model))
+    alst, alst_loss = run("dpo_alst", model)
+    errs = {"tsp loss": abs(tsp_loss - expect) / expect}
+    errs["alst loss"] = abs(alst_loss - expect) / expect
+    for name, g in full_grads(tsp.model["policy"]).items():
+        errs[f"tsp {name}"] = ((g - grads[name]).abs().max() / grads[name].abs().max()).item()
+    for name, p in alst.model["policy"].named_parameters():
+        g = safe_get_full_grad(p) - grads[name]
+        errs[f"alst {name}"] = (g.abs().max() / grads[name].abs().max()).item()
+    errs["host"] = alst.host_store.held + tsp.host_store.held
+    errs["single loss"] = expect
+    return errs
+
+
+def test_dpo_layouts_are_exact():
+    """DPO on the ALST path as the benchmarks assemble it, and under TSP's longest-context
+    options: the loss and every policy gradient of one process, in float32."""
+    from tsp_ext.testing.launch import run_processes
+
+    for errs in run_processes(_dpo_gradient_errors, 2, timeout=180):
+        assert errs.pop("host") == 0
+        assert errs.pop("single loss") == pytest.approx(0.6931471805599453, rel=1e-6)  # log 2
+        assert len(errs) == 2 + 2 * (2 + 9 + 1), sorted(errs)
+        assert max(errs.values()) < 1e-5, errs
+
+
 def test_maxlen_table_has_ratios_to_alst():
     from benchmarks.maxlen import markdown
 
