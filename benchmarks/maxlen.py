@@ -2,6 +2,7 @@
 
     python -m benchmarks.maxlen --devices 2 4 --budget-mib 256 --layouts tsp ulysses tp
     python -m benchmarks.maxlen --devices 2 --budget-mib 256 --time-at 2048 --json out.json
+    python -m benchmarks.maxlen --devices 2 --budget-mib 64 --layouts dpo_tsp_long dpo_alst
 
 For each layout and device count D: the longest sequence S (a multiple of ``--granule`` x 2D)
 for which one full training step (forward, backward, AdamW update) keeps every rank's memory
@@ -10,7 +11,9 @@ memory is what the step needs on the device: its parameters and optimizer state 
 rise above them (gradients, saved activations, transients; the harness's ``peak_delta``), not
 the process's fixed cost (Python, libraries). Each probe is one harness measurement (a warm-up
 step, then the measured one) in fresh processes. ``--time-at S`` also times every layout at
-one common S (median of 3 steps).
+one common S (median of 3 steps). For the DPO layouts (``dpo_layouts``) S is each sequence's
+length: a step trains a chosen and a rejected sequence and runs both through the reference.
+Ratios are to ``alst``, or to ``dpo_alst`` when DPO layouts are measured.
 
 Prints a markdown table; ``--json`` writes the rows with every probe.
 """
@@ -130,6 +133,11 @@ def markdown(rows: list[dict], versus: str = "alst") -> str:
     return "\n".join(lines)
 
 
+def baseline(layouts: list[str]) -> str:
+    """The layout the table's ratios are to: ALST, or DPO on the ALST path for DPO layouts."""
+    return "dpo_alst" if any(name.startswith("dpo_") for name in layouts) else "alst"
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--devices", type=int, nargs="+", default=[2])
@@ -160,7 +168,7 @@ def main(argv=None) -> None:
             f"no layout trains even S = {2 * args.granule * min(args.devices)} within "
             f"{args.budget_mib} MiB per rank: raise --budget-mib or lower --granule"
         )
-    print(markdown(rows))
+    print(markdown(rows, versus=baseline(args.layouts)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -12,8 +12,8 @@ forward (policy, and the reference under ``no_grad``), the peak of tensor bytes 
 the step (profiler allocation events, the resident weights and optimizer state excluded), the
 parameters' bytes (policy + reference) and the step time (median of ``--steps``, after one warm-up
 step; forward + backward of ``compute_loss``). Times are ratios of the ``trl`` row's at the same S,
-measured in one run. (DPO on the ALST path, Ulysses + ZeRO-3, is not measured: no such run is
-built yet.)
+measured in one run. DPO on the ALST path (Ulysses + ZeRO-3) and the longest S under one budget:
+``python -m benchmarks.maxlen --layouts dpo_tsp_long dpo_alst`` (``dpo_layouts``).
 """
 
 from __future__ import annotations

@@ -89,16 +89,59 @@ def test_big_llama_table_is_its_json_and_the_state_follows_from_the_shape():
     assert {round(r["final_eval_loss"], 4) for r in runs.values()} == {8.8667}
 
 
+def _searched(runs: list[dict]) -> None:
+    """Each row's longest S is within the budget and every longer probe was over it."""
+    for run in runs:
+        assert run["bytes_at_max"] <= run["budget_bytes"]
+        above = [p for p in run["probes"] if p["seq_len"] > run["max_seq_len"]]
+        assert all(p["bytes"] is None or p["bytes"] > run["budget_bytes"] for p in above)
+
+
 def test_maxlen_table_is_its_json():
     from benchmarks.maxlen import markdown
 
     runs = json.loads((RESULTS / "maxlen_cpu.json").read_text())
     text = (ROOT / "docs" / "benchmarks.md").read_text()
     assert markdown(runs) in text  # the table maxlen printed, as it printed it
-    for run in runs:
-        assert run["bytes_at_max"] <= run["budget_bytes"]
-        above = [p for p in run["probes"] if p["seq_len"] > run["max_seq_len"]]
-        assert all(p["bytes"] is None or p["bytes"] > run["budget_bytes"] for p in above)
+    _searched(runs)
+
+
+def test_dpo_maxlen_numbers_are_their_json():
+    """docs/preference.md's DPO lengths against ALST: the table, the one-process length, and the
+    fixed parts and per-token growth from the D = 4 probes at S = 4096 and 8192."""
+    from benchmarks.maxlen import markdown
+
+    runs = json.loads((RESULTS / "dpo_maxlen_cpu.json").read_text())
+    [single] = json.loads((RESULTS / "dpo_single_maxlen_cpu.json").read_text())
+    text = (ROOT / "docs" / "preference.md").read_text()
+    assert markdown(runs, versus="dpo_alst") in text
+    _searched([*runs, single])
+    flat = " ".join(text.split())
+    mib = lambda n: f"{n / 2**20:.1f}"  # noqa: E731
+    assert f"fits S = {single['max_seq_len']} ({mib(single['bytes_at_max'])} MiB)" in flat
+    probes = {
+        (r["layout"], r["devices"]): {p["seq_len"]: p["bytes"] for p in r["probes"]} for r in runs
+    }
+    tsp, alst = probes["dpo_tsp_long", 4], probes["dpo_alst", 4]
+    rise = {k: p[8192] - p[4096] for k, p in (("tsp", tsp), ("alst", alst))}
+    assert (
+        f"the fixed part is {mib(tsp[4096] - rise['tsp'])} MiB for TSP against "
+        f"{mib(alst[4096] - rise['alst'])} MiB, and the working sets grow by "
+        f"{rise['tsp'] / 4096 / 1024:.2f} against {rise['alst'] / 4096 / 1024:.2f} KiB" in flat
+    )
+    d2 = probes["dpo_alst", 2][1024], probes["dpo_tsp_long", 2][1024]
+    assert f"ALST holds {mib(d2[0])} MiB already at S = 1024, where TSP holds {mib(d2[1])}" in flat
+    rows = {(r["layout"], r["devices"]): r for r in runs}
+    ratio = lambda key, d: f"{rows['dpo_tsp_long', d][key] / rows['dpo_alst', d][key]:.2f}"  # noqa: E731
+    (l2, l4), (t2, t4) = [(ratio(k, 2), ratio(k, 4)) for k in ("max_seq_len", "step_seconds")]
+    assert f"**{l2}× (D = 2) and {l4}× (D = 4) the length of DPO on the ALST path**" in flat
+    assert f"takes {t2}× (D = 2) and {t4}× (D = 4) the ALST step's time" in flat
+    summary = f"TSP {l2}× (D = 2) and {l4}× (D = 4) ALST's length, in {t2}× / {t4}× its step"
+    assert summary in " ".join((ROOT / "docs" / "benchmarks.md").read_text().split())
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert (
+        f"on {l2}× (D = 2) and {l4}× (D = 4) the sequence length of DPO on the ALST path" in readme
+    )
 
 
 def test_demo_numbers_are_its_json_and_the_parameters_follow_from_the_shape():
