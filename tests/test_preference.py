@@ -314,6 +314,8 @@ def errors_worker(rank, world, tmp):
     if rank == world - 1:  # one rank's batch: all ranks raise
         inputs["completion_mask"][3] = 0
     msgs["empty"] = error_message(lambda: good.compute_loss(good.model, inputs))
+    odd = {k: v[:3] if rank == 0 else v for k, v in inputs.items()}  # 2 chosen, 1 rejected
+    msgs["odd"] = error_message(lambda: good.compute_loss(good.model, odd))
     ids = inputs["input_ids"].clone()
     ids[0, 0] = (ids[0, 0] + rank) % V  # another full batch on each rank
     msgs["different"] = error_message(
@@ -329,6 +331,7 @@ def test_dpo_bad_input_is_refused_on_every_rank(workers, tmp):
         assert "policy's TSP group" in msgs["ref"]
         assert msgs["copy"] is True
         assert "rejected sequence of pair 1 has no completion tokens" in msgs["empty"]
+        assert "TSP rank 0 of 2: the batch has 3 sequences" in msgs["odd"]  # rank 1 too
         assert "the TSP ranks got different full batches" in msgs["different"]
 
 

@@ -153,11 +153,17 @@ def _adapter_made_already(peft_model: nn.Module):
 
 
 def _check_pairs(inputs: dict) -> None:
-    """Every sequence of the batch has completion tokens (collective: on every rank at once)."""
+    """The batch is ``[chosen; rejected]`` pairs and every sequence has completion tokens
+    (collective: on every rank at once)."""
     mask = inputs["completion_mask"]
     empty = (mask.sum(dim=1) == 0).nonzero().flatten().tolist()
     error = None
-    if empty:
+    if mask.shape[0] % 2:
+        error = (
+            f"the batch has {mask.shape[0]} sequences, but DPO's are [chosen; rejected] with as "
+            "many of each: give every prompt one chosen and one rejected completion"
+        )
+    elif empty:
         half = mask.shape[0] // 2
         which = "chosen" if empty[0] < half else "rejected"
         error = (
