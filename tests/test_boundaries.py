@@ -47,3 +47,22 @@ def test_subpackages_are_attributes_after_import_tsp_ext():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["tsp_ext.checkpoint.training", "initialize"]
     assert {"checkpoint", "deepspeed", "fsdp", "planner"} <= set(dir(tsp_ext))
+
+
+def test_inference_uses_the_modules_public_api():
+    """hf/inference.py runs prefill and decode through the modules' public ``prefill`` /
+    ``decode``: it imports no private name and reaches into no private attribute."""
+    import ast
+    from pathlib import Path
+
+    import tsp_ext.hf.inference as inference
+
+    tree = ast.parse(Path(inference.__file__).read_text())
+    imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names]
+    assert imported and not [n for n in imported if n.startswith("_")], imported
+    private = [
+        n.attr
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")
+    ]
+    assert not private, private

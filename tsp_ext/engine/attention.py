@@ -546,6 +546,29 @@ def tsp_attention_backward(
     return dx.to(dy.dtype), d_own, d_norm, d_lora, d_b_out
 
 
+def tsp_attention_prefill(
+    x: torch.Tensor,
+    phases,
+    weights: dict[str, torch.Tensor],
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    spec: AttentionSpec,
+    group,
+    options: EngineOptions,
+    kv_sink: Callable[[int, torch.Tensor, torch.Tensor], None],
+    key_valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Inference: the forward schedule of a prompt's tokens ``x [B, S'/D, h]`` (zigzag, one
+    causal stream) with nothing kept for backward; ``Y_p [B, S'/D, h]`` (no o bias).
+    ``weights``: the head-group shards, adapters merged; ``kv_sink`` and ``key_valid`` as in
+    ``tsp_attention_forward``."""
+    sched = _Schedule(spec, group, options, x)
+    y, *_ = tsp_attention_forward(
+        sched, x, phases, weights, q_norm, k_norm, keep=False, kv_sink=kv_sink, key_valid=key_valid
+    )
+    return y
+
+
 class _TSPAttentionFunction(torch.autograd.Function):
     """Autograd boundary of the schedule: saves only local tensors, re-communicates in backward.
     Inputs after the norms: o's replicated LoRA B (or None), the ``n_lora`` replicated LoRA A's,

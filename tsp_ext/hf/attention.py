@@ -2,7 +2,8 @@
 
 The schedule itself (broadcast of head-group weights, K/V all-gather, hand-written backward) is
 ``tsp_ext.engine.attention``; this module holds the shards under the Hugging Face names, slices
-them from a Hugging Face module and checks the call.
+them from a Hugging Face module and checks the call. ``prefill`` / ``decode`` are its inference
+steps with a KV cache (``hf.inference`` runs the layers through them).
 """
 
 from __future__ import annotations
@@ -15,9 +16,12 @@ from torch import nn
 
 from ..config import TSPConfig
 from ..engine import comm
-from ..engine.attention import AttentionSpec, tsp_attention
+from ..engine.attention import AttentionSpec, tsp_attention, tsp_attention_prefill
+from ..engine.decode import decode_attention, row_parallel
 from ..engine.documents import query_spans
 from ..engine.layout import ZigzagLayout
+from ..engine.pointwise import rope_phases
+from ..engine.qkv import project_qkv
 from .lora import adapters_of, plan_of
 from .nf4 import storage
 from .sharding import Role, ShardedModule
@@ -157,6 +161,73 @@ class TSPAttention(ShardedModule):
         if self.q_proj.bias is not None:
             own.update(bq=self.q_proj.bias, bk=self.k_proj.bias, bv=self.v_proj.bias)
         return own
+
+    def _qk_norms(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if self.q_norm is None:
+            return None, None
+        return self.q_norm.weight, self.k_norm.weight
+
+    def _with_o_bias(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.o_proj.bias is None else y + self.o_proj.bias
+
+    @torch.no_grad()
+    def prefill(
+        self,
+        x: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        cache_layer,
+        prompt_len: int,
+        key_valid: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Inference: attention of this rank's prompt tokens ``x [B, S'/D, h]`` (zigzag, the
+        prompt right-padded to S'); the all-gathered K/V of this rank's own head group, first
+        ``prompt_len`` tokens, go to ``cache_layer`` (a ``TSPCacheLayer``) at no extra traffic.
+        ``key_valid [B, S']`` (bool) hides left-padded keys. Returns ``[B, S'/D, h]``."""
+        p = dist.get_rank(self.group)
+
+        def keep(r: int, k_all: torch.Tensor, v_all: torch.Tensor) -> None:
+            if r == p:
+                index = torch.arange(prompt_len, device=x.device)
+                cache_layer.update(
+                    k_all[:, :prompt_len].transpose(1, 2),
+                    v_all[:, :prompt_len].transpose(1, 2),
+                    index,
+                )
+
+        cos, sin = position_embeddings
+        y = tsp_attention_prefill(
+            x, rope_phases(cos, sin, x.dtype), self._own(merged=True), *self._qk_norms(),
+            self.spec, self.group, self.options, keep, key_valid,
+        )  # fmt: skip
+        return self._with_o_bias(y)
+
+    @torch.no_grad()
+    def decode(
+        self,
+        x: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        cache_layer,
+        q_index: torch.Tensor,
+        valid: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Inference: TP attention of a decode step's tokens ``x [B, Tq, h]`` (the same on every
+        rank) at global indices ``q_index [Tq]`` over this rank's cached heads, whose new K/V join
+        ``cache_layer``; ``valid [B, L + Tq]`` (bool) marks the non-padding tokens. Returns
+        ``[B, Tq, h]``, the same on every rank."""
+        cos, sin = position_embeddings
+        own = self._own(merged=True)
+        phases = rope_phases(cos, sin, x.dtype)
+        q, kv, _ = project_qkv(x, own, phases, *self._qk_norms(), self.spec)
+        keys, values = cache_layer.update(*kv.chunk(2, dim=1), q_index)
+        index = cache_layer.token_index
+        allowed = (index[None, :] <= q_index[:, None])[None]  # [1, Tq, L_p]
+        if valid is not None:
+            allowed = allowed & valid[:, None, index]
+        a = decode_attention(
+            q, keys.transpose(1, 2), values.transpose(1, 2), allowed, self.spec, self.group
+        )
+        y = row_parallel(a.flatten(2), own["wo"], self.group, self.options.accum_for(x.dtype))
+        return self._with_o_bias(y)
 
     def forward(
         self,

@@ -20,19 +20,9 @@ import torch.nn.functional as F
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..engine import comm
-from ..engine.attention import _Schedule, tsp_attention_forward
-from ..engine.decode import (
-    decode_attention,
-    decode_mlp,
-    gather_vocab_logits,
-    row_parallel,
-    vocab_embedding,
-)
+from ..engine.decode import gather_vocab_logits, vocab_embedding
 from ..engine.layout import ZigzagLayout, pad_sequence, padded_length
-from ..engine.pointwise import rope_phases
-from ..engine.qkv import project_qkv
-from .attention import TSPAttention
-from .cache import TSPCache, TSPCacheLayer
+from .cache import TSPCache
 from .vocab import TSPVocabEmbedding, TSPVocabLMHead
 
 # keyword arguments generate() passes that the inference forward accepts and ignores
@@ -56,60 +46,12 @@ def check_same_on_all_ranks(ids: torch.Tensor, mask: torch.Tensor | None, group)
         )
 
 
-def _prefill_attention(attn: TSPAttention, x, cos, sin, layer: TSPCacheLayer, key_valid, S: int):
-    """TSP attention of the local prompt tokens ``x [B, S'/D, h]``; rank p's step p hands its
-    all-gathered K/V (first ``S`` tokens, the real prompt) to the cache."""
-    sched = _Schedule(attn.spec, attn.group, attn.options, x)
-    p = sched.p
-
-    def keep(r: int, k_all: torch.Tensor, v_all: torch.Tensor) -> None:
-        if r == p:
-            index = torch.arange(S, device=x.device)
-            layer.update(k_all[:, :S].transpose(1, 2), v_all[:, :S].transpose(1, 2), index)
-
-    qn, kn = _qk_norms(attn)
-    y, *_ = tsp_attention_forward(
-        sched,
-        x,
-        rope_phases(cos, sin, x.dtype),
-        attn._own(merged=True),
-        qn,
-        kn,
-        keep=False,
-        kv_sink=keep,
-        key_valid=key_valid,
-    )
-    return y if attn.o_proj.bias is None else y + attn.o_proj.bias
-
-
-def _decode_attention(attn: TSPAttention, x, cos, sin, layer: TSPCacheLayer, q_index, valid):
-    """TP attention of the replicated step tokens ``x [B, Tq, h]`` at global indices
-    ``q_index [Tq]``; ``valid [B, L + Tq]`` (bool) or None marks the non-padding tokens."""
-    spec, own = attn.spec, attn._own(merged=True)
-    q, kv, _ = project_qkv(x, own, rope_phases(cos, sin, x.dtype), *_qk_norms(attn), spec)
-    keys, values = layer.update(*kv.chunk(2, dim=1), q_index)
-    index = layer.token_index
-    allowed = (index[None, :] <= q_index[:, None])[None]  # [1, Tq, L_p]
-    if valid is not None:
-        allowed = allowed & valid[:, None, index]
-    a = decode_attention(q, keys.transpose(1, 2), values.transpose(1, 2), allowed, spec, attn.group)
-    acc = attn.options.accum_for(x.dtype)
-    y = row_parallel(a.flatten(2), own["wo"], attn.group, acc)
-    return y if attn.o_proj.bias is None else y + attn.o_proj.bias
-
-
-def _qk_norms(attn: TSPAttention):
-    if attn.q_norm is None:
-        return None, None
-    return attn.q_norm.weight, attn.k_norm.weight
-
-
 def _layers(model, x, pos, run_attention, run_mlp):
     """The decoder stack on ``x``: pre-norm attention and MLP with residuals (Llama family)."""
     decoder = model.model
-    cos, sin = decoder.rotary_emb(x, pos)
+    rope = decoder.rotary_emb(x, pos)
     for i, block in enumerate(decoder.layers):
-        x = x + run_attention(i, block.self_attn, block.input_layernorm(x), cos, sin)
+        x = x + run_attention(i, block.self_attn, block.input_layernorm(x), rope)
         x = x + run_mlp(block.mlp, block.post_attention_layernorm(x))
     return decoder.norm(x)
 
@@ -127,8 +69,8 @@ def _prefill(model, ids, mask, pos, cache: TSPCache) -> torch.Tensor:
     if mask is not None and not mask.all():
         key_valid = pad_sequence(mask.bool(), D, False)
 
-    def attention(i, attn, h, cos, sin):
-        return _prefill_attention(attn, h, cos, sin, cache.layers[i], key_valid, S)
+    def attention(i, attn, h, rope):
+        return attn.prefill(h, rope, cache.layers[i], S, key_valid)
 
     x = _layers(model, x, pos, attention, lambda mlp, h: mlp(h))
     # the last prompt token (global index S-1) lives on one rank: broadcast it
@@ -159,13 +101,10 @@ def _decode(model, ids, mask, pos, cache: TSPCache) -> torch.Tensor:
     else:
         x = emb(ids)
 
-    def attention(i, attn, h, cos, sin):
-        return _decode_attention(attn, h, cos, sin, cache.layers[i], q_index, valid)
+    def attention(i, attn, h, rope):
+        return attn.decode(h, rope, cache.layers[i], q_index, valid)
 
-    def mlp(m, h):
-        return decode_mlp(h, *m.inference_weights(), m.group, m.options.accum_for(h.dtype))
-
-    return _layers(model, x, pos, attention, mlp)
+    return _layers(model, x, pos, attention, lambda mlp, h: mlp.decode(h))
 
 
 def _logits(model, h: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ from torch import nn
 
 from ..config import TSPConfig
 from ..engine import comm
+from ..engine.decode import decode_mlp
 from ..engine.mlp import tsp_mlp
 from ..engine.partition import check_split, split_range, split_sizes
 from .lora import adapters_of, plan_of
@@ -88,7 +89,10 @@ class TSPGatedMLP(ShardedModule):
             pieces["b_down"] = comm.replicated(adapted["down_proj"].b, self.group)
         return tsp_mlp(x, *w, self.group, self.options, self.sizes, plan, pieces)
 
-    def inference_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Gate, up, down shards with active LoRA adapters added (local)."""
+    @torch.no_grad()
+    def decode(self, x: torch.Tensor) -> torch.Tensor:
+        """Inference: the MLP of tokens ``x [B, Tq, h]`` that every rank holds (a decode step),
+        tensor-parallel over the slices (active LoRA adapters merged); the same on every rank."""
         projs = (self.gate_proj, self.up_proj, self.down_proj)
-        return tuple(p.merged_weight() if hasattr(p, "merged_weight") else p.weight for p in projs)
+        w = (p.merged_weight() if hasattr(p, "merged_weight") else p.weight for p in projs)
+        return decode_mlp(x, *w, self.group, self.options.accum_for(x.dtype))
