@@ -66,3 +66,34 @@ def test_inference_uses_the_modules_public_api():
         if isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")
     ]
     assert not private, private
+
+
+def test_llama_structure_is_named_only_in_the_family_table():
+    """apply, inference, FSDP2 and loading find a model's parts through ``hf.families``: none of
+    them names a Llama attribute (``model.layers``, ``self_attn``, ``q_proj``, ...) itself."""
+    import ast
+    from pathlib import Path
+
+    from tsp_ext.hf.families import LLAMA
+
+    names = {
+        LLAMA.attention, LLAMA.embedding, LLAMA.rotary, LLAMA.attention_norm, LLAMA.mlp_norm,
+        *LLAMA.attention_projections, *LLAMA.mlp_projections,
+    }  # fmt: skip
+    root = Path(tsp_ext.__file__).parent
+    for path in ("hf/apply.py", "hf/inference.py", "dp/fsdp.py", "checkpoint/loading.py"):
+        tree = ast.parse((root / path).read_text())
+        docstrings = {
+            id(n.body[0].value)
+            for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef))
+            and n.body
+            and isinstance(n.body[0], ast.Expr)
+        }
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Attribute):
+                assert n.attr not in names, (path, n.lineno, n.attr)
+                chain = isinstance(n.value, ast.Attribute) and n.value.attr == LLAMA.base
+                assert not (chain and n.attr == LLAMA.layers), (path, n.lineno)
+            if isinstance(n, ast.Constant) and id(n) not in docstrings:
+                assert not (isinstance(n.value, str) and n.value in names), (path, n.lineno)

@@ -75,7 +75,8 @@ def load_pretrained(
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name not in files:
-                if name == "lm_head.weight" and getattr(hf_config, "tie_word_embeddings", False):
+                head = f"{model.tsp.family.lm_head}.weight"
+                if name == head and getattr(hf_config, "tie_word_embeddings", False):
                     continue  # tied: filled through embed_tokens
                 raise ValueError(f"{path} has no tensor {name!r}")
             index = local_index(model, name)
@@ -88,8 +89,7 @@ def load_pretrained(
 
 def _reset_rotary(model: nn.Module, device) -> None:
     """Recompute non-persistent buffers (RoPE frequencies), which ``to_empty`` left undefined."""
-    for name, mod in model.named_modules():
-        if name.endswith("rotary_emb"):
-            parent, _, child = name.rpartition(".")
-            fresh = type(mod)(config=model.config).to(device)
-            setattr(model.get_submodule(parent), child, fresh)
+    family = model.tsp.family
+    base = family.base_of(model)
+    stale = getattr(base, family.rotary)
+    setattr(base, family.rotary, type(stale)(config=model.config).to(device))

@@ -39,7 +39,7 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, **fully_shard_kwargs) -> nn.
     if getattr(model, "tsp", None) is None:
         apply_tsp(model, mesh)
     hf = peft_base(model) or model  # a PEFT model: its Hugging Face model is the FSDP root
-    for layer in hf.model.layers:
+    for layer in hf.tsp.family.layers_of(hf):
         fully_shard(layer, mesh=mesh["dp"], **fully_shard_kwargs)
     fully_shard(hf, mesh=mesh["dp"], **fully_shard_kwargs)
     return model

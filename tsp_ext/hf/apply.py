@@ -35,10 +35,9 @@ from ..mesh import init_tsp_mesh, tsp_group
 from .attention import TSPAttention
 from .causal_lm import TSPCausalLMLoss, check_inputs
 from .checkpointing import HostStore, enable_layer_checkpointing
+from .families import Family, family_of, supported_names
 from .generate import tsp_forward, tsp_generate
 from .lora import (
-    ATTENTION,
-    MLP,
     attach_adapters,
     check_adapters_agree,
     check_peft_model,
@@ -51,13 +50,6 @@ from .nf4 import quantize_projections
 from .replicated import TSPEmbedding, TSPLMHead, TSPRMSNorm, replicated_vectors
 from .vocab import TSPVocabEmbedding, TSPVocabLMHead
 
-# Families checked against this implementation; others with the same structure are accepted.
-SUPPORTED_MODELS = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
 # The attention implementation name a TSP model reports: transformers builds no mask for it.
 ATTN_IMPLEMENTATION = "tsp"
 # RoPE variants whose cos/sin depend on the token's position only (not on the sequence seen)
@@ -71,6 +63,7 @@ class TSPState:
     mesh: DeviceMesh
     group: dist.ProcessGroup
     config: TSPConfig  # as applied: ``tsp_size`` is the mesh's
+    family: Family  # where the model keeps its parts (``hf.families``)
     hf_config_values: dict  # config fields apply_tsp changed, as they were (for export)
     bucketed: tuple[str, ...] = ()  # replicated vectors whose gradients share one all-reduce
     host_store: HostStore | None = None  # the offloaded layer checkpoints (offload_checkpoints)
@@ -118,7 +111,7 @@ def apply_tsp(
     if base is not None:
         adapter = check_peft_model(model)
         model = base
-    check_supported(model)
+    family = check_supported(model)
     size = tsp_size or config.tsp_size
     if mesh is None:
         if size is None:
@@ -133,25 +126,28 @@ def apply_tsp(
     if adapter is not None:
         check_adapters_agree(peft_model, group)
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
-    decoder = model.model
-    for layer in decoder.layers:
-        taken = detach_adapters(layer.self_attn, ATTENTION)
-        layer.self_attn = TSPAttention.from_hf(layer.self_attn, group, config)
-        attach_adapters(layer.self_attn, taken, adapter)
-        taken = detach_adapters(layer.mlp, MLP)
-        layer.mlp = TSPGatedMLP.from_hf(layer.mlp, group, config)
-        attach_adapters(layer.mlp, taken, adapter)
-        layer.input_layernorm = TSPRMSNorm.from_hf(layer.input_layernorm, group)
-        layer.post_attention_layernorm = TSPRMSNorm.from_hf(layer.post_attention_layernorm, group)
-    decoder.norm = TSPRMSNorm.from_hf(decoder.norm, group)
+    f = family
+    for layer in f.layers_of(model):
+        for name, projections, tsp_class in (
+            (f.attention, f.attention_projections, TSPAttention),
+            (f.mlp, f.mlp_projections, TSPGatedMLP),
+        ):
+            taken = detach_adapters(getattr(layer, name), projections)
+            setattr(layer, name, tsp_class.from_hf(getattr(layer, name), group, config))
+            attach_adapters(getattr(layer, name), taken, adapter)
+        for name in (f.attention_norm, f.mlp_norm):
+            setattr(layer, name, TSPRMSNorm.from_hf(getattr(layer, name), group))
+    base = f.base_of(model)
+    setattr(base, f.final_norm, TSPRMSNorm.from_hf(getattr(base, f.final_norm), group))
+    embedding, head = getattr(base, f.embedding), getattr(model, f.lm_head)
     if config.shard_vocab:
-        tied = model.lm_head.weight is decoder.embed_tokens.weight
-        decoder.embed_tokens = TSPVocabEmbedding.from_hf(decoder.embed_tokens, group)
-        tied_to = decoder.embed_tokens if tied else None
-        model.lm_head = TSPVocabLMHead.from_hf(model.lm_head, group, config, tied_to)
+        tied = head.weight is embedding.weight
+        embedding = TSPVocabEmbedding.from_hf(embedding, group)
+        head = TSPVocabLMHead.from_hf(head, group, config, embedding if tied else None)
     else:
-        decoder.embed_tokens = TSPEmbedding.from_hf(decoder.embed_tokens, group)
-        model.lm_head = TSPLMHead.from_hf(model.lm_head, group)
+        embedding, head = TSPEmbedding.from_hf(embedding, group), TSPLMHead.from_hf(head, group)
+    setattr(base, f.embedding, embedding)
+    setattr(model, f.lm_head, head)
 
     for name, param in model.named_parameters():  # the TSP modules' shards start trainable
         if name in frozen:
@@ -170,7 +166,7 @@ def apply_tsp(
     model.config._attn_implementation = ATTN_IMPLEMENTATION
     model.config.use_cache = False  # training calls keep no cache; generate passes a TSPCache
     model.loss_function = TSPCausalLMLoss(group)
-    model.tsp = TSPState(mesh, group, replace(config, tsp_size=D), changed)
+    model.tsp = TSPState(mesh, group, replace(config, tsp_size=D), family, changed)
     model.tsp = replace(model.tsp, bucketed=replicated_vectors(model))
     if config.checkpoint_layers:
         store = enable_layer_checkpointing(model, config.offload_checkpoints)
@@ -196,36 +192,35 @@ def _save_adapter(peft_model, save_directory, **kwargs) -> None:
     save_adapter(peft_model, save_directory)
 
 
-def check_supported(model: nn.Module) -> None:
-    """Raise ``ValueError`` naming the reason if ``model`` cannot be run under TSP."""
+def check_supported(model: nn.Module) -> Family:
+    """Raise ``ValueError`` naming the reason if ``model`` cannot be run under TSP; else return
+    its family (``hf.families``)."""
     name = type(model).__name__
     cfg = getattr(model, "config", None)
-    decoder = getattr(model, "model", None)
-    layers = getattr(decoder, "layers", None)
-    if cfg is None or layers is None or not hasattr(model, "lm_head"):
-        raise ValueError(
-            f"{name} is not a Hugging Face decoder-only causal LM (expected .model.layers and "
-            f".lm_head); supported: {', '.join(SUPPORTED_MODELS)} and models of the same structure"
-        )
-    for i, layer in enumerate(layers):
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if attn is None or not all(
-            hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")
-        ):
+    family = f = family_of(model)
+    if cfg is None:
+        raise ValueError(f"{name} has no config: not a Hugging Face causal LM")
+    for i, layer in enumerate(f.layers_of(model)):
+        attn, mlp = getattr(layer, f.attention, None), getattr(layer, f.mlp, None)
+        if attn is None or not all(hasattr(attn, n) for n in f.attention_projections):
             raise ValueError(
-                f"{name} layer {i}: attention without q/k/v/o projections is not supported"
+                f"{name} layer {i}: attention without {'/'.join(f.attention_projections)} is "
+                "not supported"
             )
-        if mlp is None or not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+        if mlp is None or not all(hasattr(mlp, n) for n in f.mlp_projections):
             kind = "mixture-of-experts" if hasattr(mlp, "experts") else "non-gated"
-            raise ValueError(f"{name} layer {i}: {kind} MLPs are not supported (need gate/up/down)")
-        for norm in ("input_layernorm", "post_attention_layernorm"):
+            raise ValueError(
+                f"{name} layer {i}: {kind} MLPs are not supported (need "
+                f"{'/'.join(f.mlp_projections)})"
+            )
+        for norm in (f.attention_norm, f.mlp_norm):
             module = getattr(layer, norm, None)
             if not hasattr(module, "variance_epsilon"):
                 raise ValueError(
                     f"{name} (model_type={getattr(cfg, 'model_type', None)!r}) layer {i}: "
                     f"{norm} is a {type(module).__name__}, not a Llama-style RMSNorm "
-                    "(x / rms(x) * weight, with variance_epsilon); supported: "
-                    f"{', '.join(SUPPORTED_MODELS)} and models of the same structure"
+                    f"(x / rms(x) * weight, with variance_epsilon); supported: "
+                    f"{supported_names()} and models of the same structure"
                 )
     if (
         getattr(cfg, "use_sliding_window", True)
@@ -249,6 +244,7 @@ def check_supported(model: nn.Module) -> None:
     if rope_type not in _POSITION_ONLY_ROPE:
         # e.g. dynamic NTK: its scaling depends on the largest position each rank sees
         raise ValueError(f"{name}: rope type {rope_type!r} is not supported under TSP")
+    return family
 
 
 def _check_layout(cfg, D: int) -> None:

@@ -99,8 +99,8 @@ class TSPCache(Cache):
     """
 
     def __init__(self, model) -> None:
-        layers = model.model.layers
-        spec = layers[0].self_attn.spec
+        layers = model.tsp.family.layers_of(model)
+        spec = _attention(model, layers[0]).spec
         D, p = comm.size_and_rank(model.tsp.group)
         self.layout = (D, p, len(layers), spec.n_kv_heads, spec.head_dim)
         c = spec.kv_replicas
@@ -108,8 +108,8 @@ class TSPCache(Cache):
 
     def check_layout(self, model) -> None:
         """Raise ``ValueError`` if this cache was built for another TSP layout or model."""
-        layers = model.model.layers
-        spec = layers[0].self_attn.spec
+        layers = model.tsp.family.layers_of(model)
+        spec = _attention(model, layers[0]).spec
         D, p = comm.size_and_rank(model.tsp.group)
         here = (D, p, len(layers), spec.n_kv_heads, spec.head_dim)
         if here != self.layout:
@@ -121,3 +121,7 @@ class TSPCache(Cache):
     def kv_bytes(self) -> int:
         """Bytes of the keys and values this rank caches, all layers."""
         return sum(layer.nbytes() for layer in self.layers)
+
+
+def _attention(model, layer):
+    return getattr(layer, model.tsp.family.attention)

@@ -16,6 +16,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .families import family_of
+
 
 class _Offloaded:
     """One saved tensor in host memory: a pinned tensor (CUDA) or a RAM-backed file (CPU); a
@@ -121,7 +123,7 @@ def enable_layer_checkpointing(model: nn.Module, offload: bool) -> HostStore | N
     """Checkpoint every decoder layer of ``model`` (Hugging Face ``GradientCheckpointingLayer``s)
     in training; returns the host store of the offloaded inputs (None without offload)."""
     store = HostStore() if offload else None
-    for layer in model.model.layers:
+    for layer in family_of(model).layers_of(model):
         layer.gradient_checkpointing = True
         layer._gradient_checkpointing_func = checkpoint_layer(store)
     return store

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..engine import comm
@@ -47,13 +48,18 @@ def check_same_on_all_ranks(ids: torch.Tensor, mask: torch.Tensor | None, group)
 
 
 def _layers(model, x, pos, run_attention, run_mlp):
-    """The decoder stack on ``x``: pre-norm attention and MLP with residuals (Llama family)."""
-    decoder = model.model
-    rope = decoder.rotary_emb(x, pos)
-    for i, block in enumerate(decoder.layers):
-        x = x + run_attention(i, block.self_attn, block.input_layernorm(x), rope)
-        x = x + run_mlp(block.mlp, block.post_attention_layernorm(x))
-    return decoder.norm(x)
+    """The decoder stack on ``x`` (each layer as its family runs one) and the final norm."""
+    family = model.tsp.family
+    base = family.base_of(model)
+    rope = getattr(base, family.rotary)(x, pos)
+    for i, layer in enumerate(family.layers_of(model)):
+        attention = lambda attn, h, i=i: run_attention(i, attn, h, rope)  # noqa: E731
+        x = family.layer_forward(layer, x, attention, run_mlp)
+    return getattr(base, family.final_norm)(x)
+
+
+def _embedding(model) -> nn.Module:
+    return getattr(model.tsp.family.base_of(model), model.tsp.family.embedding)
 
 
 def _prefill(model, ids, mask, pos, cache: TSPCache) -> torch.Tensor:
@@ -62,8 +68,8 @@ def _prefill(model, ids, mask, pos, cache: TSPCache) -> torch.Tensor:
     D, p = comm.size_and_rank(group)
     B, S = ids.shape
     lay = ZigzagLayout(padded_length(S, D), D)
-    pad_id = model.model.embed_tokens.padding_idx or 0
-    x = model.model.embed_tokens(lay.shard(pad_sequence(ids, D, pad_id), p))
+    emb = _embedding(model)
+    x = emb(lay.shard(pad_sequence(ids, D, emb.padding_idx or 0), p))
     pos = lay.shard(pad_sequence(pos.expand(B, -1), D, 0), p)
     key_valid = None
     if mask is not None and not mask.all():
@@ -94,7 +100,7 @@ def _decode(model, ids, mask, pos, cache: TSPCache) -> torch.Tensor:
         raise ValueError(
             f"attention_mask covers {valid.shape[1]} tokens, the cache and the new tokens {L + Tq}"
         )
-    emb = model.model.embed_tokens
+    emb = _embedding(model)
     if isinstance(emb, TSPVocabEmbedding):
         first = emb.local_index("weight")[0].start
         x = vocab_embedding(ids, emb.weight, first, emb.group)
@@ -108,7 +114,7 @@ def _decode(model, ids, mask, pos, cache: TSPCache) -> torch.Tensor:
 
 
 def _logits(model, h: torch.Tensor) -> torch.Tensor:
-    head = model.lm_head
+    head = getattr(model, model.tsp.family.lm_head)
     if isinstance(head, TSPVocabLMHead):
         return gather_vocab_logits(h, head.weight, head.offsets, head.group)
     return F.linear(h, head.weight, head.bias)

@@ -34,6 +34,7 @@ from torch import nn
 from ..engine import comm
 from ..engine.agreement import agree
 from ..engine.lora import LoraPlan
+from .families import family_of
 from .sharding import Role, ShardedModule
 
 PEFT_PREFIX = "base_model.model."  # a PeftModel's names: this + the Hugging Face model's
@@ -41,8 +42,6 @@ ADAPTER_MARK = ".lora_"  # in the name of every LoRA parameter (``q_proj.lora_A.
 # the projections TSP shards, by side: output rows (B sharded) / input columns (A sharded)
 ROW_SHARDED = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 COL_SHARDED = ("o_proj", "down_proj")
-ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP = ("gate_proj", "up_proj", "down_proj")
 
 
 def peft_base(model: nn.Module) -> nn.Module | None:
@@ -90,10 +89,11 @@ def check_peft_model(peft_model: nn.Module) -> str:
     if getattr(config, "bias", "none") != "none":
         raise ValueError(f"bias={config.bias!r} is not supported under TSP: use bias='none'")
     base = peft_model.get_base_model()
+    family = family_of(base)
     allowed = {
         id(getattr(block, p))
-        for layer in base.model.layers
-        for block, names in ((layer.self_attn, ATTENTION), (layer.mlp, MLP))
+        for layer in family.layers_of(base)
+        for block, names in family.projection_blocks(layer)
         for p in names
         if hasattr(block, p)
     }
@@ -101,7 +101,8 @@ def check_peft_model(peft_model: nn.Module) -> str:
         if is_lora_layer(module) and id(module) not in allowed:
             raise ValueError(
                 f"LoRA on {module_name} is not supported under TSP: target only "
-                f"{', '.join(ATTENTION + MLP)} (not the embedding, the LM head or other modules)"
+                f"{', '.join(family.attention_projections + family.mlp_projections)} (not the "
+                "embedding, the LM head or other modules)"
             )
         if is_lora_layer(module):
             variants = getattr(module, "lora_variant", {})
@@ -381,8 +382,9 @@ def fold_on_shards(peft_model: nn.Module) -> None:
         )
     base = peft_model.get_base_model()
     check_adapters_agree(peft_model, base.tsp.group)
-    for layer in base.model.layers:
-        for block, names in ((layer.self_attn, ATTENTION), (layer.mlp, MLP)):
+    family = base.tsp.family
+    for layer in family.layers_of(base):
+        for block, names in family.projection_blocks(layer):
             attach_adapters(block, detach_adapters(block, names), adapter, on_shards=init)
 
 

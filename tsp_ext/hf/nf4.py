@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from ..engine import nf4
-from .lora import ATTENTION, MLP, TSPLoraLinear
+from .families import family_of
+from .lora import TSPLoraLinear
 
 
 class NF4Linear(nn.Module):
@@ -48,8 +49,9 @@ def storage(proj: nn.Module) -> torch.Tensor:
 def quantize_projections(hf_model: nn.Module) -> None:
     """Replace every projection shard of a TSP model's decoder layers (the base layer of a LoRA
     projection) by its ``NF4Linear``."""
-    for layer in hf_model.model.layers:
-        for block, names in ((layer.self_attn, ATTENTION), (layer.mlp, MLP)):
+    family = family_of(hf_model)
+    for layer in family.layers_of(hf_model):
+        for block, names in family.projection_blocks(layer):
             for name in names:
                 proj = getattr(block, name)
                 if isinstance(proj, TSPLoraLinear):
