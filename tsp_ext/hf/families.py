@@ -4,9 +4,10 @@ family, read by ``apply_tsp``, inference, FSDP2 and loading alike.
 A ``Family`` names the attributes of the model (base model, layers, embedding, final norm,
 rotary embedding, LM head) and of each decoder layer (attention and its projections, MLP and its
 projections, the norms before attention and MLP), and runs a decoder layer's residual structure
-(``layer_forward``). Adding a family with the same layer structure is one entry in ``FAMILIES``
-(and its parity tests, ``tests/models.py``); ``family_of`` takes a model whose class is not listed
-but whose parts are where the Llama description says as that structure.
+(``layer_forward``). A family with this layer structure under other model-level names is one
+entry in ``FAMILIES`` (and its parity tests, ``tests/models.py``); the TSP modules themselves still
+read Llama's projection names. ``family_of`` takes a model whose class is not listed but whose
+parts are where the Llama description says as that structure.
 """
 
 from __future__ import annotations
