@@ -32,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 from .layouts import (
     IGNORE_INDEX,
     Prepared,
+    _contiguous_shard,
     _long_context,
     _sp_inputs,
     register_ulysses,
@@ -141,7 +142,7 @@ def build_dpo_alst(model, ids, world, device) -> Prepared:
     group = mpu.get_sequence_parallel_group()
     rank = dist.get_rank(group)
     inputs, _ = _sp_inputs(pair["input_ids"], world, rank)
-    labels = shifted_labels(pair["labels"]).chunk(world, dim=1)[rank].contiguous()
+    labels = _contiguous_shard(shifted_labels(pair["labels"]), world, rank)
 
     def loss():
         with torch.no_grad():

@@ -11,6 +11,7 @@ import pytest
 import torch
 from checks import error_message, rel_err
 from models import LORA_TARGETS, batch, build
+from test_trainer import ZERO2
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -333,16 +334,6 @@ def test_dpo_bad_input_is_refused_on_every_rank(workers, tmp):
         assert "rejected sequence of pair 1 has no completion tokens" in msgs["empty"]
         assert "TSP rank 0 of 2: the batch has 3 sequences" in msgs["odd"]  # rank 1 too
         assert "the TSP ranks got different full batches" in msgs["different"]
-
-
-ZERO2 = {
-    "zero_optimization": {"stage": 2},
-    "train_batch_size": "auto",
-    "train_micro_batch_size_per_gpu": "auto",
-    "gradient_accumulation_steps": "auto",
-    "gradient_clipping": "auto",
-    "tsp": {"size": 2},
-}
 
 
 def dp_worker(rank, world, tmp, data_parallel, batch_size):

@@ -26,6 +26,14 @@ def _device(group: dist.ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
+def checksum(t: torch.Tensor) -> int:
+    """An order-sensitive integer checksum of an integer tensor: a fact that tells two ranks'
+    batches apart."""
+    flat = t.reshape(-1).long()
+    weights = torch.arange(flat.numel(), device=flat.device) % 1009 + 1
+    return int((flat * weights).sum())
+
+
 def agree(error: str | None, facts: list[int], group: dist.ProcessGroup) -> torch.Tensor:
     """Every rank's ``facts`` as ``[D, len(facts)]`` int64 (CPU), once no rank has an error.
 

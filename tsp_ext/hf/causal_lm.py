@@ -13,7 +13,7 @@ from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..engine import comm
-from ..engine.agreement import agree
+from ..engine.agreement import agree, checksum
 from ..engine.documents import check_chunks, local_error, query_spans
 from ..engine.layout import IGNORE_INDEX, ZigzagLayout
 from .attention import SPANS_KWARG
@@ -188,7 +188,7 @@ def check_shards(
     D, p = comm.size_and_rank(state.group)
     error, facts = _local_error(args, kwargs, model.config.vocab_size, D, p)
     if full_batch is not None:
-        facts = facts + [_checksum(full_batch[k]) for k in sorted(full_batch)]
+        facts = facts + [checksum(full_batch[k]) for k in sorted(full_batch)]
     table = agree(error, facts, state.group)
     if (table[:, :2] != table[0, :2]).any():
         rows = enumerate(table[:, :2].tolist())
@@ -207,13 +207,6 @@ def check_shards(
     if table[:, 2].any():  # per-document positions somewhere: do the chunks fit together?
         check_chunks(pos, layout, state.group)
     return {**kwargs, SPANS_KWARG: query_spans(pos, layout, p)}
-
-
-def _checksum(t: torch.Tensor) -> int:
-    """An order-sensitive integer checksum of an integer tensor (tells batches apart)."""
-    flat = t.reshape(-1).long()
-    weights = torch.arange(flat.numel(), device=flat.device) % 1009 + 1
-    return int((flat * weights).sum())
 
 
 def _local_error(

@@ -15,12 +15,12 @@ from the attention mask, as for a single-process model) or the global token indi
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..engine import comm
+from ..engine.agreement import agree, checksum
 from ..engine.decode import gather_vocab_logits, vocab_embedding
 from ..engine.layout import ZigzagLayout, pad_sequence, padded_length
 from .cache import TSPCache
@@ -31,16 +31,11 @@ _IGNORED = {"use_cache", "return_dict", "output_attentions", "output_hidden_stat
 
 
 def check_same_on_all_ranks(ids: torch.Tensor, mask: torch.Tensor | None, group) -> None:
-    """Raise ``ValueError`` unless every rank got the same ``ids`` (and mask): one all-reduce of a
-    few integers (shape, sum, position-weighted sum), max and min at once."""
-    weights = torch.arange(1, ids.numel() + 1, device=ids.device).view(ids.shape)
-    stats = [ids.shape[0], ids.shape[1], ids.sum(), (ids.long() * weights).sum()]
-    if mask is not None:
-        stats += [mask.long().sum(), (mask.long() * weights[:, :1]).sum()]
-    v = torch.stack([torch.as_tensor(s, dtype=torch.long, device=ids.device) for s in stats])
-    both = torch.cat([v, -v])
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    if not torch.equal(both[: len(v)], -both[len(v) :]):
+    """Raise ``ValueError`` on every rank unless every rank got the same ``ids`` (and mask):
+    their shapes and checksums, compared in one all-gather (``agree``)."""
+    facts = [*ids.shape, checksum(ids), -1 if mask is None else checksum(mask)]
+    table = agree(None, facts, group)
+    if (table != table[0]).any():
         raise ValueError(
             "the ranks of the TSP group got different input_ids (or attention_mask): give every "
             "rank the full, identical prompt (and sample with the same seed; TSP generate syncs it)"

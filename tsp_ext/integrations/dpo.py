@@ -109,10 +109,10 @@ def _fold_reference(ref: nn.Module | None, policy: nn.Module, mesh) -> nn.Module
         return None
     base = peft_base(policy) or policy
     state = getattr(ref, "tsp", None)
+    ref.requires_grad_(False)  # before folding: apply_tsp keeps frozen parameters frozen
     if state is None:
-        ref.requires_grad_(False)
-        config = replace(base.tsp.config, checkpoint_layers=False, offload_checkpoints=False)
-        apply_tsp(ref, mesh, config=replace(config, quantize_base=None))
+        frozen = dict(checkpoint_layers=False, offload_checkpoints=False, quantize_base=None)
+        apply_tsp(ref, mesh, config=replace(base.tsp.config, **frozen))
     else:
         ranks = dist.get_process_group_ranks
         if ranks(state.group) != ranks(base.tsp.group):
@@ -121,7 +121,6 @@ def _fold_reference(ref: nn.Module | None, policy: nn.Module, mesh) -> nn.Module
                 f"group is {ranks(base.tsp.group)}: pass the reference before apply_tsp (the "
                 "trainer folds it on the policy's mesh) or apply_tsp it on the same mesh"
             )
-        ref.requires_grad_(False)
     return ref.eval()
 
 
