@@ -37,6 +37,23 @@ FAMILIES = {
         dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=None),
     ),
     "qwen2": (Qwen2ForCausalLM, Qwen2Config, dict(num_attention_heads=4, num_key_value_heads=1)),
+    # sliding windows: every layer (Mistral), the second layer only (Qwen2's layer_types)
+    "mistral_window": (
+        MistralForCausalLM,
+        MistralConfig,
+        dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=6),
+    ),
+    "qwen2_window": (
+        Qwen2ForCausalLM,
+        Qwen2Config,
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            use_sliding_window=True,
+            sliding_window=4,
+            max_window_layers=1,
+        ),
+    ),
     "qwen3": (
         Qwen3ForCausalLM,
         Qwen3Config,

@@ -43,7 +43,12 @@ def errors_worker(rank, world):
     return {
         "gpt2": error_message(lambda: apply_tsp(gpt2, mesh)),
         "moe": error_message(lambda: apply_tsp(mixtral, mesh)),
-        "sliding": error_message(lambda: apply_tsp(build("mistral", sliding_window=64), mesh)),
+        "window_1": error_message(lambda: apply_tsp(build("mistral", sliding_window=1), mesh)),
+        "layer_types": error_message(
+            lambda: apply_tsp(
+                build("qwen2", layer_types=["full_attention", "chunked_attention"]), mesh
+            )
+        ),
         "gelu": error_message(lambda: apply_tsp(build("llama", hidden_act="gelu"), mesh)),
         "heads": error_message(
             lambda: apply_tsp(
@@ -95,7 +100,8 @@ def messages(workers):
     [
         ("gpt2", "GPT2LMHeadModel is not a Hugging Face decoder-only causal LM"),
         ("moe", "mixture-of-experts MLPs are not supported"),
-        ("sliding", "sliding-window attention (sliding_window=64) is not supported"),
+        ("window_1", "layer 0: sliding_window=1; TSP supports windows of 2 or more tokens"),
+        ("layer_types", "layer types ['chunked_attention'] are not supported"),
         ("gelu", "hidden_act='gelu'"),
         ("heads", "the largest valid TSP size is 1"),
         ("world", "tsp_size=3 does not divide the world size 2"),

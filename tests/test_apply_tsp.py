@@ -23,8 +23,9 @@ pytestmark = pytest.mark.multiproc
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 # (family, dtype, batch, seq_len, right-padding of the last sequence, variant); 21 and 30 need
-# padding. Variants: "" vocab-sharded (the default) with a loss block smaller than the local
-# tokens; "pad_id" with an embedding padding row; "replicated" with TSPConfig(shard_vocab=False)
+# padding; windowed layers run at S = 5-12x their window. Variants: "" vocab-sharded (the
+# default) with a loss block smaller than the local tokens; "pad_id" with an embedding padding
+# row; "replicated" with TSPConfig(shard_vocab=False)
 CASES = [
     ("llama", torch.float64, 2, 21, 0, ""),
     ("llama_tied", torch.float64, 2, 16, 3, ""),
@@ -32,6 +33,9 @@ CASES = [
     ("mistral", torch.float64, 1, 30, 0, ""),
     ("qwen2", torch.float64, 2, 24, 5, ""),
     ("qwen3", torch.float64, 2, 21, 0, ""),
+    ("mistral_window", torch.float64, 2, 30, 0, ""),
+    ("qwen2_window", torch.float64, 2, 40, 5, ""),
+    ("mistral_window", torch.float32, 1, 48, 0, ""),
     ("llama", torch.float32, 2, 24, 0, ""),
     ("qwen2", torch.float32, 1, 21, 0, ""),
     ("llama", torch.float64, 2, 21, 0, "replicated"),

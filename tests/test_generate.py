@@ -20,7 +20,8 @@ pytestmark = pytest.mark.multiproc
 NEW = 64  # new tokens per greedy case
 # (family, dtype, batch, prompt length, left padding of the first prompt, TSPConfig overrides):
 # MHA (llama_tied), GQA (llama, mistral, qwen3), one KV head (qwen2: D > n_kv at D = 2, 4; llama
-# at D = 4), prompt lengths that are not multiples of 2·D, a replicated vocabulary
+# at D = 4), prompt lengths that are not multiples of 2·D, a replicated vocabulary, sliding windows
+# (every layer, one layer of two)
 CASES = [
     ("llama", torch.float64, 2, 21, 5, {}),
     ("llama_tied", torch.float32, 1, 13, 0, {}),
@@ -28,6 +29,8 @@ CASES = [
     ("qwen2", torch.float64, 1, 30, 0, {}),
     ("qwen3", torch.float32, 2, 21, 4, {}),
     ("llama", torch.float32, 1, 11, 0, {"shard_vocab": False}),
+    ("mistral_window", torch.float64, 2, 21, 5, {}),  # prompt and decode past the window
+    ("qwen2_window", torch.float32, 1, 19, 0, {}),
 ]
 
 
@@ -178,6 +181,8 @@ def test_kv_cache_and_weights_are_one_dth(workers, world):
         model = build(family, dtype)
         c = max(world // model.config.num_key_value_heads, 1)
         tokens = S + NEW - 1  # the last generated token is never fed back
+        if family == "mistral_window":  # layer 0 keeps the last window - 1 tokens, as HF's
+            tokens = model.config.sliding_window - 1
         for run in runs:  # a KV head's replicas split its tokens by blocks of KV_BLOCK
             assert abs(run[key]["cached_tokens"] - tokens / c) <= KV_BLOCK, (key, run[key])
         if c == 1:

@@ -30,11 +30,14 @@ def doc_positions(rows: tuple[list[int], ...]) -> torch.Tensor:
     return torch.stack([torch.cat([torch.arange(n) for n in lens]) for lens in rows])
 
 
-def allowed(pos: torch.Tensor) -> torch.Tensor:
-    """``[B, S, S]`` bool block-diagonal causal mask of packed rows."""
+def allowed(pos: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """``[B, S, S]`` bool block-diagonal causal mask of packed rows (query i sees keys ``(i -
+    window, i]`` of its document under a sliding window)."""
     n = pos.shape[1]
     doc = (pos == 0).cumsum(1)
     causal = torch.ones(n, n, dtype=torch.bool).tril()
+    if window is not None:
+        causal &= torch.ones(n, n, dtype=torch.bool).triu(1 - window)
     return (doc[:, :, None] == doc[:, None, :]) & causal
 
 
@@ -77,8 +80,9 @@ def test_query_spans_reject_bad_positions():
 # --- kernels -------------------------------------------------------------------------------
 
 
-def check_kernel(name, D, p, dtype=torch.float64, device="cpu", tol=1e-12, d=8):
-    """Chunked attention on document spans vs an explicit masked softmax (in float64), two rows."""
+def check_kernel(name, D, p, dtype=torch.float64, device="cpu", tol=1e-12, d=8, window=None):
+    """Chunked attention on document spans vs an explicit masked softmax (in float64), two rows;
+    under a sliding window too."""
     pos = doc_positions(([7, 1, 15, 3, 6], [1, 12, 19]))  # 32 tokens
     n, lay = pos.shape[1], ZigzagLayout(pos.shape[1], D)
     gen = torch.Generator().manual_seed(0)
@@ -90,11 +94,11 @@ def check_kernel(name, D, p, dtype=torch.float64, device="cpu", tol=1e-12, d=8):
     k, v = rand(2, n, 2, d), rand(2, n, 2, d)
     spans = query_spans(lay.shard(pos, p), lay, p)
     kernel = BACKENDS[name]
-    out, lse = chunked_attention_forward(kernel, q, spans, k, v, 0.3)
-    dq, dk, dv = chunked_attention_backward(kernel, dout, q, spans, k, v, out, lse, 0.3)
+    out, lse = chunked_attention_forward(kernel, q, spans, k, v, 0.3, window)
+    dq, dk, dv = chunked_attention_backward(kernel, dout, q, spans, k, v, out, lse, 0.3, window)
 
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
-    mask = lay.shard(allowed(pos), p).to(device)  # [B, S/D, S]: this rank's query rows
+    mask = lay.shard(allowed(pos, window), p).to(device)  # [B, S/D, S]: this rank's queries
     s = torch.einsum("bthd,bshd->bhts", qr, kr.repeat_interleave(2, 2)) * 0.3
     s = s.masked_fill(~mask[:, None], float("-inf"))
     ref = torch.einsum("bhts,bshd->bthd", s.softmax(-1), vr.repeat_interleave(2, 2))
@@ -112,6 +116,14 @@ def test_kernels_match_block_diagonal_dense(name, D, p):
     check_kernel(name, D, p)
 
 
+@pytest.mark.parametrize("name", ["cpu_flash", "blockwise"])
+@pytest.mark.parametrize("D,p", [(1, 0), (2, 1), (4, 2)])
+@pytest.mark.parametrize("window", [2, 3, 5, 8, 40])
+def test_kernels_match_sliding_window_dense(name, D, p, window):
+    """Windows shorter than a chunk, than a document, and longer than the row."""
+    check_kernel(name, D, p, window=window)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["cuda_flash", "cuda_cudnn", "cuda_efficient", "flash_attn"])
@@ -121,7 +133,8 @@ def test_cuda_kernels_match_block_diagonal_dense(name, dtype):
         pytest.skip(f"{name} cannot run {dtype} here")
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     for D, p in [(1, 0), (2, 1), (4, 3)]:
-        check_kernel(name, D, p, dtype, "cuda", tol, d=64)
+        for window in (None, 3, 8):
+            check_kernel(name, D, p, dtype, "cuda", tol, d=64, window=window)
 
 
 @pytest.mark.parametrize("name", ["cuda_flash", "cuda_cudnn", "cuda_efficient"])
@@ -153,13 +166,23 @@ CASES = [  # (family, dtype, backend, rows)
     ("llama", torch.float64, "blockwise", DOCS),
     ("llama", torch.float32, "cpu_flash", DOCS),
     ("llama", torch.float32, "blockwise", DOCS[:1]),
+    ("mistral_window", torch.float64, "cpu_flash", DOCS),  # windows within each document
+    ("qwen2_window", torch.float64, "blockwise", DOCS),
 ]
 
 
 def reference(model, data):
-    """The single-process model with the block-diagonal causal 4D mask and the same positions."""
+    """The single-process model with the block-diagonal causal 4D mask and the same positions
+    (one per layer type: each windowed layer sees its window of its document)."""
     model.zero_grad()
+    window = getattr(model.config, "sliding_window", None)
     mask = allowed(data["position_ids"])[:, None]
+    if window is not None:
+        windowed = allowed(data["position_ids"], window)[:, None]
+        kinds = getattr(model.config, "layer_types", None) or ["sliding_attention"]
+        mask = {"full_attention": mask, "sliding_attention": windowed}
+        if len(set(kinds)) == 1:
+            mask = mask[kinds[0]]
     out = model(input_ids=data["input_ids"], position_ids=data["position_ids"], attention_mask=mask)
     loss = lm_loss(out.logits, data["labels"])
     loss.backward()

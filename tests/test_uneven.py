@@ -42,6 +42,10 @@ MODELS = {
     "qwen2_14_2": ("qwen2", dict(num_attention_heads=14, num_key_value_heads=2, hidden_size=112)),
     "qwen3_12_4": ("qwen3", dict(num_attention_heads=12, num_key_value_heads=4, head_dim=8)),
     "mistral_6_6": ("mistral", dict(num_attention_heads=6, num_key_value_heads=6, hidden_size=48)),
+    "mistral_w_6_2": (
+        "mistral_window",
+        dict(num_attention_heads=6, num_key_value_heads=2, hidden_size=48, sliding_window=5),
+    ),
     "tied_6_3": ("llama_tied", dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=48)),
 }
 # (model, dtype, batch, seq_len, right-padding of the last sequence)
@@ -50,6 +54,7 @@ CASES = [
     ("qwen2_14_2", torch.float64, 1, 24, 4),
     ("qwen3_12_4", torch.float64, 2, 18, 0),
     ("mistral_6_6", torch.float64, 1, 20, 0),
+    ("mistral_w_6_2", torch.float64, 2, 33, 3),  # S = 6-7x the window
     ("tied_6_3", torch.float64, 2, 16, 3),
     ("llama_9_3", torch.float32, 1, 24, 0),
 ]

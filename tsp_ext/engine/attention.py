@@ -50,6 +50,7 @@ from .masked_attention import masked_chunked_attention
 from .options import EngineOptions
 from .pointwise import add_matmul, from_saved, matmul, rope_phases, to_save
 from .qkv import project_qkv, project_qkv_backward, split_kv, stacked_weights
+from .window import WindowExchange
 
 # Names of the k/v part of one head group's shards (summed among the users of a shared KV head).
 _KV = ("wk", "wv", "bk", "bv", "lk", "lv")
@@ -57,8 +58,10 @@ _KV = ("wk", "wv", "bk", "bv", "lk", "lv")
 
 class _Schedule:
     """One call's fixed context: group, layout, query spans (default: the zigzag chunks; packed
-    documents: ``engine.documents.query_spans``), spec, options, LoRA plan and the shards that
-    get gradients (``trainable``, set by the autograd function)."""
+    documents: ``engine.documents.query_spans``), spec, options, LoRA plan, the shards that
+    get gradients (``trainable``, set by the autograd function) and how K/V travel: the
+    all-gather, or under a sliding window the ``WindowExchange`` of the keys each rank's queries
+    see (unless ``gather_all``: a prefill keeps every key of its group as its KV cache)."""
 
     def __init__(
         self,
@@ -68,6 +71,7 @@ class _Schedule:
         x: torch.Tensor,
         q_spans=None,
         lora: LoraPlan | None = None,
+        gather_all: bool = False,
     ):
         self.spec, self.group, self.options = spec, group, options
         self.lora = lora or LoraPlan()
@@ -79,6 +83,7 @@ class _Schedule:
         self.layout = ZigzagLayout.from_local(x.shape[1], self.D)
         stream = self.layout.spans(self.p)
         self.q_spans = stream if q_spans is None else q_spans
+        self.exchange = None if gather_all else WindowExchange.for_layout(self.layout, spec.window)
         self.acc = options.accum_for(x.dtype)
         self.dtype = x.dtype  # what NF4-packed shards (QLoRA's base) are dequantized to
         # packed documents and inference prefill change the kernels' shapes from call to call
@@ -183,7 +188,10 @@ class _Schedule:
         def start(item: tuple[int, dict[str, torch.Tensor]]) -> _Group:
             r, w = item
             projected = project(w)
-            kv_all, handle = comm.all_gather_seq(projected[1], self.group, async_op=True)
+            if self.exchange is None:
+                kv_all, handle = comm.all_gather_seq(projected[1], self.group, async_op=True)
+            else:
+                kv_all, handle = self.exchange.gather(projected[1], self.group)
             return _Group(self, r, w, projected, kv_all, handle)
 
         stream = self.weight_stream(own)
@@ -196,6 +204,21 @@ class _Schedule:
             del cur  # without overlap, group r's buffers go before group r+1's are made
             if r + 1 < self.D and not self.options.overlap:
                 nxt = start(next(stream))
+
+    def segments(self, gathered) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """K/V segments ``(base, K, V [B, L, hk, d])`` of what arrived (heads-major): one of
+        all S keys from the all-gather (``natural_kv``), or the window's key ranges."""
+        if self.exchange is None:
+            return [(0, *self.natural_kv(gathered))]
+        return [(base, *split_kv(kv)) for base, kv in gathered.segments()]
+
+    def scatter_kv(self, grads: list[tuple[torch.Tensor, torch.Tensor]]):
+        """Dual of the K/V exchange: dK, dV per segment -> ``(dkv [B, 2hk, T, d] in acc,
+        handle)``, this rank's rows summed over every rank that read them."""
+        if self.exchange is None:
+            return comm.reduce_scatter_seq(self.rank_major(*grads[0]), self.group, True)
+        heads_major = [torch.cat([dk, dv], dim=2).transpose(1, 2) for dk, dv in grads]
+        return self.exchange.scatter(heads_major, self.acc, self.group)
 
     def natural_kv(self, kv_all: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Gathered ``kv_all [D, B, 2hk, T, d]`` (rank-major, heads-major) -> K, V ``[B, S, hk,
@@ -229,13 +252,60 @@ class _Group:
         self.sched, self.r, self.w, self.projected = sched, r, w, projected
         self._kv_all, self._handle = kv_all, handle
 
-    def kv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Wait for the gather; K, V ``[B, S, n_kv(r), d]`` in token order (heads-major). The
-        local K/V it sent (``projected[1]``) is dropped: nothing reads it after the gather."""
+    def kv(self) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Wait for the exchange; ``(base, K, V [B, L, n_kv(r), d])`` segments in token order
+        (heads-major; all-gathered: one, base 0, L = S). The local K/V it sent
+        (``projected[1]``) is dropped: nothing reads it after the exchange."""
         self._handle.wait()
         kv_all, self._kv_all = self._kv_all, None
         self.projected = (self.projected[0], None, *self.projected[2:])
-        return self.sched.natural_kv(kv_all)
+        return self.sched.segments(kv_all)
+
+
+def _in_segment(q_spans, base: int, stop: int):
+    """The query spans whose keys lie in the segment ``[base, stop)``, in its coordinates."""
+
+    def shift(spans):
+        return tuple(
+            Span(s.offset, s.start - base, s.length, max(s.first_key - base, 0))
+            for s in spans
+            if base <= s.start and s.stop <= stop
+        )
+
+    if isinstance(q_spans, RowSpans):
+        return RowSpans(tuple(shift(row) for row in q_spans.rows))
+    return shift(q_spans)
+
+
+def segments_forward(kernel, q, q_spans, segments, scale: float, window: int | None):
+    """``chunked_attention_forward`` of ``q [B, T, Hq, d]`` over K/V ``segments`` ``(base, K,
+    V)``; a query's keys are all in one segment (rows of other segments' spans stay 0, -inf)."""
+    (base, k, v), *rest = segments
+    if base == 0 and not rest:
+        return chunked_attention_forward(kernel, q, q_spans, k, v, scale, window)
+    out = lse = None
+    for base, k, v in segments:
+        spans = _in_segment(q_spans, base, base + k.shape[1])
+        o, l = chunked_attention_forward(kernel, q, spans, k, v, scale, window)
+        out, lse = (o, l) if out is None else (out.add_(o), torch.maximum(lse, l))
+    return out, lse
+
+
+def segments_backward(kernel, da, q, q_spans, segments, a, lse, scale, window):
+    """Gradients of ``segments_forward``: dq and ``[(dK, dV)]`` per segment."""
+    dq, grads = None, []
+    for base, k, v in segments:
+        spans = (
+            q_spans
+            if len(segments) == 1 and base == 0
+            else _in_segment(q_spans, base, base + k.shape[1])
+        )
+        g_q, g_k, g_v = chunked_attention_backward(
+            kernel, da, q, spans, k, v, a, lse, scale, window
+        )
+        dq = g_q if dq is None else dq.add_(g_q)
+        grads.append((g_k, g_v))
+    return dq, grads
 
 
 def output_backward(
@@ -346,18 +416,19 @@ def tsp_attention_forward(
     for group in sched.projected_groups(own, project):
         r, w = group.r, group.w
         q = group.projected[0]  # heads-major already
-        k_all, v_all = group.kv()
+        segments = group.kv()
         del group
-        if kv_sink is not None:
-            kv_sink(r, k_all, v_all)
-        k_all, v_all = expand_kv(k_all, v_all, spec.kv_map(r))
+        if kv_sink is not None:  # a prefill: gathered all (``gather_all``)
+            kv_sink(r, *segments[0][1:])
+        segments = [(b, *expand_kv(k, v, spec.kv_map(r))) for b, k, v in segments]
         if key_valid is None:
-            a, lse = chunked_attention_forward(
-                sched.kernel, q, sched.q_spans, k_all, v_all, spec.scaling
+            a, lse = segments_forward(
+                sched.kernel, q, sched.q_spans, segments, spec.scaling, spec.window
             )
         else:
+            _, k_all, v_all = segments[0]
             a, lse = masked_chunked_attention(
-                q, sched.q_spans, k_all, v_all, key_valid, spec.scaling
+                q, sched.q_spans, k_all, v_all, key_valid, spec.scaling, spec.window
             )
         if keep:
             if lse_all is None:
@@ -367,7 +438,7 @@ def tsp_attention_forward(
         add_matmul(y.view(-1, y.shape[-1]), a.reshape(B * T, -1), sched.out_weight(w).t())
         if z is not None:
             add_matmul(z, sched.drop.apply(a.reshape(B * T, -1), (3, r)), w["lo"].t())
-        del q, k_all, v_all, a, lse  # before the next group's are made (without overlap)
+        del q, segments, a, lse  # before the next group's are made (without overlap)
     if z is not None:
         add_matmul(y.view(B * T, -1), z, (sched.lora.output * sched.b_out).t())
     return y.to(x.dtype), a_all, lse_all
@@ -501,17 +572,18 @@ def tsp_attention_backward(
             dy, sched.out_weight(w), a_all[:, heads], acc, "wo" in sched.trainable, lora
         )
         d_out = {n: t for n, t in (("wo", dwo), ("lo", d_lo)) if n in sched.trainable}
-        k_all, v_all = expand_kv(*group.kv(), spec.kv_map(r))
+        segments = [(b, *expand_kv(k, v, spec.kv_map(r))) for b, k, v in group.kv()]
         q, _, lin, weight = group.projected
         del group
         a = a_all[:, heads].transpose(1, 2)  # [B, T, n_q(r), d]
-        dq, dk_all, dv_all = chunked_attention_backward(
-            sched.kernel, da, q, sched.q_spans, k_all, v_all, a, lse_all[:, heads], spec.scaling
-        )
-        del k_all, v_all
+        dq, grads = segments_backward(
+            sched.kernel, da, q, sched.q_spans, segments, a, lse_all[:, heads], spec.scaling,
+            spec.window,
+        )  # fmt: skip
+        del segments
         hk = spec.n_kv(r)
-        dk_all, dv_all = (fold_kv(t, spec.kv_map(r), hk) for t in (dk_all, dv_all))
-        dkv, handle = comm.reduce_scatter_seq(sched.rank_major(dk_all, dv_all), sched.group, True)
+        grads = [tuple(fold_kv(t, spec.kv_map(r), hk) for t in pair) for pair in grads]
+        dkv, handle = sched.scatter_kv(grads)
         return r, w, weight, lin, dq, dkv, handle, d_out
 
     waiting = None  # the previous group's projection backward, run after this group's attention
@@ -562,7 +634,7 @@ def tsp_attention_prefill(
     causal stream) with nothing kept for backward; ``Y_p [B, S'/D, h]`` (no o bias).
     ``weights``: the head-group shards, adapters merged; ``kv_sink`` and ``key_valid`` as in
     ``tsp_attention_forward``."""
-    sched = _Schedule(spec, group, options, x)
+    sched = _Schedule(spec, group, options, x, gather_all=True)
     y, *_ = tsp_attention_forward(
         sched, x, phases, weights, q_norm, k_norm, keep=False, kv_sink=kv_sink, key_valid=key_valid
     )

@@ -9,6 +9,10 @@ and the square diagonal block ``[s, s+C)`` with ``is_causal=True``, where both a
 The transients are one chunk's outputs and gradients; nothing of size T x S exists. In a packed
 row (``engine.documents``) chunks are cut where documents start and a span's keys begin at its
 document's first key (``Span.first_key``): no call ever touches another document's keys.
+
+Under a sliding window (query i sees keys ``(i - window, i]``) a span is cut into blocks of
+window - 1 queries, each the diagonal (causal), the keys all its queries see (no mask) and the
+trailing band, a causal square read backwards: the kernels never see a window or a dense mask.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from .layout import RowSpans, Span
 from .lse import merge_partials, stats_dtype
 
 
-def _check(q: Tensor, q_spans: Sequence[Span], k: Tensor, v: Tensor) -> None:
+def _check(q: Tensor, q_spans: Sequence[Span], k: Tensor, v: Tensor, window) -> None:
+    if window is not None and window < 2:
+        raise ValueError(f"sliding window {window} must be >= 2 (a query and the key before it)")
     if k.shape != v.shape or k.shape[0] != q.shape[0] or q.shape[2] % k.shape[2]:
         raise ValueError(f"bad shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     for s in q_spans:
@@ -36,14 +42,84 @@ def _check(q: Tensor, q_spans: Sequence[Span], k: Tensor, v: Tensor) -> None:
             raise ValueError(f"{s} does not fit q {tuple(q.shape)} and k {tuple(k.shape)}")
 
 
-def _pieces(s: Span, one_call: bool) -> list[tuple[slice, bool]]:
-    """Key ranges of a query span and whether each is causal: all of ``[first_key, stop)`` if
-    ``one_call`` (a bottom-right kernel), else the diagonal, then the prefix ``[first_key, start)``
-    if not empty."""
+_FULL, _CAUSAL, _ANTI = "full", "causal", "anti"  # mask of a piece (see ``_call``)
+
+
+def _blocks(s: Span, one_call: bool, window: int | None):
+    """A query span's blocks of rows and their pieces: ``[(block, [(rows, keys, mask)])]``;
+    ``block`` and ``rows`` relative to the span's first row, ``keys`` by position, ``mask`` one
+    of full / causal / anti (``_forward``). The first piece of a block covers all its rows.
+
+    Full causal: one block; all of ``[first_key, stop)`` if ``one_call`` (a bottom-right kernel),
+    else the diagonal, then the prefix ``[first_key, start)`` if not empty. Sliding window (query
+    i sees keys ``(i - window, i]``): ``_window_blocks``."""
+    if window is not None:
+        return _window_blocks(s, one_call, window)
+    rows = slice(0, s.length)
     if one_call:
-        return [(slice(s.first_key, s.stop), True)]
-    prefix = [(slice(s.first_key, s.start), False)] if s.start > s.first_key else []
-    return [(slice(s.start, s.stop), True)] + prefix
+        return [(rows, [(rows, slice(s.first_key, s.stop), _CAUSAL)])]
+    prefix = [(rows, slice(s.first_key, s.start), _FULL)] if s.start > s.first_key else []
+    return [(rows, [(rows, slice(s.start, s.stop), _CAUSAL)] + prefix)]
+
+
+def _window_blocks(s: Span, one_call: bool, window: int):
+    """Blocks ``[a, a+C)`` of C <= window - 1 queries. A block's keys are three bands: the
+    diagonal ``[a, a+C)`` (causal); keys every query of the block sees, ``[a+C-window+1, a)``
+    (full); the trailing band ``[a-window+1, a+C-window]``, which query i sees from
+    ``i-window+1`` on: a causal square read backwards (anti). ``first_key`` cuts the trailing
+    band short; the queries that then see all that is left of it take it as a full piece."""
+    out = []
+    f = s.first_key
+    for i in range(0, s.length, window - 1):
+        a, C = s.start + i, min(window - 1, s.length - i)
+        rows = slice(i, i + C)
+        hi = a + C - window  # the trailing band's last key
+        first_seen = max(f, hi + 1)  # first key every query of the block sees
+        if one_call:
+            pieces = [(rows, slice(first_seen, a + C), _CAUSAL)]
+        else:
+            pieces = [(rows, slice(a, a + C), _CAUSAL)]
+            if first_seen < a:
+                pieces.append((rows, slice(first_seen, a), _FULL))
+        lo = max(f, a - window + 1)
+        if lo <= hi:
+            L = hi - lo + 1
+            if L < C:
+                pieces.append((slice(i, i + C - L), slice(lo, hi + 1), _FULL))
+            pieces.append((slice(i + C - L, i + C), slice(lo, hi + 1), _ANTI))
+        out.append((rows, pieces))
+    return out
+
+
+def _flip(*xs: Tensor) -> list[Tensor]:
+    """Reverse the token order of ``[B, L, H, d]`` tensors (and of ``lse [B, H, L]``)."""
+    return [x.flip(-1 if x.dim() == 3 else 1) for x in xs]
+
+
+def _forward(kernel: AttentionKernel, q, k, v, scale: float, mask: str):
+    """One kernel call on a piece. ``anti``: query j of the square sees keys j.. (the causal
+    square with queries and keys both reversed)."""
+    if mask != _ANTI:
+        return kernel.forward(q, k, v, scale, mask == _CAUSAL)
+    out, lse = kernel.forward(*_flip(q, k, v), scale, True)
+    return tuple(_flip(out, lse))
+
+
+def _backward(kernel: AttentionKernel, dout, q, k, v, out, lse, scale: float, mask: str):
+    """Gradients ``(dq, dk, dv)`` of ``_forward`` on a piece."""
+    if mask != _ANTI:
+        return kernel.backward(dout, q, k, v, out, lse, scale, mask == _CAUSAL)
+    return _flip(*kernel.backward(*_flip(dout, q, k, v, out, lse), scale, True))
+
+
+def _spread(o: Tensor, lse: Tensor, rows: slice, n: int) -> tuple[Tensor, Tensor]:
+    """A piece's ``o [B, r, H, d]``, ``lse [B, H, r]`` of ``rows`` as ``n`` rows (others empty)."""
+    if rows.stop - rows.start == n:
+        return o, lse
+    o_n = o.new_zeros(o.shape[0], n, *o.shape[2:])
+    lse_n = lse.new_full((*lse.shape[:2], n), float("-inf"))
+    o_n[:, rows], lse_n[:, :, rows] = o, lse
+    return o_n, lse_n
 
 
 def _per_row(fn, q_spans: RowSpans, *tensors: Tensor) -> tuple[Tensor, ...]:
@@ -61,6 +137,7 @@ def chunked_attention_forward(
     k: Tensor,
     v: Tensor,
     scale: float,
+    window: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Causal attention of local query chunks to keys in natural order.
 
@@ -69,34 +146,36 @@ def chunked_attention_forward(
             first_key)`` = rows ``[offset, offset+length)`` hold global positions ``[start,
             start+length)`` and see keys from ``first_key`` on. ``RowSpans``: per batch row.
         k, v: ``[B, S, Hk, d]``, key i at position i. A query sees keys at positions <= its own.
+        window: sliding window (query i sees keys ``(i - window, i]``, window >= 2) or None.
     Returns:
         out ``[B, T, Hq, d]`` (q's dtype), lse ``[B, Hq, T]`` (float32; float64 for float64).
     """
     if isinstance(q_spans, RowSpans):
 
         def fwd(spans, q, k, v):
-            return chunked_attention_forward(kernel, q, spans, k, v, scale)
+            return chunked_attention_forward(kernel, q, spans, k, v, scale, window)
 
         return _per_row(fwd, q_spans, q, k, v)
-    _check(q, q_spans, k, v)
+    _check(q, q_spans, k, v, window)
     B, T, hq, _ = q.shape
     out = torch.zeros_like(q)
     lse = torch.full((B, hq, T), float("-inf"), dtype=stats_dtype(q), device=q.device)
     one_call = kernel.one_call_causal(q.device, q.dtype)
     for s in q_spans:
-        if s.length == 0:
-            continue
-        rows = slice(s.offset, s.offset + s.length)
-        parts = [
-            kernel.forward(q[:, rows], k[:, keys], v[:, keys], scale, causal)
-            for keys, causal in _pieces(s, one_call)
-        ]
-        o, l = parts[0]
-        if len(parts) > 1:  # diagonal + prefix; lse [B, H, C] laid out like o [B, C, H, d]
-            o, l = merge_partials([(o_p, l_p.transpose(1, 2)) for o_p, l_p in parts])
-            l = l.transpose(1, 2)
-        out[:, rows] = o
-        lse[:, :, rows] = l
+        for block, pieces in _blocks(s, one_call, window) if s.length else ():
+            n = block.stop - block.start
+            parts = []
+            for r, keys, mask in pieces:
+                rows = slice(s.offset + r.start, s.offset + r.stop)
+                o, l = _forward(kernel, q[:, rows], k[:, keys], v[:, keys], scale, mask)
+                parts.append(_spread(o, l, slice(r.start - block.start, r.stop - block.start), n))
+            o, l = parts[0]
+            if len(parts) > 1:  # lse [B, H, C] laid out like o [B, C, H, d] to merge
+                o, l = merge_partials([(o_p, l_p.transpose(1, 2)) for o_p, l_p in parts])
+                l = l.transpose(1, 2)
+            rows = slice(s.offset + block.start, s.offset + block.stop)
+            out[:, rows] = o
+            lse[:, :, rows] = l
     return out, lse
 
 
@@ -110,6 +189,7 @@ def chunked_attention_backward(
     out: Tensor,
     lse: Tensor,
     scale: float,
+    window: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of ``chunked_attention_forward`` given its ``out`` and ``lse``.
 
@@ -121,26 +201,32 @@ def chunked_attention_backward(
     if isinstance(q_spans, RowSpans):
 
         def bwd(spans, dout, q, k, v, out, lse):
-            return chunked_attention_backward(kernel, dout, q, spans, k, v, out, lse, scale)
+            return chunked_attention_backward(
+                kernel, dout, q, spans, k, v, out, lse, scale, window
+            )
 
         return _per_row(bwd, q_spans, dout, q, k, v, out, lse)
-    _check(q, q_spans, k, v)
+    _check(q, q_spans, k, v, window)
     cdt = stats_dtype(q)
     dq = torch.zeros_like(q)
     dk = torch.zeros_like(k, dtype=cdt)  # k's memory layout, so the adds below are dense
     dv = torch.zeros_like(v, dtype=cdt)
     one_call = kernel.one_call_causal(q.device, q.dtype)
     for s in q_spans:
-        if s.length == 0:
-            continue
-        rows = slice(s.offset, s.offset + s.length)
-        args = (dout[:, rows], q[:, rows])
-        o_c, l_c = out[:, rows], lse[:, :, rows].contiguous()
-        dq_c = None
-        for keys, causal in _pieces(s, one_call):
-            g_q, g_k, g_v = kernel.backward(*args, k[:, keys], v[:, keys], o_c, l_c, scale, causal)
-            dq_c = g_q.to(cdt) if dq_c is None else dq_c + g_q
-            dk[:, keys] += g_k
-            dv[:, keys] += g_v
-        dq[:, rows] = dq_c
+        for block, pieces in _blocks(s, one_call, window) if s.length else ():
+            dq_b = None
+            for r, keys, mask in pieces:
+                rows = slice(s.offset + r.start, s.offset + r.stop)
+                o_c, l_c = out[:, rows], lse[:, :, rows].contiguous()
+                g_q, g_k, g_v = _backward(
+                    kernel, dout[:, rows], q[:, rows], k[:, keys], v[:, keys], o_c, l_c, scale,
+                    mask,
+                )  # fmt: skip
+                if dq_b is None:  # the first piece covers the block
+                    dq_b = g_q.to(cdt)
+                else:
+                    dq_b[:, r.start - block.start : r.stop - block.start] += g_q
+                dk[:, keys] += g_k
+                dv[:, keys] += g_v
+            dq[:, s.offset + block.start : s.offset + block.stop] = dq_b
     return dq, dk, dv

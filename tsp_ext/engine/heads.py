@@ -31,6 +31,7 @@ class AttentionSpec:
     tsp_size: int
     scaling: float
     qk_norm_eps: float | None = None  # per-head RMSNorm on q and k (Qwen3), else None
+    window: int | None = None  # sliding window: query i sees keys (i - window, i]; None: causal
 
     def __post_init__(self) -> None:
         D = self.tsp_size
@@ -38,6 +39,8 @@ class AttentionSpec:
             raise ValueError(
                 f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}"
             )
+        if self.window is not None and self.window < 2:
+            raise ValueError(f"sliding window {self.window} must be >= 2")
         if not 1 <= D <= self.n_heads:
             raise ValueError(
                 f"tsp_size={D} but the model has n_heads={self.n_heads}: every TSP rank needs at "

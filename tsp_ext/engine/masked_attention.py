@@ -51,6 +51,7 @@ def masked_chunked_attention(
     v: torch.Tensor,
     key_valid: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of local query chunks to keys in natural order, hiding padded keys.
 
@@ -61,6 +62,7 @@ def masked_chunked_attention(
         key_valid: ``[B, S]`` bool, False for padding. A query sees the valid keys at positions
             <= its own, and always itself (a padded query then stays finite; no real query
             ever sees it).
+        window: sliding window (a query sees keys ``(i - window, i]``) or None.
     Returns:
         out ``[B, T, Hq, d]`` (q's dtype) and lse ``[B, Hq, T]`` (``stats_dtype``).
     """
@@ -73,6 +75,8 @@ def masked_chunked_attention(
         q_pos = torch.arange(s.start, s.stop, device=q.device)[:, None]  # [C, 1]
         k_pos = torch.arange(s.stop, device=q.device)[None]  # [1, stop]
         allowed = (k_pos <= q_pos) & (key_valid[:, None, : s.stop] | (k_pos == q_pos))
+        if window is not None:
+            allowed &= k_pos > q_pos - window
         rows = slice(s.offset, s.offset + s.length)
         o, l = partial_attention(q[:, rows], k[:, : s.stop], v[:, : s.stop], allowed, scale)
         out[:, rows], lse[:, :, rows] = o.to(q.dtype), l

@@ -128,12 +128,13 @@ def apply_tsp(
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     f = family
     for layer in f.layers_of(model):
-        for name, projections, tsp_class in (
-            (f.attention, f.attention_projections, TSPAttention),
-            (f.mlp, f.mlp_projections, TSPGatedMLP),
+        window = f.sliding_window(getattr(layer, f.attention))
+        for name, projections, tsp_class, extra in (
+            (f.attention, f.attention_projections, TSPAttention, {"window": window}),
+            (f.mlp, f.mlp_projections, TSPGatedMLP, {}),
         ):
             taken = detach_adapters(getattr(layer, name), projections)
-            setattr(layer, name, tsp_class.from_hf(getattr(layer, name), group, config))
+            setattr(layer, name, tsp_class.from_hf(getattr(layer, name), group, config, **extra))
             attach_adapters(getattr(layer, name), taken, adapter)
         for name in (f.attention_norm, f.mlp_norm):
             setattr(layer, name, TSPRMSNorm.from_hf(getattr(layer, name), group))
@@ -222,17 +223,17 @@ def check_supported(model: nn.Module) -> Family:
                     f"(x / rms(x) * weight, with variance_epsilon); supported: "
                     f"{supported_names()} and models of the same structure"
                 )
-    if (
-        getattr(cfg, "use_sliding_window", True)
-        and getattr(cfg, "sliding_window", None) is not None
-    ):
+        window = f.sliding_window(attn)
+        if window is not None and window < 2:
+            raise ValueError(
+                f"{name} layer {i}: sliding_window={window}; TSP supports windows of 2 or more "
+                "tokens (or None for full causal attention)"
+            )
+    kinds = set(getattr(cfg, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}
+    if kinds:
         raise ValueError(
-            f"{name}: sliding-window attention (sliding_window={cfg.sliding_window}) is not "
-            "supported; set config.sliding_window=None for full causal attention"
-        )
-    if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or ()):
-        raise ValueError(
-            f"{name}: only full causal attention layers are supported ({cfg.layer_types})"
+            f"{name}: layer types {sorted(kinds)} are not supported; TSP runs full_attention "
+            "and sliding_attention layers"
         )
     if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
         raise ValueError(f"{name}: hidden_act={cfg.hidden_act!r}; TSP supports SwiGLU (silu) only")

@@ -90,8 +90,15 @@ class TSPAttention(ShardedModule):
         self.q_norm, self.k_norm = q_norm, k_norm
 
     @classmethod
-    def from_hf(cls, attn: nn.Module, group, config: TSPConfig | None = None) -> TSPAttention:
-        """Build from a Hugging Face attention module, copying this rank's slices of its weights."""
+    def from_hf(
+        cls,
+        attn: nn.Module,
+        group,
+        config: TSPConfig | None = None,
+        window: int | None = None,
+    ) -> TSPAttention:
+        """Build from a Hugging Face attention module, copying this rank's slices of its weights;
+        ``window``: its sliding window (``Family.sliding_window``) or None."""
         cfg = attn.config
         D, p = comm.size_and_rank(group)
         # replicated per-head norms (Qwen3): private copies, so the HF module can be discarded
@@ -104,6 +111,7 @@ class TSPAttention(ShardedModule):
             tsp_size=D,
             scaling=attn.scaling,
             qk_norm_eps=q_norm.variance_epsilon if q_norm is not None else None,
+            window=window,
         )
         w = attn.q_proj.weight
         mod = cls(
@@ -188,7 +196,7 @@ class TSPAttention(ShardedModule):
         def keep(r: int, k_all: torch.Tensor, v_all: torch.Tensor) -> None:
             if r == p:
                 index = torch.arange(prompt_len, device=x.device)
-                cache_layer.update(
+                cache_layer.append(
                     k_all[:, :prompt_len].transpose(1, 2),
                     v_all[:, :prompt_len].transpose(1, 2),
                     index,
@@ -218,9 +226,10 @@ class TSPAttention(ShardedModule):
         own = self._own(merged=True)
         phases = rope_phases(cos, sin, x.dtype)
         q, kv, _ = project_qkv(x, own, phases, *self._qk_norms(), self.spec)
-        keys, values = cache_layer.update(*kv.chunk(2, dim=1), q_index)
-        index = cache_layer.token_index
+        keys, values, index = cache_layer.append(*kv.chunk(2, dim=1), q_index)
         allowed = (index[None, :] <= q_index[:, None])[None]  # [1, Tq, L_p]
+        if self.spec.window is not None:
+            allowed = allowed & (index[None, :] > q_index[:, None] - self.spec.window)
         if valid is not None:
             allowed = allowed & valid[:, None, index]
         a = decode_attention(

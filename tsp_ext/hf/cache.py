@@ -22,15 +22,17 @@ class TSPCacheLayer(CacheLayerMixin):
     ``keys``, ``values``: ``[B, n_kv(p), L_p, d]`` (Hugging Face layout), the L_p cached tokens of
     this rank; ``token_index [L_p]``: their global indices (ascending). ``replicas`` ranks share
     each KV head; this one is replica ``replica`` and keeps the tokens ``kept_tokens`` gives it.
+    A layer with a sliding ``window`` keeps only the last ``window - 1`` tokens: no later query
+    sees an older one.
     """
 
     is_compileable = False
     is_sliding = False
     is_croppable = False
 
-    def __init__(self, replicas: int = 1, replica: int = 0) -> None:
+    def __init__(self, replicas: int = 1, replica: int = 0, window: int | None = None) -> None:
         super().__init__()
-        self.replicas, self.replica = replicas, replica
+        self.replicas, self.replica, self.window = replicas, replica, window
         self.token_index: torch.Tensor | None = None
         self.seq_len = 0
 
@@ -49,9 +51,20 @@ class TSPCacheLayer(CacheLayerMixin):
         token_index: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hugging Face's ``update``: ``append``'s keys and values."""
+        keys, values, _ = self.append(key_states, value_states, token_index)
+        return keys, values
+
+    def append(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        token_index: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Append the new tokens' ``key_states, value_states [B, n_kv(p), T, d]`` (those this rank
         keeps) at global indices ``token_index [T]`` (default: right after the cached ones);
-        returns this rank's whole ``(keys, values)``."""
+        returns the keys, values and global indices ``[L]`` of this rank's tokens that these
+        tokens' queries may see (the cached ones and the new)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         T = key_states.shape[2]
@@ -63,10 +76,15 @@ class TSPCacheLayer(CacheLayerMixin):
             keep = kept_tokens(token_index, self.replicas, self.replica)
             key_states, value_states = key_states[:, :, keep], value_states[:, :, keep]
             token_index = token_index[keep]
-        self.keys = torch.cat([self.keys, key_states], dim=2)
-        self.values = torch.cat([self.values, value_states], dim=2)
-        self.token_index = torch.cat([self.token_index, token_index.to(self.device)])
-        return self.keys, self.values
+        keys = torch.cat([self.keys, key_states], dim=2)
+        values = torch.cat([self.values, value_states], dim=2)
+        index = torch.cat([self.token_index, token_index.to(self.device)])
+        self.keys, self.values, self.token_index = keys, values, index
+        if self.window is not None:  # later queries (>= seq_len) see keys > seq_len - window
+            kept = index > self.seq_len - self.window
+            self.keys, self.values = keys[:, :, kept], values[:, :, kept]
+            self.token_index = index[kept]
+        return keys, values, index
 
     def get_seq_length(self) -> int:
         """The global number of tokens seen (cached on this rank or on another replica)."""
@@ -104,7 +122,8 @@ class TSPCache(Cache):
         D, p = comm.size_and_rank(model.tsp.group)
         self.layout = (D, p, len(layers), spec.n_kv_heads, spec.head_dim)
         c = spec.kv_replicas
-        super().__init__(layers=[TSPCacheLayer(c, p % c) for _ in layers])
+        windows = [_attention(model, layer).spec.window for layer in layers]
+        super().__init__(layers=[TSPCacheLayer(c, p % c, w) for w in windows])
 
     def check_layout(self, model) -> None:
         """Raise ``ValueError`` if this cache was built for another TSP layout or model."""

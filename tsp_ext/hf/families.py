@@ -51,6 +51,14 @@ class Family:
             (getattr(layer, self.mlp), self.mlp_projections),
         )
 
+    def sliding_window(self, attention: nn.Module) -> int | None:
+        """Window of a layer's attention module (query i sees keys ``(i - window, i]``) or None:
+        its own ``sliding_window`` where it has one (Qwen2 / Qwen3 set it per layer from
+        ``config.layer_types``), else its config's (Mistral: every layer)."""
+        if hasattr(attention, "sliding_window"):
+            return attention.sliding_window
+        return getattr(attention.config, "sliding_window", None)
+
     def layer_forward(
         self,
         layer: nn.Module,
