@@ -279,3 +279,19 @@ def test_maxlen_search_finds_the_budgets_edge(workers):
     assert row["bytes_at_max"] <= budget
     above = [p for p in row["probes"] if p["seq_len"] > row["max_seq_len"]]
     assert above and all(p["bytes"] > budget for p in above), row["probes"]
+
+
+def test_window_rows_measure_less_kv_traffic_than_the_all_gather():
+    """``benchmarks.window`` at S = 8W, D = 2: a rank receives the W - 1 keys before one of its
+    chunks instead of the other rank's S/2, forward and backward (a re-gather and dK/dV going
+    home)."""
+    from benchmarks.window import bench, markdown_table
+
+    rows = bench(window=8, seq=64, sizes=[2], steps=1)
+    window, gather = rows
+    assert (window["mode"], gather["mode"]) == ("window", "all-gather")
+    assert 32 * window["kv_bytes_fwd"] == 7 * gather["kv_bytes_fwd"] > 0
+    assert 32 * window["kv_bytes_bwd"] == 7 * gather["kv_bytes_bwd"]
+    assert gather["kv_bytes_bwd"] == 2 * gather["kv_bytes_fwd"]
+    assert (window["kv_tokens_held"], gather["kv_tokens_held"]) == (39, 64)
+    assert markdown_table(rows).count("\n| 2 |") == 2

@@ -286,3 +286,26 @@ def test_preference_table_is_its_json():
 
     result = json.loads((RESULTS / "preference_cpu.json").read_text())
     assert markdown(result) in (ROOT / "docs" / "preference.md").read_text()
+
+
+def test_window_table_is_its_json_and_the_bytes_follow_from_the_exchange():
+    """docs/engine.md's sliding-window table is ``benchmarks.window``'s table of its JSON, and
+    the forward K/V bytes are the keys a rank receives (the exchange's pieces, or (D-1)·S/D for
+    the all-gather) times 2 (K and V) · head_dim · 4 bytes · the KV heads of all D head groups,
+    max over ranks."""
+    from benchmarks.window import MODEL, markdown_table
+    from tsp_ext.engine.heads import AttentionSpec
+    from tsp_ext.engine.layout import ZigzagLayout
+    from tsp_ext.engine.window import WindowExchange
+
+    rows = json.loads((RESULTS / "window_cpu.json").read_text())
+    assert markdown_table(rows) in (ROOT / "docs" / "engine.md").read_text()
+    h, n, n_kv = (MODEL[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads"))
+    for r in rows:
+        D, S = r["D"], r["seq_len"]
+        assert S == 8 * r["window"]
+        spec = AttentionSpec(h, n, n_kv, h // n, D, 1.0)
+        ex = WindowExchange.for_layout(ZigzagLayout(S, D), r["window"])
+        keys = [ex.moved_rows(p) if r["mode"] == "window" else (D - 1) * S // D for p in range(D)]
+        per_key = sum(2 * spec.n_kv(g) * spec.head_dim * 4 for g in range(D))  # every group
+        assert r["kv_bytes_fwd"] == max(keys) * per_key, r

@@ -31,6 +31,9 @@ class TSPConfig:
             (``tsp_ext.engine.attention_backends.BACKENDS``).
         attn_block: query and key block size of the ``blockwise`` attention kernel; bounds its
             transient score block to ``B x heads/D x attn_block^2``.
+        window_exchange: in sliding-window layers, send each rank only the keys its queries
+            see (point to point, ``engine.window``) where that saves at least half of the K/V
+            all-gather's traffic; off: all-gather every key as in full-attention layers.
         recompute_mlp: recompute the MLP's gate/up projections shard by shard in backward (saves
             only X_p). Off keeps them: ``2 x B x S/D x F`` more saved elements per layer, two
             fewer matmuls per ring step in backward.
@@ -59,6 +62,7 @@ class TSPConfig:
     overlap: bool = True
     attn_backend: str = "auto"
     attn_block: int = 512
+    window_exchange: bool = True
     recompute_mlp: bool = True
     mlp_tile: int | None = 4096
     shard_vocab: bool = True

@@ -61,7 +61,8 @@ class _Schedule:
     documents: ``engine.documents.query_spans``), spec, options, LoRA plan, the shards that
     get gradients (``trainable``, set by the autograd function) and how K/V travel: the
     all-gather, or under a sliding window the ``WindowExchange`` of the keys each rank's queries
-    see (unless ``gather_all``: a prefill keeps every key of its group as its KV cache)."""
+    see (unless ``options.window_exchange`` is off or ``gather_all``: a prefill keeps every key
+    of its group as its KV cache)."""
 
     def __init__(
         self,
@@ -83,7 +84,8 @@ class _Schedule:
         self.layout = ZigzagLayout.from_local(x.shape[1], self.D)
         stream = self.layout.spans(self.p)
         self.q_spans = stream if q_spans is None else q_spans
-        self.exchange = None if gather_all else WindowExchange.for_layout(self.layout, spec.window)
+        windowed = spec.window if options.window_exchange and not gather_all else None
+        self.exchange = WindowExchange.for_layout(self.layout, windowed)
         self.acc = options.accum_for(x.dtype)
         self.dtype = x.dtype  # what NF4-packed shards (QLoRA's base) are dequantized to
         # packed documents and inference prefill change the kernels' shapes from call to call

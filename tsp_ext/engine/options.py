@@ -20,6 +20,8 @@ class EngineOptions:
         overlap: prefetch the next weight shard / K/V while computing the current one.
         attn_backend: ``"auto"`` or a name in ``BACKENDS``.
         attn_block: query and key block size of the ``blockwise`` kernel.
+        window_exchange: under a sliding window, exchange only the keys each rank's queries
+            see (``engine.window``) where that pays; off: all-gather every key.
         recompute_mlp: recompute the MLP's gate/up projections in backward.
         mlp_tile: tokens per tile of an MLP ring step (None: all of the rank's at once).
         loss_chunk: tokens per block of the fused LM-head loss.
@@ -29,6 +31,7 @@ class EngineOptions:
     overlap: bool = True
     attn_backend: str = "auto"
     attn_block: int = 512
+    window_exchange: bool = True
     recompute_mlp: bool = True
     mlp_tile: int | None = 4096
     loss_chunk: int = 1024
