@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 from transformers import (
+    GemmaConfig,
+    GemmaForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -53,6 +55,12 @@ FAMILIES = {
             sliding_window=4,
             max_window_layers=1,
         ),
+    ),
+    # (1 + w) norms, scaled embedding, GELU-tanh, tied embeddings (Gemma's defaults)
+    "gemma": (
+        GemmaForCausalLM,
+        GemmaConfig,
+        dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8),
     ),
     "qwen3": (
         Qwen3ForCausalLM,

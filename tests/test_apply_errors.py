@@ -8,7 +8,14 @@ import pytest
 import torch
 from checks import error_message
 from models import batch, build
-from transformers import GPT2Config, GPT2LMHeadModel, MixtralConfig, MixtralForCausalLM
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
+)
 
 from tsp_ext import ZigzagLayout, apply_tsp, gather_sequence, init_tsp_mesh, shard_batch
 
@@ -30,6 +37,7 @@ def errors_worker(rank, world):
             sliding_window=None,
         )
     )
+    olmo2 = Olmo2ForCausalLM(Olmo2Config(**tiny, num_attention_heads=2, num_key_value_heads=2))
     model = apply_tsp(build("llama"), mesh)
     data = batch(model.config.vocab_size, 2, 8)
     local = shard_batch(data, mesh)
@@ -43,13 +51,14 @@ def errors_worker(rank, world):
     return {
         "gpt2": error_message(lambda: apply_tsp(gpt2, mesh)),
         "moe": error_message(lambda: apply_tsp(mixtral, mesh)),
+        "post_norm": error_message(lambda: apply_tsp(olmo2, mesh)),
         "window_1": error_message(lambda: apply_tsp(build("mistral", sliding_window=1), mesh)),
         "layer_types": error_message(
             lambda: apply_tsp(
                 build("qwen2", layer_types=["full_attention", "chunked_attention"]), mesh
             )
         ),
-        "gelu": error_message(lambda: apply_tsp(build("llama", hidden_act="gelu"), mesh)),
+        "relu": error_message(lambda: apply_tsp(build("llama", hidden_act="relu"), mesh)),
         "heads": error_message(
             lambda: apply_tsp(
                 build("llama", hidden_size=48, num_attention_heads=1, num_key_value_heads=1), mesh
@@ -100,9 +109,10 @@ def messages(workers):
     [
         ("gpt2", "GPT2LMHeadModel is not a Hugging Face decoder-only causal LM"),
         ("moe", "mixture-of-experts MLPs are not supported"),
+        ("post_norm", "Olmo2ForCausalLM layer 0: no input_layernorm: TSP runs pre-norm layers"),
         ("window_1", "layer 0: sliding_window=1; TSP supports windows of 2 or more tokens"),
         ("layer_types", "layer types ['chunked_attention'] are not supported"),
-        ("gelu", "hidden_act='gelu'"),
+        ("relu", "hidden_act='relu': TSP's gated MLP supports ['gelu', 'gelu_pytorch_tanh'"),
         ("heads", "the largest valid TSP size is 1"),
         ("world", "tsp_size=3 does not divide the world size 2"),
         ("size_mismatch", "tsp_size=4 but the mesh's 'tsp' dimension has 2 ranks"),

@@ -31,6 +31,7 @@ CASES = [
     ("llama", torch.float32, 1, 11, 0, {"shard_vocab": False}),
     ("mistral_window", torch.float64, 2, 21, 5, {}),  # prompt and decode past the window
     ("qwen2_window", torch.float32, 1, 19, 0, {}),
+    ("gemma", torch.float64, 2, 17, 2, {}),
 ]
 
 

@@ -48,6 +48,44 @@ def test_rms_norm_keeping_input_matches_the_taped_norm(dtype, width):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_offset_rms_norm_is_gemmas(dtype):
+    """With ``offset=1``: Gemma's ``x̂ · (1 + w)`` in float32, cast last — its values to the bit
+    and its gradients (float64: replayed in its order, to float32 rounding of the weight's sum;
+    float32 / bf16 fused)."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+    torch.manual_seed(0)
+    hf = GemmaRMSNorm(72, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        hf.weight.normal_()
+    x = torch.randn(2, 5, 72, dtype=dtype, requires_grad=True)
+    dy = torch.randn(2, 5, 72, dtype=dtype)
+    lean = rms_norm_keeping_input(x, hf.weight, 1e-6, offset=1.0)
+    assert torch.equal(lean, hf(x))
+    got = torch.autograd.grad(lean, [x, hf.weight], dy)
+    want = torch.autograd.grad(hf(x), [x, hf.weight], dy)
+    tol = {torch.float64: 1e-7, torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype]
+    for g, w in zip(got, want):
+        assert (g.double() - w.double()).abs().max() / w.double().abs().max() <= tol
+    if dtype == torch.float64:
+        assert torch.equal(got[0], want[0])  # dx replays the taped order
+
+
+@pytest.mark.parametrize("kind", ["silu", "gelu", "gelu_tanh"])
+def test_gate_activation_backward_is_autograds(kind):
+    from transformers.activations import ACT2FN
+
+    hf = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}[kind]
+    x = torch.randn(4, 9, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(4, 9, dtype=torch.float64)
+    y = ACT2FN[hf](x)
+    assert torch.equal(pointwise.gate_activation(x.detach(), kind), y)
+    (want,) = torch.autograd.grad(y, x, g)
+    got = pointwise.gate_activation_backward(g, x.detach(), kind, torch.empty_like(g))
+    torch.testing.assert_close(got, want, rtol=1e-14, atol=1e-14)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_rope_on_interleaved_heads_is_hugging_faces_rope(dtype):
     """``rope`` on interleaved head dims, de-interleaved, equals HF's rotate_half RoPE; the
     conjugate phases undo it; and the dot products attention takes are the same."""

@@ -662,7 +662,7 @@ class _TSPAttentionFunction(torch.autograd.Function):
         )
         ctx.sched, ctx.names, ctx.n_lora = sched, names, n_lora
         if keep:  # X_p as its norm's input when it is a norm's output (rebuilt in backward)
-            x, norm_weight, ctx.eps = to_save(x)
+            x, norm_weight, ctx.norm = to_save(x)
             saved = (x, norm_weight, cos, sin, q_norm, k_norm, a_all, lse_all, b_out, *tensors)
             ctx.save_for_backward(*saved)
         return y
@@ -676,7 +676,7 @@ class _TSPAttentionFunction(torch.autograd.Function):
         own = dict(zip(ctx.names, weights))
         phases = rope_phases(cos, sin, x.dtype)
         dx, d_own, d_norm, d_lora, d_b_out = tsp_attention_backward(
-            ctx.sched, dy, (x, norm_weight, ctx.eps), phases, own, q_norm, k_norm, a_all,
+            ctx.sched, dy, (x, norm_weight, ctx.norm), phases, own, q_norm, k_norm, a_all,
             lse_all, lora_a,
         )  # fmt: skip
         d_qn, d_kn = d_norm if d_norm is not None else (None, None)

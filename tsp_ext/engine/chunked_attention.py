@@ -201,9 +201,7 @@ def chunked_attention_backward(
     if isinstance(q_spans, RowSpans):
 
         def bwd(spans, dout, q, k, v, out, lse):
-            return chunked_attention_backward(
-                kernel, dout, q, spans, k, v, out, lse, scale, window
-            )
+            return chunked_attention_backward(kernel, dout, q, spans, k, v, out, lse, scale, window)
 
         return _per_row(bwd, q_spans, dout, q, k, v, out, lse)
     _check(q, q_spans, k, v, window)

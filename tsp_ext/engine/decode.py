@@ -29,6 +29,7 @@ from . import comm
 from .attention import AttentionSpec, expand_kv
 from .lse import merge_partials
 from .masked_attention import partial_attention
+from .pointwise import gate_activation
 
 # tokens per block of a KV head's cache split across its replicas (D > n_kv_heads)
 KV_BLOCK = 32
@@ -83,10 +84,13 @@ def row_parallel(a: torch.Tensor, w: torch.Tensor, group, acc: torch.dtype) -> t
     return y.to(a.dtype)
 
 
-def decode_mlp(x, gate, up, down, group, acc: torch.dtype) -> torch.Tensor:
-    """SwiGLU of the replicated ``x [B, Tq, h]`` with this rank's slices ``gate, up [f_p, h]``,
-    ``down [h, f_p]``: ``all_reduce((silu(x·Gᵀ) ⊙ (x·Uᵀ))·Dnᵀ)`` ``[B, Tq, h]``."""
-    return row_parallel(F.silu(F.linear(x, gate)) * F.linear(x, up), down, group, acc)
+def decode_mlp(
+    x, gate, up, down, group, acc: torch.dtype, activation: str = "silu"
+) -> torch.Tensor:
+    """Gated MLP of the replicated ``x [B, Tq, h]`` with this rank's slices ``gate, up [f_p,
+    h]``, ``down [h, f_p]``: ``all_reduce((act(x·Gᵀ) ⊙ (x·Uᵀ))·Dnᵀ)`` ``[B, Tq, h]``."""
+    gated = gate_activation(F.linear(x, gate), activation) * F.linear(x, up)
+    return row_parallel(gated, down, group, acc)
 
 
 def vocab_embedding(ids: torch.Tensor, rows: torch.Tensor, first: int, group) -> torch.Tensor:

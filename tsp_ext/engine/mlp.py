@@ -1,4 +1,5 @@
-"""TSP gated MLP (SwiGLU): weight shards travel a ring while each rank keeps its tokens.
+"""TSP gated MLP (SwiGLU, or GeGLU: ``act``): weight shards travel a ring while each rank keeps
+its tokens.
 
 Rank p holds slice p of the intermediate dimension (rows of gate/up, columns of down; ``⌊F/D⌋``
 or ``⌈F/D⌉`` of them, the first ``F mod D`` ranks one more) and the tokens of zigzag shard p. The
@@ -8,7 +9,7 @@ Forward:
     cur = (G_p, U_p, Dn_p); Y_p = 0
     for t in 0..D-1:                       # cur is the shard of owner p - t
         if t < D-1: send cur -> p+1, recv next <- p-1      # async, overlaps the matmuls
-        Y_p += (silu(X_p·Gᵀ) ⊙ (X_p·Uᵀ))·Dnᵀ
+        Y_p += (act(X_p·Gᵀ) ⊙ (X_p·Uᵀ))·Dnᵀ      # act: SiLU, GELU or GELU-tanh
         wait; cur = next
 
 Backward runs the same weight ring plus a second ring of gradient accumulators one step behind:
@@ -31,7 +32,6 @@ weight-gradient GEMMs: the gradient ring then carries the adapters' gradients on
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from . import comm, nf4
 from .lora import (
@@ -44,21 +44,31 @@ from .lora import (
     scaled_stack,
 )
 from .options import EngineOptions
-from .pointwise import add_matmul, from_saved, matmul, to_save
+from .pointwise import (
+    add_matmul,
+    from_saved,
+    gate_activation,
+    gate_activation_backward,
+    matmul,
+    to_save,
+)
 from .weight_ring import GradientRing, circulate
 
 
-def swiglu_pointwise_backward(dm: torch.Tensor, hid: torch.Tensor, s=None, act=None):
-    """The elementwise part of the SwiGLU backward, in place: from ``dM = dY·Dn`` ``[B, T, f]``
-    and the gate/up pre-activations ``hid = [hg | hu]`` ``[B, T, 2f]`` (both overwritten),
+def swiglu_pointwise_backward(
+    dm: torch.Tensor, hid: torch.Tensor, s=None, act=None, kind: str = "silu"
+):
+    """The elementwise part of the gated MLP's backward, in place: from ``dM = dY·Dn`` ``[B, T,
+    f]`` and the gate/up pre-activations ``hid = [hg | hu]`` ``[B, T, 2f]`` (both overwritten),
     returns ``hid`` holding their gradients ``[dhg | dhu]`` (one buffer, so that both weight
-    gradients are one GEMM) and the forward's activation ``silu(hg) ⊙ hu`` ``[B, T, f]``, the
-    input of Dn. ``s``, ``act``: ``[B, T, f]`` buffers to use (fresh ones if None)."""
+    gradients are one GEMM) and the forward's activation ``act(hg) ⊙ hu`` ``[B, T, f]``, the
+    input of Dn. ``s``, ``act``: ``[B, T, f]`` buffers to use (fresh ones if None); ``kind``:
+    the gate's activation (``pointwise.GATE_ACTIVATIONS``)."""
     hg, hu = hid.chunk(2, dim=-1)
-    s = F.silu(hg) if s is None else torch.ops.aten.silu.out(hg, out=s)
+    s = gate_activation(hg, kind, s)
     act = torch.mul(s, hu) if act is None else torch.mul(s, hu, out=act)
     s.mul_(dm)  # dhu
-    torch.ops.aten.silu_backward.grad_input(dm.mul_(hu), hg, grad_input=hg)  # dhg, over hg
+    gate_activation_backward(dm.mul_(hu), hg, kind, out=hg)  # dhg, over hg
     hu.copy_(s)
     return hid, act
 
@@ -122,8 +132,10 @@ def _accumulate(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, add: bool) 
         matmul(a, b, out.dtype, out=out)
 
 
-def _swiglu_weight_grads(x2, dy2, shard: _Shard, out, work: _Workspace, lora, hidden=None):
-    """Backward of one shard's ``(silu(X·Gᵀ) ⊙ (X·Uᵀ))·Dnᵀ`` for the rows ``x2, dy2 [n, h]``:
+def _swiglu_weight_grads(
+    x2, dy2, shard: _Shard, out, work: _Workspace, lora, hidden=None, kind: str = "silu"
+):
+    """Backward of one shard's ``(act(X·Gᵀ) ⊙ (X·Uᵀ))·Dnᵀ`` for the rows ``x2, dy2 [n, h]``:
     writes (``add``: adds) the gradients of the trainable pieces into ``out`` (a ``_GradLayout``
     of a flat buffer in the accumulation dtype) and returns ``dH [n, 2f]`` (in ``work``, valid
     until the next tile), the gradient of the gate/up pre-activations: the caller adds
@@ -135,7 +147,7 @@ def _swiglu_weight_grads(x2, dy2, shard: _Shard, out, work: _Workspace, lora, hi
     adapter's ``Z`` (rebuilt here for its B's gradient; None without) and whether the shard's
     adapters are merged into ``gu_use`` / ``dn_use`` (then ``u`` and ``dZ`` add no terms).
     ``hidden``: the saved gate/up pre-activations ``[n, 2f]`` (left intact); recomputed if
-    None.
+    None. ``kind``: the gate's activation.
     """
     u, dz, mask, add, z, merged = lora
     f, n = shard.f, x2.shape[0]
@@ -148,7 +160,7 @@ def _swiglu_weight_grads(x2, dy2, shard: _Shard, out, work: _Workspace, lora, hi
     if dz is not None and not merged:  # the down adapter's share of d(act)
         d_act = matmul(dz, shard.a_out, dm.dtype)
         dm.add_(d_act if mask is None else d_act.mul_(mask))
-    dh, act = swiglu_pointwise_backward(dm, hid, work.get("s", n, f), work.get("act", n, f))
+    dh, act = swiglu_pointwise_backward(dm, hid, work.get("s", n, f), work.get("act", n, f), kind)
     if out.gu is not None:
         _accumulate(out.gu, dh.t(), x2, add)
         _accumulate(out.dn, dy2.t(), act, add)
@@ -186,13 +198,22 @@ class _GradLayout:
 
 
 class _RingSchedule:
-    """Weight ring of one call: every owner's slice width, group, options, LoRA plan and which
-    pieces get gradients (``base``: the gate/up/down shards; ``lora``: the adapters')."""
+    """Weight ring of one call: every owner's slice width, group, options, the gate's
+    activation, LoRA plan and which pieces get gradients (``base``: the gate/up/down shards;
+    ``lora``: the adapters')."""
 
     def __init__(
-        self, group, options: EngineOptions, x: torch.Tensor, weights, sizes, lora, adapters
+        self,
+        group,
+        options: EngineOptions,
+        x: torch.Tensor,
+        weights,
+        sizes,
+        lora,
+        adapters,
+        activation: str = "silu",
     ) -> None:
-        self.group, self.options = group, options
+        self.group, self.options, self.activation = group, options, activation
         self.ring = comm.Ring(group)
         self.D, self.p = self.ring.size, self.ring.rank
         self.h = x.shape[-1]
@@ -321,7 +342,8 @@ def tsp_mlp_forward(
             else:
                 hid = _pre_activations(x2[rows], shard, work, u[rows] if u is not None else None)
             hg, hu = hid.chunk(2, dim=-1)
-            act = torch.ops.aten.silu.out(hg, out=work.get("act", hid.shape[0], f)).mul_(hu)
+            act = gate_activation(hg, sched.activation, work.get("act", hid.shape[0], f))
+            act.mul_(hu)
             add_matmul(y2[rows], act, shard.dn_use.t())
             if z is not None:
                 dropped = sched.drop.apply(act, (2, shard.q, rows.start))
@@ -368,7 +390,9 @@ def tsp_mlp_backward(
                 mask = sched.drop.mask((2, shard.q, rows.start), like)
             z_t = z[rows] if z is not None else None
             tile_lora = (u_t, dz_t, mask, i > 0, z_t, sched.merged)
-            dh = _swiglu_weight_grads(x2[rows], dy2[rows], shard, layout, work, tile_lora, h_t)
+            dh = _swiglu_weight_grads(
+                x2[rows], dy2[rows], shard, layout, work, tile_lora, h_t, sched.activation
+            )
             if i == len(tiles) - 1 and numel:
                 owner_grads.add(t, share)  # on its way (the last hop too) while dX is computed
             add_matmul(dx2[rows], dh, shard.gu_use)
@@ -408,19 +432,19 @@ class _TSPMLPFunction(torch.autograd.Function):
     without an adapter)."""
 
     @staticmethod
-    def forward(ctx, group, options, sizes, plan, n_in, x, gate, up, down, *lora):
+    def forward(ctx, group, options, sizes, activation, plan, n_in, x, gate, up, down, *lora):
         a_in, b_gate, b_up, a_out, b_out = list(lora[:n_in]), *lora[n_in:]
         adapters = ([b_gate, b_up], a_out)
         weights = (gate, up, down)
-        sched = _RingSchedule(group, options, x, weights, sizes, plan, adapters)
+        sched = _RingSchedule(group, options, x, weights, sizes, plan, adapters, activation)
         grad = any(ctx.needs_input_grad)
-        sched.base_trainable = any(ctx.needs_input_grad[6:9])
-        sched.lora_trainable = any(ctx.needs_input_grad[9 + n_in : 12 + n_in])
+        sched.base_trainable = any(ctx.needs_input_grad[7:10])
+        sched.lora_trainable = any(ctx.needs_input_grad[10 + n_in : 13 + n_in])
         sched.set_adapters(SeededDropout.for_call(sched.lora.dropout), a_in, b_out)
         keep = not options.recompute_mlp and grad
         y, hidden = tsp_mlp_forward(sched, x, weights, keep, (a_in, adapters, b_out))
         ctx.sched, ctx.n_hidden, ctx.n_in = sched, len(hidden or ()), n_in
-        x, norm_weight, ctx.eps = to_save(x)  # its norm's input when it is a norm's output
+        x, norm_weight, ctx.norm = to_save(x)  # its norm's input when it is a norm's output
         ctx.save_for_backward(x, norm_weight, *weights, *lora, *(hidden or ()))
         return y
 
@@ -430,13 +454,13 @@ class _TSPMLPFunction(torch.autograd.Function):
         n_lora = ctx.n_in + 4
         lora, hidden = rest[:n_lora], rest[n_lora:] or None
         a_in, b_gate, b_up, a_out, b_out = list(lora[: ctx.n_in]), *lora[ctx.n_in :]
-        x = from_saved(x, norm_weight, ctx.eps)
+        x = from_saved(x, norm_weight, ctx.norm)
         adapters = ([b_gate, b_up], a_out)
         dx, base, (d_b, d_a_out), d_a_in, d_b_out = tsp_mlp_backward(
             ctx.sched, dy, x, (gate, up, down), hidden, (a_in, adapters, b_out)
         )
         base = base or (None, None, None)
-        return (None, None, None, None, None, dx, *base, *d_a_in, *d_b, d_a_out, d_b_out)
+        return (None,) * 6 + (dx, *base, *d_a_in, *d_b, d_a_out, d_b_out)
 
 
 def tsp_mlp(
@@ -449,10 +473,12 @@ def tsp_mlp(
     sizes: list[int] | None = None,
     lora: LoraPlan | None = None,
     adapters: dict[str, torch.Tensor] | None = None,
+    activation: str = "silu",
 ):
-    """Ring SwiGLU of this rank's tokens: ``x [B, S/D, h]`` -> ``[B, S/D, h]`` with this rank's
-    slices ``gate, up [f_p, h]`` and ``down [h, f_p]``; ``sizes [D]``: every rank's ``f_q``
-    (``partition.split_sizes(F, D)``; None: all equal to this rank's).
+    """Ring gated MLP of this rank's tokens: ``x [B, S/D, h]`` -> ``[B, S/D, h]`` with this
+    rank's slices ``gate, up [f_p, h]`` and ``down [h, f_p]``; ``sizes [D]``: every rank's
+    ``f_q`` (``partition.split_sizes(F, D)``; None: all equal to this rank's); ``activation``:
+    the gate's (``pointwise.GATE_ACTIVATIONS``: SwiGLU with ``"silu"``).
 
     LoRA (``engine.lora``): ``lora`` names the adapted projections and ``adapters`` holds their
     pieces: the replicated A's ``a_gate, a_up [r, h]`` (their gradient is this rank's part: wrap
@@ -464,5 +490,5 @@ def tsp_mlp(
     a_in = [adapters[f"a_{n}"] for n in plan.inputs]
     extra = [adapters.get(n) for n in ("b_gate", "b_up", "a_down", "b_down")]
     return _TSPMLPFunction.apply(
-        group, options, sizes, plan, len(a_in), x, gate, up, down, *a_in, *extra
+        group, options, sizes, activation, plan, len(a_in), x, gate, up, down, *a_in, *extra
     )

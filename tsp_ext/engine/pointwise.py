@@ -51,38 +51,47 @@ def _row_tiles(n: int) -> list[slice]:
 
 
 def normalize(
-    x: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rms_norm(x, weight, eps)`` and the float32 reciprocal RMS ``[..., 1]``, computed in
-    tiles of ``NORM_ROWS`` rows (each row's values as untiled: its statistics are its own)."""
+    """``rms_norm(x, weight, eps, offset)`` and the float32 reciprocal RMS ``[..., 1]``, computed
+    in tiles of ``NORM_ROWS`` rows (each row's values as untiled: its statistics are its own)."""
     h = x.shape[-1]
     rows = x.reshape(-1, h)
-    out = x.new_empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype))
+    dtype = x.dtype if offset else torch.promote_types(weight.dtype, x.dtype)
+    out = x.new_empty(rows.shape, dtype=dtype)
     r = x.new_empty(rows.shape[0], 1, dtype=torch.float32)
+    wf = offset + weight.float() if offset else None
     for c in _row_tiles(rows.shape[0]):
         xf = rows[c].float()
         r[c] = inv_rms(xf, eps)
-        out[c] = weight * (xf * r[c]).to(x.dtype)
+        out[c] = (xf * r[c]).mul_(wf) if offset else weight * (xf * r[c]).to(x.dtype)
     return out.view(*x.shape[:-1], h), r.view(*x.shape[:-1], 1)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim, statistics in float32, as Hugging Face's Llama family does
-    (in row tiles: ``normalize``)."""
-    return normalize(x, weight, eps)[0]
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0):
+    """RMSNorm over the last dim, statistics in float32 (in row tiles: ``normalize``), as Hugging
+    Face computes it: ``weight · x̂`` cast first (Llama family), or with an ``offset`` the
+    float32 product ``x̂ · (offset + weight)`` cast last (Gemma's ``(1 + w)``)."""
+    return normalize(x, weight, eps, offset)[0]
 
 
-def rms_norm_backward(x, weight, r, dy) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients ``(dx, dweight)`` of ``rms_norm(x, weight)`` given ``dy`` and ``r =
-    inv_rms(x.float())``: ``dx = r · (g - x̂ · mean(g ⊙ x̂))`` with ``g = dy ⊙ weight``, ``x̂ = x·r``
-    (float32), in five fused passes per tile of ``NORM_ROWS`` rows, ``dweight`` summed over the
-    tiles in float32. A float64 ``x`` (the parity tests' dtype) replays the taped norm's
-    operations in order, untiled, so its gradients equal Hugging Face's to the bit."""
+def rms_norm_backward(x, weight, r, dy, offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients ``(dx, dweight)`` of ``rms_norm(x, weight, offset=offset)`` given ``dy`` and ``r
+    = inv_rms(x.float())``: ``dx = r · (g - x̂ · mean(g ⊙ x̂))`` with ``g = dy ⊙ (offset +
+    weight)``, ``x̂ = x·r`` (float32), in five fused passes per tile of ``NORM_ROWS`` rows,
+    ``dweight`` summed over the tiles in float32. A float64 ``x`` (the parity tests' dtype)
+    replays the taped norm's operations in order, untiled, so its gradients equal Hugging
+    Face's to the bit."""
     if x.dtype == torch.float64:
         xf = x.float()
         xn = xf * r
-        dw = (dy * xn.to(x.dtype)).sum(tuple(range(dy.dim() - 1)))
-        g = (dy * weight).float()
+        if offset:  # Gemma: the product in float32, cast last
+            dyf = dy.float()
+            dw = (dyf * xn).sum(tuple(range(dy.dim() - 1)))
+            g = dyf * (offset + weight.float())
+        else:
+            dw = (dy * xn.to(x.dtype)).sum(tuple(range(dy.dim() - 1)))
+            g = (dy * weight).float()
         dr = (g * xf).sum(-1, keepdim=True)
         dmean = (-0.5 * dr) * r.pow(3) / x.shape[-1]  # rsqrt, then mean, backward
         dx = g * r + dmean * (2 * xf)  # the x·r product's and the square's paths
@@ -91,10 +100,16 @@ def rms_norm_backward(x, weight, r, dy) -> tuple[torch.Tensor, torch.Tensor]:
     rows, d_rows, r_rows = x.reshape(-1, h), dy.reshape(-1, h), r.reshape(-1, 1)
     dx = torch.empty_like(rows)
     dw = torch.zeros(h, dtype=torch.float32, device=x.device)
+    wf = offset + weight.float() if offset else None
     for c in _row_tiles(rows.shape[0]):
         xn = rows[c].float() * r_rows[c]
-        dw += (d_rows[c] * xn.to(x.dtype)).sum(0, dtype=torch.float32)
-        g = (d_rows[c] * weight).float()
+        if offset:
+            dyf = d_rows[c].float()
+            dw += (dyf * xn).sum(0)
+            g = dyf * wf
+        else:
+            dw += (d_rows[c] * xn.to(x.dtype)).sum(0, dtype=torch.float32)
+            g = (d_rows[c] * weight).float()
         dot = torch.linalg.vecdot(g, xn).unsqueeze(-1).div_(h)
         dx[c] = torch.addcmul(g, xn, dot, value=-1).mul_(r_rows[c])
     return dx.view(x.shape), dw.to(weight.dtype)
@@ -106,42 +121,45 @@ class _RMSNormKeepingInput(torch.autograd.Function):
     a half-precision ``x``, a float32 copy of it)."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps):
-        y, r = normalize(x, weight, eps)
+    def forward(ctx, x, weight, eps, offset):
+        y, r = normalize(x, weight, eps, offset)
         ctx.save_for_backward(x, weight, r)
+        ctx.offset = offset
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        return *rms_norm_backward(*ctx.saved_tensors, dy), None
+        return *rms_norm_backward(*ctx.saved_tensors, dy, ctx.offset), None, None
 
 
-def rms_norm_keeping_input(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_keeping_input(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0
+) -> torch.Tensor:
     """``rms_norm`` (same values) for training: saves ``x`` and one float32 per row, and
     recomputes the normalised ``x`` in backward (one multiply). The output remembers where it
     came from, so that a consumer saving it for backward saves ``x`` instead (``to_save``)."""
-    y = _RMSNormKeepingInput.apply(x, weight, eps)
-    y._tsp_normed = (x, weight, eps, y._version)
+    y = _RMSNormKeepingInput.apply(x, weight, eps, offset)
+    y._tsp_normed = (x, weight, (eps, offset), y._version)
     return y
 
 
-def to_save(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, float | None]:
+def to_save(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
     """What to save for backward in place of ``t``: for an unmodified output of
     ``rms_norm_keeping_input``, the norm's input and weight (which the norm saves anyway: a
-    ``[B, S/D, h]`` tensor less per consumer) and its eps; else ``(t, None, None)``.
-    ``from_saved`` rebuilds ``t``."""
+    ``[B, S/D, h]`` tensor less per consumer) and its ``(eps, offset)``; else ``(t, None,
+    None)``. ``from_saved`` rebuilds ``t``."""
     src = getattr(t, "_tsp_normed", None)
     if src is None or src[3] != t._version:
         return t, None, None
     return src[:3]
 
 
-def from_saved(t: torch.Tensor, weight: torch.Tensor | None, eps: float | None) -> torch.Tensor:
+def from_saved(t: torch.Tensor, weight: torch.Tensor | None, norm: tuple | None) -> torch.Tensor:
     """Inverse of ``to_save``: the norm's output recomputed from its input by the norm's own
     operations (the same values), or ``t`` itself."""
     if weight is None:
         return t
-    return normalize(t, weight, eps)[0]
+    return normalize(t, weight, *norm)[0]
 
 
 def rope_phases(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -189,3 +207,28 @@ def _complex(t: torch.Tensor) -> torch.Tensor:
     """``[..., d]`` -> complex ``[..., d/2]`` of adjacent pairs (a view when ``_pairable``)."""
     t = t if _pairable(t) else t.contiguous()
     return torch.view_as_complex(t.unflatten(-1, (-1, 2)))
+
+
+# gated MLP activations by engine name: (aten op, its ``approximate`` argument or None)
+GATE_ACTIVATIONS = {"silu": None, "gelu": "none", "gelu_tanh": "tanh"}
+
+
+def gate_activation(x: torch.Tensor, kind: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``act(x)`` of a gated MLP's gate (``kind`` in ``GATE_ACTIVATIONS``), into ``out`` if
+    given."""
+    approximate = GATE_ACTIVATIONS[kind]
+    if out is None:
+        out = torch.empty_like(x)
+    if approximate is None:
+        return torch.ops.aten.silu.out(x, out=out)
+    return torch.ops.aten.gelu.out(x, approximate=approximate, out=out)
+
+
+def gate_activation_backward(
+    grad: torch.Tensor, x: torch.Tensor, kind: str, out: torch.Tensor
+) -> torch.Tensor:
+    """``grad ⊙ act'(x)`` into ``out`` (which may be ``x`` itself)."""
+    approximate = GATE_ACTIVATIONS[kind]
+    if approximate is None:
+        return torch.ops.aten.silu_backward.grad_input(grad, x, grad_input=out)
+    return torch.ops.aten.gelu_backward.grad_input(grad, x, approximate=approximate, grad_input=out)

@@ -35,7 +35,7 @@ from ..mesh import init_tsp_mesh, tsp_group
 from .attention import TSPAttention
 from .causal_lm import TSPCausalLMLoss, check_inputs
 from .checkpointing import HostStore, enable_layer_checkpointing
-from .families import Family, family_of, supported_names
+from .families import Family, family_of, gate_activation, supported_names
 from .generate import tsp_forward, tsp_generate
 from .lora import (
     attach_adapters,
@@ -137,9 +137,9 @@ def apply_tsp(
             setattr(layer, name, tsp_class.from_hf(getattr(layer, name), group, config, **extra))
             attach_adapters(getattr(layer, name), taken, adapter)
         for name in (f.attention_norm, f.mlp_norm):
-            setattr(layer, name, TSPRMSNorm.from_hf(getattr(layer, name), group))
+            setattr(layer, name, _norm(f, getattr(layer, name), group))
     base = f.base_of(model)
-    setattr(base, f.final_norm, TSPRMSNorm.from_hf(getattr(base, f.final_norm), group))
+    setattr(base, f.final_norm, _norm(f, getattr(base, f.final_norm), group))
     embedding, head = getattr(base, f.embedding), getattr(model, f.lm_head)
     if config.shard_vocab:
         tied = head.weight is embedding.weight
@@ -193,6 +193,10 @@ def _save_adapter(peft_model, save_directory, **kwargs) -> None:
     save_adapter(peft_model, save_directory)
 
 
+def _norm(f: Family, norm: nn.Module, group) -> TSPRMSNorm:
+    return TSPRMSNorm.from_hf(norm, group, f.norm_eps, f.norm_offset)
+
+
 def check_supported(model: nn.Module) -> Family:
     """Raise ``ValueError`` naming the reason if ``model`` cannot be run under TSP; else return
     its family (``hf.families``)."""
@@ -216,11 +220,18 @@ def check_supported(model: nn.Module) -> Family:
             )
         for norm in (f.attention_norm, f.mlp_norm):
             module = getattr(layer, norm, None)
-            if not hasattr(module, "variance_epsilon"):
+            if module is None:
+                raise ValueError(
+                    f"{name} layer {i}: no {norm}: TSP runs pre-norm layers (an RMSNorm before "
+                    "the attention and before the MLP); post-norm layers (e.g. OLMo-2's) are not "
+                    f"supported; supported: {supported_names()}"
+                )
+            if not hasattr(module, f.norm_eps):
+                kind = "(1 + weight)" if f.norm_offset else "weight"
                 raise ValueError(
                     f"{name} (model_type={getattr(cfg, 'model_type', None)!r}) layer {i}: "
-                    f"{norm} is a {type(module).__name__}, not a Llama-style RMSNorm "
-                    f"(x / rms(x) * weight, with variance_epsilon); supported: "
+                    f"{norm} is a {type(module).__name__}, not the {f.name} family's RMSNorm "
+                    f"(x / rms(x) * {kind}, with {f.norm_eps}); supported: "
                     f"{supported_names()} and models of the same structure"
                 )
         window = f.sliding_window(attn)
@@ -235,8 +246,10 @@ def check_supported(model: nn.Module) -> Family:
             f"{name}: layer types {sorted(kinds)} are not supported; TSP runs full_attention "
             "and sliding_attention layers"
         )
-    if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
-        raise ValueError(f"{name}: hidden_act={cfg.hidden_act!r}; TSP supports SwiGLU (silu) only")
+    try:
+        gate_activation(cfg)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
     if getattr(cfg, "mlp_bias", False):
         raise ValueError(f"{name}: MLP biases (mlp_bias=True) are not supported")
     if getattr(cfg, "attention_dropout", 0.0):

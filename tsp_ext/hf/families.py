@@ -4,10 +4,12 @@ family, read by ``apply_tsp``, inference, FSDP2 and loading alike.
 A ``Family`` names the attributes of the model (base model, layers, embedding, final norm,
 rotary embedding, LM head) and of each decoder layer (attention and its projections, MLP and its
 projections, the norms before attention and MLP), and runs a decoder layer's residual structure
-(``layer_forward``). A family with this layer structure under other model-level names is one
+(``layer_forward``), and the kind of its RMSNorms (``weight`` or ``1 + weight``, their epsilon
+attribute). A family with this layer structure under other names, or with Gemma's norms, is one
 entry in ``FAMILIES`` (and its parity tests, ``tests/models.py``); the TSP modules themselves still
-read Llama's projection names. ``family_of`` takes a model whose class is not listed but whose
-parts are where the Llama description says as that structure.
+read Llama's projection names, and an embedding's scale and the gate's activation are read from
+the module and config. ``family_of`` takes a model whose class is not listed but whose parts are
+where the Llama description says as that structure.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ class Family:
     mlp_projections: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
     attention_norm: str = "input_layernorm"  # the pre-norm of the attention
     mlp_norm: str = "post_attention_layernorm"  # the pre-norm of the MLP
+    norm_eps: str = "variance_epsilon"  # the RMSNorms' epsilon attribute
+    norm_offset: float = 0.0  # RMSNorm as x̂·(offset + w), in float32: Gemma's (1 + w)
 
     def base_of(self, model: nn.Module) -> nn.Module:
         return getattr(model, self.base)
@@ -76,7 +80,26 @@ LLAMA = Family(
     "Llama",
     ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"),
 )
-FAMILIES = (LLAMA,)
+# Llama's layout with (1 + w) RMSNorms (eps ``eps``), a scaled embedding (its module's
+# ``embed_scale``, read by the TSP embeddings) and GELU-tanh (the config's ``hidden_act``)
+GEMMA = Family("Gemma", ("GemmaForCausalLM",), norm_eps="eps", norm_offset=1.0)
+FAMILIES = (LLAMA, GEMMA)
+
+# Hugging Face ``hidden_act`` -> the engine's gate activation (``pointwise.GATE_ACTIVATIONS``)
+GATE_ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu": "gelu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+}
+
+
+def gate_activation(config) -> str:
+    """The engine's name of a model's gated-MLP activation; ``ValueError`` if unsupported."""
+    act = getattr(config, "hidden_act", "silu")
+    if act not in GATE_ACTIVATIONS:
+        raise ValueError(f"hidden_act={act!r}: TSP's gated MLP supports {sorted(GATE_ACTIVATIONS)}")
+    return GATE_ACTIVATIONS[act]
 
 
 def supported_names() -> str:

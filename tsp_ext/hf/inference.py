@@ -21,7 +21,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..engine import comm
 from ..engine.agreement import agree, checksum
-from ..engine.decode import gather_vocab_logits, vocab_embedding
+from ..engine.decode import gather_vocab_logits
 from ..engine.layout import ZigzagLayout, pad_sequence, padded_length
 from .cache import TSPCache
 from .vocab import TSPVocabEmbedding, TSPVocabLMHead
@@ -96,11 +96,7 @@ def _decode(model, ids, mask, pos, cache: TSPCache) -> torch.Tensor:
             f"attention_mask covers {valid.shape[1]} tokens, the cache and the new tokens {L + Tq}"
         )
     emb = _embedding(model)
-    if isinstance(emb, TSPVocabEmbedding):
-        first = emb.local_index("weight")[0].start
-        x = vocab_embedding(ids, emb.weight, first, emb.group)
-    else:
-        x = emb(ids)
+    x = emb.decode(ids) if isinstance(emb, TSPVocabEmbedding) else emb(ids)
 
     def attention(i, attn, h, rope):
         return attn.decode(h, rope, cache.layers[i], q_index, valid)

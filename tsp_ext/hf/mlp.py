@@ -14,13 +14,14 @@ from ..engine import comm
 from ..engine.decode import decode_mlp
 from ..engine.mlp import tsp_mlp
 from ..engine.partition import check_split, split_range, split_sizes
+from .families import gate_activation
 from .lora import adapters_of, plan_of
 from .nf4 import storage
 from .sharding import ShardedModule
 
 
 class TSPGatedMLP(ShardedModule):
-    """SwiGLU MLP on a TSP axis: ``down(silu(gate(x)) * up(x))`` with slice p of the
+    """Gated MLP on a TSP axis: ``down(act(gate(x)) * up(x))`` (SwiGLU, GeGLU) with slice p of the
     intermediate dimension (``⌊F/D⌋`` or ``⌈F/D⌉`` rows, the first ``F mod D`` ranks one
     more). Input and output ``[B, S/D, h]`` (this rank's tokens). A projection may be a
     ``TSPLoraLinear`` (PEFT LoRA, ``hf.lora``): its adapter joins the ring."""
@@ -34,6 +35,7 @@ class TSPGatedMLP(ShardedModule):
         group,
         config: TSPConfig | None = None,
         *,
+        activation: str = "silu",
         dtype=None,
         device=None,
     ) -> None:
@@ -41,6 +43,7 @@ class TSPGatedMLP(ShardedModule):
         D, p = comm.size_and_rank(group)
         check_split(intermediate_size, D, "intermediate_size", "use a smaller TSP size")
         self.group, self.options = group, (config or TSPConfig()).engine_options()
+        self.activation = activation  # the gate's (``pointwise.GATE_ACTIVATIONS``)
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.sizes = split_sizes(intermediate_size, D)  # rows of every rank's slice
         f = self.sizes[p]
@@ -51,15 +54,14 @@ class TSPGatedMLP(ShardedModule):
 
     @classmethod
     def from_hf(cls, mlp: nn.Module, group, config: TSPConfig | None = None) -> TSPGatedMLP:
-        """Build from a Hugging Face gated MLP (gate/up/down projections, SiLU, no biases)."""
-        act = getattr(mlp.config, "hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ValueError(f"TSP gated MLP supports SiLU (SwiGLU) only, the model uses {act!r}")
+        """Build from a Hugging Face gated MLP (gate/up/down projections, no biases; the gate's
+        activation from its config: ``families.gate_activation``)."""
+        activation = gate_activation(mlp.config)
         if any(getattr(mlp, n).bias is not None for n in ("gate_proj", "up_proj", "down_proj")):
             raise ValueError("TSP gated MLP does not support MLP biases (mlp_bias=True)")
         w = mlp.gate_proj.weight
         h, F_ = w.shape[1], w.shape[0]
-        mod = cls(h, F_, group, config, dtype=w.dtype, device=w.device)
+        mod = cls(h, F_, group, config, activation=activation, dtype=w.dtype, device=w.device)
         with torch.no_grad():
             for name, param in mod.named_parameters():
                 param.copy_(mod.local_slice(name, mlp.get_parameter(name)))
@@ -76,7 +78,7 @@ class TSPGatedMLP(ShardedModule):
         w = tuple(storage(p) for p in (self.gate_proj, self.up_proj, self.down_proj))
         adapted = adapters_of(self, ("gate_proj", "up_proj", "down_proj"))
         if not adapted:
-            return tsp_mlp(x, *w, self.group, self.options, self.sizes)
+            return tsp_mlp(x, *w, self.group, self.options, self.sizes, activation=self.activation)
         plan = plan_of(adapted, ("gate_proj", "up_proj"), "down_proj", self.training)
         pieces = {
             f"a_{n}": comm.replicated(adapted[f"{n}_proj"].a, self.group) for n in plan.inputs
@@ -87,7 +89,7 @@ class TSPGatedMLP(ShardedModule):
         if plan.output is not None:
             pieces["a_down"] = adapted["down_proj"].a
             pieces["b_down"] = comm.replicated(adapted["down_proj"].b, self.group)
-        return tsp_mlp(x, *w, self.group, self.options, self.sizes, plan, pieces)
+        return tsp_mlp(x, *w, self.group, self.options, self.sizes, plan, pieces, self.activation)
 
     @torch.no_grad()
     def decode(self, x: torch.Tensor) -> torch.Tensor:
@@ -95,4 +97,5 @@ class TSPGatedMLP(ShardedModule):
         tensor-parallel over the slices (active LoRA adapters merged); the same on every rank."""
         projs = (self.gate_proj, self.up_proj, self.down_proj)
         w = (p.merged_weight() if hasattr(p, "merged_weight") else p.weight for p in projs)
-        return decode_mlp(x, *w, self.group, self.options.accum_for(x.dtype))
+        acc = self.options.accum_for(x.dtype)
+        return decode_mlp(x, *w, self.group, acc, self.activation)

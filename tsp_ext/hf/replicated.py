@@ -22,35 +22,55 @@ from .sharding import Role, param_roles
 
 
 class TSPRMSNorm(nn.Module):
-    """Llama-family RMSNorm (``weight * normalize(x)``) with a replicated weight; autograd keeps
-    only its input and one float32 per token (``rms_norm_keeping_input``)."""
+    """RMSNorm with a replicated weight: ``weight * normalize(x)`` (Llama family), or with an
+    ``offset`` Gemma's ``normalize(x) * (offset + weight)`` in float32; autograd keeps only its
+    input and one float32 per token (``rms_norm_keeping_input``)."""
 
-    def __init__(self, weight: nn.Parameter, eps: float, group) -> None:
+    def __init__(self, weight: nn.Parameter, eps: float, group, offset: float = 0.0) -> None:
         super().__init__()
         self.weight, self.variance_epsilon, self.group = weight, eps, group
+        self.offset = offset
 
     @classmethod
-    def from_hf(cls, norm: nn.Module, group) -> TSPRMSNorm:
-        return cls(norm.weight, norm.variance_epsilon, group)
+    def from_hf(cls, norm: nn.Module, group, eps: str = "variance_epsilon", offset: float = 0.0):
+        """From a Hugging Face RMSNorm whose epsilon is its attribute ``eps``."""
+        return cls(norm.weight, getattr(norm, eps), group, offset)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = replicated(self.weight, self.group)
-        return rms_norm_keeping_input(x, weight, self.variance_epsilon)
+        return rms_norm_keeping_input(x, weight, self.variance_epsilon, self.offset)
 
 
 class TSPEmbedding(nn.Module):
-    """Token embedding with a replicated ``[V, h]`` table; ``ids [B, S/D] -> [B, S/D, h]``."""
+    """Token embedding with a replicated ``[V, h]`` table; ``ids [B, S/D] -> [B, S/D, h]``,
+    times ``scale`` where the model scales its embeddings (Gemma)."""
 
-    def __init__(self, weight: nn.Parameter, padding_idx: int | None, group) -> None:
+    def __init__(
+        self, weight: nn.Parameter, padding_idx: int | None, group, scale: float | None = None
+    ) -> None:
         super().__init__()
         self.weight, self.padding_idx, self.group = weight, padding_idx, group
+        self.scale = scale
 
     @classmethod
     def from_hf(cls, emb: nn.Embedding, group) -> TSPEmbedding:
-        return cls(emb.weight, emb.padding_idx, group)
+        return cls(emb.weight, emb.padding_idx, group, embedding_scale(emb))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, replicated(self.weight, self.group), self.padding_idx)
+        x = F.embedding(ids, replicated(self.weight, self.group), self.padding_idx)
+        return scaled(x, self.scale)
+
+
+def embedding_scale(emb: nn.Module) -> float | None:
+    """The factor a Hugging Face embedding module multiplies its output by (Gemma's
+    ``embed_scale`` buffer, sqrt(h) rounded to float32), or None."""
+    scale = getattr(emb, "embed_scale", None)
+    return None if scale is None else float(scale)
+
+
+def scaled(x: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """``x * scale`` with the factor in x's dtype, as Hugging Face applies it (None: ``x``)."""
+    return x if scale is None else x * torch.tensor(scale, dtype=x.dtype, device=x.device)
 
 
 class TSPLMHead(nn.Module):

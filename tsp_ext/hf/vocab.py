@@ -11,9 +11,11 @@ from torch import nn
 
 from ..config import TSPConfig
 from ..engine import comm
+from ..engine.decode import vocab_embedding
 from ..engine.layout import IGNORE_INDEX
 from ..engine.partition import check_split, split_offsets
 from ..engine.vocab import embedding_exchange, ring_cross_entropy, ring_logits, ring_token_logps
+from .replicated import embedding_scale, scaled
 from .sharding import ShardedModule
 
 
@@ -40,21 +42,38 @@ def _shard_parameter(full: torch.Tensor, index) -> nn.Parameter:
 
 
 class TSPVocabEmbedding(_VocabRows):
-    """Token embedding with vocabulary rows p on rank p: ``ids [B, S/D] -> [B, S/D, h]``."""
+    """Token embedding with vocabulary rows p on rank p: ``ids [B, S/D] -> [B, S/D, h]``, times
+    ``scale`` where the model scales its embeddings (Gemma)."""
 
-    def __init__(self, weight: nn.Parameter, vocab_size: int, padding_idx: int | None, group):
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        vocab_size: int,
+        padding_idx: int | None,
+        group,
+        scale: float | None = None,
+    ):
         super().__init__(vocab_size, weight.shape[1], group)
-        self.weight, self.padding_idx = weight, padding_idx
+        self.weight, self.padding_idx, self.scale = weight, padding_idx, scale
 
     @classmethod
     def from_hf(cls, emb: nn.Embedding, group) -> TSPVocabEmbedding:
         V, h = emb.weight.shape
-        mod = cls(nn.Parameter(emb.weight.new_empty(0, h)), V, emb.padding_idx, group)
+        empty = nn.Parameter(emb.weight.new_empty(0, h))
+        mod = cls(empty, V, emb.padding_idx, group, embedding_scale(emb))
         mod.weight = _shard_parameter(emb.weight, mod.local_index("weight"))
         return mod
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return embedding_exchange(ids, self.weight, self.offsets, self.padding_idx, self.group)
+        x = embedding_exchange(ids, self.weight, self.offsets, self.padding_idx, self.group)
+        return scaled(x, self.scale)
+
+    @torch.no_grad()
+    def decode(self, ids: torch.Tensor) -> torch.Tensor:
+        """Inference: embeddings ``[B, Tq, h]`` of ``ids [B, Tq]`` that every rank holds (a
+        decode step), the same on every rank (one all-reduce)."""
+        first = self.local_index("weight")[0].start
+        return scaled(vocab_embedding(ids, self.weight, first, self.group), self.scale)
 
 
 class TSPVocabLMHead(_VocabRows):
