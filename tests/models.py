@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GemmaConfig,
     GemmaForCausalLM,
     LlamaConfig,
@@ -61,6 +63,19 @@ FAMILIES = {
         GemmaForCausalLM,
         GemmaConfig,
         dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8),
+    ),
+    # post-norms, (1 + w) per-head q/k norms, a windowed and a full layer, a rotary table each
+    "gemma3": (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            query_pre_attn_scalar=8,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
     ),
     "qwen3": (
         Qwen3ForCausalLM,

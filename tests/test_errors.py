@@ -20,7 +20,7 @@ def errors_worker(rank, world):
     ok = LlamaConfig(**cfg, num_attention_heads=4, num_key_value_heads=2)
     one_head = LlamaConfig(**cfg, num_attention_heads=1, num_key_value_heads=1)
     one_row = LlamaConfig(**{**cfg, "intermediate_size": 1}, num_attention_heads=4)
-    gelu = LlamaConfig(**cfg, num_attention_heads=4, hidden_act="gelu")
+    relu = LlamaConfig(**cfg, num_attention_heads=4, hidden_act="relu")
     attn = TSPAttention.from_hf(LlamaAttention(ok, 0), group)
     mlp = TSPGatedMLP.from_hf(LlamaMLP(ok), group)
     rope = LlamaRotaryEmbedding(ok)
@@ -29,7 +29,7 @@ def errors_worker(rank, world):
     return {
         "heads": error_message(lambda: TSPAttention.from_hf(LlamaAttention(one_head, 0), group)),
         "ffn": error_message(lambda: TSPGatedMLP.from_hf(LlamaMLP(one_row), group)),
-        "act": error_message(lambda: TSPGatedMLP.from_hf(LlamaMLP(gelu), group)),
+        "act": error_message(lambda: TSPGatedMLP.from_hf(LlamaMLP(relu), group)),
         "group": error_message(
             lambda: TSPAttention(AttentionSpec(24, 4, 2, 6, tsp_size=4, scaling=1.0), group)
         ),
@@ -54,7 +54,7 @@ def messages(workers):
         ("heads", "tsp_size=2 but the model has n_heads=1: every TSP rank needs at least one"),
         ("heads", "the largest valid TSP size is 1"),
         ("ffn", "intermediate_size=1 cannot be split over tsp_size=2: use a smaller TSP size"),
-        ("act", "SiLU (SwiGLU) only"),
+        ("act", "hidden_act='relu': TSP's gated MLP supports ['gelu', 'gelu_pytorch_tanh',"),
         ("group", "process group has 2 ranks but the spec is for tsp_size=4"),
         ("hidden", "hidden_states must be [B, S/D, 24]"),
         ("odd_local", "local sequence length 3 must be even"),

@@ -7,7 +7,8 @@ import os
 import sys
 
 import pytest
-from transformers import GemmaConfig, GemmaForCausalLM, LlamaConfig
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 
 from tsp_ext import init_tsp_mesh
 from tsp_ext.hf.apply import check_supported
@@ -43,21 +44,24 @@ def test_dist_timeout_must_be_positive():
         init_tsp_mesh(1, timeout=-5)
 
 
-def test_gemma_norms_are_refused_naming_the_model_type():
-    cfg = GemmaConfig(
+def test_norms_of_another_kind_are_refused_naming_the_model_type():
+    """A Llama-layout model with a Gemma (1 + w) norm: not the Llama family's RMSNorm."""
+    cfg = LlamaConfig(
         hidden_size=16,
         intermediate_size=32,
         num_hidden_layers=1,
         num_attention_heads=2,
         num_key_value_heads=2,
-        head_dim=8,
         vocab_size=32,
     )
+    model = LlamaForCausalLM(cfg)
+    model.model.layers[0].input_layernorm = GemmaRMSNorm(16)
     with pytest.raises(ValueError) as e:
-        check_supported(GemmaForCausalLM(cfg))
+        check_supported(model)
     message = str(e.value)
-    assert "GemmaForCausalLM (model_type='gemma') layer 0: input_layernorm is a GemmaRMSNorm" in (
-        message
+    assert (
+        "LlamaForCausalLM (model_type='llama') layer 0: input_layernorm is a GemmaRMSNorm, not "
+        "the Llama family's RMSNorm (x / rms(x) * weight, with variance_epsilon)" in message
     )
     assert "supported: LlamaForCausalLM, MistralForCausalLM" in message
 

@@ -14,6 +14,7 @@ from transformers import DynamicCache
 
 from tsp_ext import TSPCache, TSPConfig, apply_tsp, init_tsp_mesh
 from tsp_ext.engine.decode import KV_BLOCK
+from tsp_ext.hf.families import family_of
 
 pytestmark = pytest.mark.multiproc
 
@@ -32,6 +33,7 @@ CASES = [
     ("mistral_window", torch.float64, 2, 21, 5, {}),  # prompt and decode past the window
     ("qwen2_window", torch.float32, 1, 19, 0, {}),
     ("gemma", torch.float64, 2, 17, 2, {}),
+    ("gemma3", torch.float64, 2, 15, 3, {}),
 ]
 
 
@@ -182,8 +184,9 @@ def test_kv_cache_and_weights_are_one_dth(workers, world):
         model = build(family, dtype)
         c = max(world // model.config.num_key_value_heads, 1)
         tokens = S + NEW - 1  # the last generated token is never fed back
-        if family == "mistral_window":  # layer 0 keeps the last window - 1 tokens, as HF's
-            tokens = model.config.sliding_window - 1
+        window = family_of(model).sliding_window(model.model.layers[0].self_attn)
+        if window is not None:  # a windowed layer 0 keeps the last window - 1 tokens, as HF's
+            tokens = window - 1
         for run in runs:  # a KV head's replicas split its tokens by blocks of KV_BLOCK
             assert abs(run[key]["cached_tokens"] - tokens / c) <= KV_BLOCK, (key, run[key])
         if c == 1:

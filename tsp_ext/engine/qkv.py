@@ -94,8 +94,9 @@ def project_qkv(x, w, phases, q_norm, k_norm, spec: AttentionSpec, weight=None, 
         add_matmul(lin.view(-1, lin.shape[-1]), u, lora.t())
     q, k, v = _split(lin, w, d)
     if q_norm is not None:
-        q = rms_norm(q, interleave_heads(q_norm, d), spec.qk_norm_eps)
-        k = rms_norm(k, interleave_heads(k_norm, d), spec.qk_norm_eps)
+        eps, offset = spec.qk_norm_eps, spec.qk_norm_offset
+        q = rms_norm(q, interleave_heads(q_norm, d), eps, offset)
+        k = rms_norm(k, interleave_heads(k_norm, d), eps, offset)
     n_kv = k.shape[2]
     q_out = x.new_empty(B, q.shape[2], T, d).transpose(1, 2)
     kv = x.new_empty(B, 2 * n_kv, T, d)
@@ -140,7 +141,7 @@ def project_qkv_backward(
         for pre, g, nw, out in ((q_pre, dq, q_norm, dq_lin), (k_pre, dk, k_norm, dk_lin)):
             r = inv_rms(pre.float(), spec.qk_norm_eps)
             nw = interleave_heads(nw, d)
-            d_pre, d_w = rms_norm_backward(pre, nw, r, rope(g, inverse))
+            d_pre, d_w = rms_norm_backward(pre, nw, r, rope(g, inverse), spec.qk_norm_offset)
             out.copy_(d_pre)
             d_norms.append(deinterleave_heads(d_w.to(acc), d))
     d2, x2 = d_lin.view(-1, W.shape[0]), x.reshape(-1, h)

@@ -128,15 +128,14 @@ def apply_tsp(
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     f = family
     for layer in f.layers_of(model):
-        window = f.sliding_window(getattr(layer, f.attention))
         for name, projections, tsp_class, extra in (
-            (f.attention, f.attention_projections, TSPAttention, {"window": window}),
-            (f.mlp, f.mlp_projections, TSPGatedMLP, {}),
+            (f.attention, f.attention_projections, TSPAttention, {"family": f}),
+            (f.mlp, f.mlp_projections, TSPGatedMLP, {"family": f}),
         ):
             taken = detach_adapters(getattr(layer, name), projections)
             setattr(layer, name, tsp_class.from_hf(getattr(layer, name), group, config, **extra))
             attach_adapters(getattr(layer, name), taken, adapter)
-        for name in (f.attention_norm, f.mlp_norm):
+        for name in f.layer_norms:
             setattr(layer, name, _norm(f, getattr(layer, name), group))
     base = f.base_of(model)
     setattr(base, f.final_norm, _norm(f, getattr(base, f.final_norm), group))
@@ -218,7 +217,7 @@ def check_supported(model: nn.Module) -> Family:
                 f"{name} layer {i}: {kind} MLPs are not supported (need "
                 f"{'/'.join(f.mlp_projections)})"
             )
-        for norm in (f.attention_norm, f.mlp_norm):
+        for norm in f.layer_norms:
             module = getattr(layer, norm, None)
             if module is None:
                 raise ValueError(
@@ -247,17 +246,28 @@ def check_supported(model: nn.Module) -> Family:
             "and sliding_attention layers"
         )
     try:
-        gate_activation(cfg)
+        gate_activation(cfg, f.activation)
     except ValueError as e:
         raise ValueError(f"{name}: {e}") from None
     if getattr(cfg, "mlp_bias", False):
         raise ValueError(f"{name}: MLP biases (mlp_bias=True) are not supported")
     if getattr(cfg, "attention_dropout", 0.0):
         raise ValueError(f"{name}: attention dropout is not supported; set attention_dropout=0")
-    rope_type = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
-    if rope_type not in _POSITION_ONLY_ROPE:
-        # e.g. dynamic NTK: its scaling depends on the largest position each rank sees
-        raise ValueError(f"{name}: rope type {rope_type!r} is not supported under TSP")
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    per_type = [p for p in rope.values() if isinstance(p, dict)]  # Gemma-3: one per layer type
+    for params in per_type or [rope]:
+        rope_type = params.get("rope_type", "default")
+        if rope_type not in _POSITION_ONLY_ROPE:
+            # e.g. dynamic NTK: its scaling depends on the largest position each rank sees
+            raise ValueError(f"{name}: rope type {rope_type!r} is not supported under TSP")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(cfg, key, None) is not None:
+            raise ValueError(
+                f"{name}: {key}={getattr(cfg, key)} (tanh soft-capping) is not supported under "
+                f"TSP; supported: {supported_names()} without soft-capping"
+            )
+    if getattr(cfg, "use_bidirectional_attention", False):
+        raise ValueError(f"{name}: bidirectional attention is not supported; TSP is causal")
     return family
 
 

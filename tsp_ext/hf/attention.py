@@ -22,6 +22,7 @@ from ..engine.documents import query_spans
 from ..engine.layout import ZigzagLayout
 from ..engine.pointwise import rope_phases
 from ..engine.qkv import project_qkv
+from .families import LLAMA, Family
 from .lora import adapters_of, plan_of
 from .nf4 import storage
 from .sharding import Role, ShardedModule
@@ -91,14 +92,10 @@ class TSPAttention(ShardedModule):
 
     @classmethod
     def from_hf(
-        cls,
-        attn: nn.Module,
-        group,
-        config: TSPConfig | None = None,
-        window: int | None = None,
+        cls, attn: nn.Module, group, config: TSPConfig | None = None, family: Family = LLAMA
     ) -> TSPAttention:
-        """Build from a Hugging Face attention module, copying this rank's slices of its weights;
-        ``window``: its sliding window (``Family.sliding_window``) or None."""
+        """Build from a Hugging Face attention module of ``family``, copying this rank's slices
+        of its weights (its sliding window and q/k norms' kind read through the family)."""
         cfg = attn.config
         D, p = comm.size_and_rank(group)
         # replicated per-head norms (Qwen3): private copies, so the HF module can be discarded
@@ -110,8 +107,9 @@ class TSPAttention(ShardedModule):
             head_dim=attn.head_dim,
             tsp_size=D,
             scaling=attn.scaling,
-            qk_norm_eps=q_norm.variance_epsilon if q_norm is not None else None,
-            window=window,
+            qk_norm_eps=getattr(q_norm, family.norm_eps) if q_norm is not None else None,
+            qk_norm_offset=family.norm_offset if q_norm is not None else 0.0,
+            window=family.sliding_window(attn),
         )
         w = attn.q_proj.weight
         mod = cls(

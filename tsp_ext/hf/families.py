@@ -39,8 +39,18 @@ class Family:
     mlp_projections: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
     attention_norm: str = "input_layernorm"  # the pre-norm of the attention
     mlp_norm: str = "post_attention_layernorm"  # the pre-norm of the MLP
+    attention_post_norm: str | None = None  # norms of the attention's / MLP's output (Gemma-3)
+    mlp_post_norm: str | None = None
     norm_eps: str = "variance_epsilon"  # the RMSNorms' epsilon attribute
     norm_offset: float = 0.0  # RMSNorm as x̂·(offset + w), in float32: Gemma's (1 + w)
+    activation: str = "hidden_act"  # the config's name of the gate's activation
+    rope_per_layer_type: bool = False  # rotary(x, pos, layer_type): one table per layer type
+
+    @property
+    def layer_norms(self) -> tuple[str, ...]:
+        """Every RMSNorm of a decoder layer."""
+        post = (self.attention_post_norm, self.mlp_post_norm)
+        return (self.attention_norm, self.mlp_norm, *(n for n in post if n is not None))
 
     def base_of(self, model: nn.Module) -> nn.Module:
         return getattr(model, self.base)
@@ -63,6 +73,17 @@ class Family:
             return attention.sliding_window
         return getattr(attention.config, "sliding_window", None)
 
+    def position_embeddings(self, model: nn.Module, x: torch.Tensor, pos: torch.Tensor) -> list:
+        """The rotary ``(cos, sin)`` of every decoder layer for tokens ``x`` at positions
+        ``pos``: one table for all, or one per layer type (``config.layer_types``)."""
+        rotary = getattr(self.base_of(model), self.rotary)
+        n = len(self.layers_of(model))
+        if not self.rope_per_layer_type:
+            return [rotary(x, pos)] * n
+        types = model.config.layer_types[:n]
+        tables = {t: rotary(x, pos, t) for t in set(types)}
+        return [tables[t] for t in types]
+
     def layer_forward(
         self,
         layer: nn.Module,
@@ -71,9 +92,15 @@ class Family:
         mlp: Callable[[nn.Module, torch.Tensor], torch.Tensor],
     ) -> torch.Tensor:
         """One decoder layer on ``x`` with the given calls of its attention and MLP modules:
-        pre-norm attention, then pre-norm MLP, each added to the residual stream."""
-        x = x + attention(getattr(layer, self.attention), getattr(layer, self.attention_norm)(x))
-        return x + mlp(getattr(layer, self.mlp), getattr(layer, self.mlp_norm)(x))
+        pre-norm attention, then pre-norm MLP, each (through its post-norm, if any) added to
+        the residual stream."""
+        for module, pre, post, call in (
+            (self.attention, self.attention_norm, self.attention_post_norm, attention),
+            (self.mlp, self.mlp_norm, self.mlp_post_norm, mlp),
+        ):
+            out = call(getattr(layer, module), getattr(layer, pre)(x))
+            x = x + (out if post is None else getattr(layer, post)(out))
+        return x
 
 
 LLAMA = Family(
@@ -83,7 +110,20 @@ LLAMA = Family(
 # Llama's layout with (1 + w) RMSNorms (eps ``eps``), a scaled embedding (its module's
 # ``embed_scale``, read by the TSP embeddings) and GELU-tanh (the config's ``hidden_act``)
 GEMMA = Family("Gemma", ("GemmaForCausalLM",), norm_eps="eps", norm_offset=1.0)
-FAMILIES = (LLAMA, GEMMA)
+# Gemma's, with a post-norm after attention and MLP (the pre-norm of the MLP renamed), per-head
+# (1 + w) q/k norms, sliding-window layers and a rotary table per layer type
+GEMMA3 = Family(
+    "Gemma-3",
+    ("Gemma3ForCausalLM",),
+    mlp_norm="pre_feedforward_layernorm",
+    attention_post_norm="post_attention_layernorm",
+    mlp_post_norm="post_feedforward_layernorm",
+    norm_eps="eps",
+    norm_offset=1.0,
+    activation="hidden_activation",
+    rope_per_layer_type=True,
+)
+FAMILIES = (LLAMA, GEMMA, GEMMA3)
 
 # Hugging Face ``hidden_act`` -> the engine's gate activation (``pointwise.GATE_ACTIVATIONS``)
 GATE_ACTIVATIONS = {
@@ -94,11 +134,12 @@ GATE_ACTIVATIONS = {
 }
 
 
-def gate_activation(config) -> str:
-    """The engine's name of a model's gated-MLP activation; ``ValueError`` if unsupported."""
-    act = getattr(config, "hidden_act", "silu")
+def gate_activation(config, key: str = "hidden_act") -> str:
+    """The engine's name of a model's gated-MLP activation (``config.<key>``, the family's
+    ``activation``); ``ValueError`` if unsupported."""
+    act = getattr(config, key, None)
     if act not in GATE_ACTIVATIONS:
-        raise ValueError(f"hidden_act={act!r}: TSP's gated MLP supports {sorted(GATE_ACTIVATIONS)}")
+        raise ValueError(f"{key}={act!r}: TSP's gated MLP supports {sorted(GATE_ACTIVATIONS)}")
     return GATE_ACTIVATIONS[act]
 
 

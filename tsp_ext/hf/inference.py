@@ -45,12 +45,11 @@ def check_same_on_all_ranks(ids: torch.Tensor, mask: torch.Tensor | None, group)
 def _layers(model, x, pos, run_attention, run_mlp):
     """The decoder stack on ``x`` (each layer as its family runs one) and the final norm."""
     family = model.tsp.family
-    base = family.base_of(model)
-    rope = getattr(base, family.rotary)(x, pos)
+    ropes = family.position_embeddings(model, x, pos)
     for i, layer in enumerate(family.layers_of(model)):
-        attention = lambda attn, h, i=i: run_attention(i, attn, h, rope)  # noqa: E731
+        attention = lambda attn, h, i=i: run_attention(i, attn, h, ropes[i])  # noqa: E731
         x = family.layer_forward(layer, x, attention, run_mlp)
-    return getattr(base, family.final_norm)(x)
+    return getattr(family.base_of(model), family.final_norm)(x)
 
 
 def _embedding(model) -> nn.Module:

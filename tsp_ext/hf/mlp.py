@@ -14,7 +14,7 @@ from ..engine import comm
 from ..engine.decode import decode_mlp
 from ..engine.mlp import tsp_mlp
 from ..engine.partition import check_split, split_range, split_sizes
-from .families import gate_activation
+from .families import LLAMA, Family, gate_activation
 from .lora import adapters_of, plan_of
 from .nf4 import storage
 from .sharding import ShardedModule
@@ -53,10 +53,12 @@ class TSPGatedMLP(ShardedModule):
         self.down_proj = nn.Linear(f, hidden_size, **kw)
 
     @classmethod
-    def from_hf(cls, mlp: nn.Module, group, config: TSPConfig | None = None) -> TSPGatedMLP:
-        """Build from a Hugging Face gated MLP (gate/up/down projections, no biases; the gate's
-        activation from its config: ``families.gate_activation``)."""
-        activation = gate_activation(mlp.config)
+    def from_hf(
+        cls, mlp: nn.Module, group, config: TSPConfig | None = None, family: Family = LLAMA
+    ) -> TSPGatedMLP:
+        """Build from a Hugging Face gated MLP of ``family`` (gate/up/down projections, no
+        biases; the gate's activation from its config: ``families.gate_activation``)."""
+        activation = gate_activation(mlp.config, family.activation)
         if any(getattr(mlp, n).bias is not None for n in ("gate_proj", "up_proj", "down_proj")):
             raise ValueError("TSP gated MLP does not support MLP biases (mlp_bias=True)")
         w = mlp.gate_proj.weight
