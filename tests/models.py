@@ -12,6 +12,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -76,6 +78,12 @@ FAMILIES = {
             sliding_window=4,
             layer_types=["sliding_attention", "full_attention"],
         ),
+    ),
+    # q/k/v fused in qkv_proj, gate/up in gate_up_proj
+    "phi3": (
+        Phi3ForCausalLM,
+        Phi3Config,
+        dict(num_attention_heads=4, num_key_value_heads=2, pad_token_id=None, eos_token_id=None),
     ),
     "qwen3": (
         Qwen3ForCausalLM,

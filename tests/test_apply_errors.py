@@ -52,6 +52,9 @@ def errors_worker(rank, world):
         "gpt2": error_message(lambda: apply_tsp(gpt2, mesh)),
         "moe": error_message(lambda: apply_tsp(mixtral, mesh)),
         "post_norm": error_message(lambda: apply_tsp(olmo2, mesh)),
+        "partial_rope": error_message(
+            lambda: apply_tsp(build("phi3", partial_rotary_factor=0.5), mesh)
+        ),
         "window_1": error_message(lambda: apply_tsp(build("mistral", sliding_window=1), mesh)),
         "layer_types": error_message(
             lambda: apply_tsp(
@@ -110,6 +113,7 @@ def messages(workers):
         ("gpt2", "GPT2LMHeadModel is not a Hugging Face decoder-only causal LM"),
         ("moe", "mixture-of-experts MLPs are not supported"),
         ("post_norm", "Olmo2ForCausalLM layer 0: no input_layernorm: TSP runs pre-norm layers"),
+        ("partial_rope", "Phi3ForCausalLM: partial_rotary_factor=0.5 (RoPE on part of each"),
         ("window_1", "layer 0: sliding_window=1; TSP supports windows of 2 or more tokens"),
         ("layer_types", "layer types ['chunked_attention'] are not supported"),
         ("relu", "hidden_act='relu': TSP's gated MLP supports ['gelu', 'gelu_pytorch_tanh'"),

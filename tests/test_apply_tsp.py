@@ -39,6 +39,7 @@ CASES = [
     ("gemma", torch.float64, 2, 21, 3, ""),
     ("gemma", torch.float32, 1, 24, 0, "replicated"),
     ("gemma3", torch.float64, 2, 26, 3, ""),
+    ("phi3", torch.float64, 2, 21, 2, ""),
     ("llama", torch.float32, 2, 24, 0, ""),
     ("qwen2", torch.float32, 1, 21, 0, ""),
     ("llama", torch.float64, 2, 21, 0, "replicated"),

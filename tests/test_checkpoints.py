@@ -95,7 +95,8 @@ def roundtrip_worker(rank, world, tmp, family):
 
 @functools.cache
 def roundtrips(workers, world: int, tmp: str):
-    return {f: workers.run(roundtrip_worker, world, tmp, f) for f in ("llama", "llama_tied")}
+    families = ("llama", "llama_tied", "phi3")  # phi3: fused qkv_proj and gate_up_proj
+    return {f: workers.run(roundtrip_worker, world, tmp, f) for f in families}
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -34,6 +34,7 @@ CASES = [
     ("qwen2_window", torch.float32, 1, 19, 0, {}),
     ("gemma", torch.float64, 2, 17, 2, {}),
     ("gemma3", torch.float64, 2, 15, 3, {}),
+    ("phi3", torch.float32, 1, 13, 0, {}),
 ]
 
 

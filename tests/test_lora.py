@@ -296,6 +296,7 @@ def errors_worker(rank, world):
     refused("embedding", lora(["embed_tokens"]))
     refused("modules_to_save", lora(ALL, modules_to_save=["lm_head"]))
     refused("lora_bias", lora(["q_proj"], family="qwen2", lora_bias=True))
+    refused("fused", lora(["qkv_proj", "o_proj"], family="phi3"))
 
     def two_adapters():
         peft = build_lora("llama", torch.float64, ALL)
@@ -326,6 +327,7 @@ def test_unsupported_adapters_are_refused(workers):
         "embedding": "LoRA on model.embed_tokens is not supported",
         "modules_to_save": "modules_to_save",
         "lora_bias": "lora_bias=True",
+        "fused": "the Phi-3 family stacks its projections (qkv_proj, gate_up_proj)",
         "two adapters": "exactly one LoRA adapter",
         "rank-dependent init": "initial values differ across TSP ranks",
         "peft after apply_tsp": "call apply_tsp(peft_model) on the PEFT model",

@@ -30,6 +30,7 @@ from tsp_ext import (
 )
 from tsp_ext.dp.grad_norm import clip_grad_norm_
 from tsp_ext.engine.heads import AttentionSpec
+from tsp_ext.hf.families import family_of
 
 pytestmark = pytest.mark.multiproc
 
@@ -44,6 +45,7 @@ MODELS = {
     "mistral_6_6": ("mistral", dict(num_attention_heads=6, num_key_value_heads=6, hidden_size=48)),
     "gemma_6_2": ("gemma", dict(num_attention_heads=6, num_key_value_heads=2, hidden_size=48)),
     "gemma3_6_2": ("gemma3", dict(num_attention_heads=6, num_key_value_heads=2, hidden_size=48)),
+    "phi3_6_3": ("phi3", dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=48)),
     "mistral_w_6_2": (
         "mistral_window",
         dict(num_attention_heads=6, num_key_value_heads=2, hidden_size=48, sliding_window=5),
@@ -59,6 +61,7 @@ CASES = [
     ("mistral_w_6_2", torch.float64, 2, 33, 3),  # S = 6-7x the window
     ("gemma_6_2", torch.float64, 2, 19, 2),
     ("gemma3_6_2", torch.float64, 1, 22, 0),
+    ("phi3_6_3", torch.float64, 2, 17, 1),
     ("tied_6_3", torch.float64, 2, 16, 3),
     ("llama_9_3", torch.float32, 1, 24, 0),
 ]
@@ -82,7 +85,11 @@ def parity_case(mesh, name, dtype, B, S, pad):
     ref = copy.deepcopy(model)
     data = batch(model.config.vocab_size, B, S, pad_last=pad)
     ref_loss, ref_logits, ref_grads = reference(ref, data)
-    full_bytes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
+    split = copy.deepcopy(model)  # fused projections (Phi-3) as the parts TSP shards
+    family = family_of(split)
+    for layer in family.layers_of(split):
+        family.unfuse(layer)
+    full_bytes = {n: p.numel() * p.element_size() for n, p in split.named_parameters()}
 
     apply_tsp(model, mesh, config=TSPConfig(loss_chunk=5))
     local_bytes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
@@ -128,7 +135,7 @@ def test_uneven_models_match_hf(workers, world):
                 tol = max(tol, 1e-6)  # HF runs their q/k norms in float32 (see test_engine)
             bad = {k: v for k, v in errs.items() if not v < gemma_norm_tol(family, k, tol)}
             assert not bad, f"D={world} rank={rank} {case}: {bad}"
-            assert len(errs) > 20
+            assert len(errs) > 15  # every parameter of two layers and the five checks
 
 
 def _unit(name: str, model_name: str) -> int:

@@ -25,7 +25,7 @@ from torch import nn
 from ..hf.lora import ADAPTER_MARK, PEFT_PREFIX, TSPLoraLinear, peft_base
 from ..hf.nf4 import NF4Linear
 from .adapter import save_adapter
-from .state import full_shape, full_tensor, require_tsp, reshard_fsdp
+from .state import full_shape, full_tensor, hf_tensors, require_tsp, reshard_fsdp
 from .writer import WRITER, raise_everywhere, replace_dir
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
@@ -183,8 +183,7 @@ def save_pretrained(
             parent = os.path.dirname(os.path.abspath(path))
             os.makedirs(parent, exist_ok=True)
             tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
-            entries = [(out, t.dtype, full_shape(model, src, t)) for out, src, t, _, _ in plan]
-            files = _ShardFiles(tmp, entries, max_bytes)
+            files = _ShardFiles(tmp, _entries(model, plan), max_bytes)
         except BaseException as e:  # every rank must learn that the save failed
             error = e
     for name, t in _stream(model, plan):  # every rank takes part in each gather
@@ -239,7 +238,28 @@ def _export_plan(model: nn.Module, tied: bool) -> list:
     return plan
 
 
+def _entries(model: nn.Module, plan: list) -> list[tuple[str, torch.dtype, torch.Size]]:
+    """``(Hugging Face name, dtype, full shape)`` of every tensor ``_stream`` yields: a fused
+    projection's (Phi-3's ``qkv_proj``) stacks its parts' rows."""
+    family, shapes = model.tsp.family, {}
+    for out, src, t, _, _ in plan:
+        shape = full_shape(model, src, t)
+        fused = family.fused_name(out)
+        name = out if fused is None else fused[0]
+        if name in shapes:
+            dtype, prev = shapes[name]
+            shape = torch.Size([prev[0] + shape[0], *shape[1:]])
+        shapes[name] = (t.dtype, shape)
+    return [(name, dtype, shape) for name, (dtype, shape) in shapes.items()]
+
+
 def _stream(model: nn.Module, plan: list):
+    """``(name, full tensor on the writer, else None)`` of each tensor to write, under Hugging
+    Face's names (``hf_tensors``; collective)."""
+    return hf_tensors(model, _planned(model, plan))
+
+
+def _planned(model: nn.Module, plan: list):
     """``(name, full tensor on the writer, else None)`` of each planned tensor (collective):
     an adapted weight is merged with its full A and B on the writer."""
     for out, name, t, make, lora in plan:

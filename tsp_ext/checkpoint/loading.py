@@ -72,16 +72,23 @@ def load_pretrained(
     apply_tsp(model, mesh, config=config)
     model.to_empty(device=device)
     files = _weight_files(path)
+    family = model.tsp.family
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name not in files:
-                head = f"{model.tsp.family.lm_head}.weight"
+            index = local_index(model, name)
+            fused = family.fused_rows(name, hf_config)
+            stored = name
+            if fused is not None:  # a part of a fused projection: its rows of the fused tensor
+                stored, first = fused
+                rows = index[0]
+                index = (slice(first + (rows.start or 0), first + rows.stop), *index[1:])
+            if stored not in files:
+                head = f"{family.lm_head}.weight"
                 if name == head and getattr(hf_config, "tie_word_embeddings", False):
                     continue  # tied: filled through embed_tokens
-                raise ValueError(f"{path} has no tensor {name!r}")
-            index = local_index(model, name)
-            with safe_open(files[name], "pt") as f:  # per tensor: its pages are released after
-                param.copy_(f.get_slice(name)[index])
+                raise ValueError(f"{path} has no tensor {stored!r}")
+            with safe_open(files[stored], "pt") as f:  # per tensor: its pages are released after
+                param.copy_(f.get_slice(stored)[index])
     _reset_rotary(model, device)
     model.tie_weights()
     return model

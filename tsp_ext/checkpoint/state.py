@@ -87,15 +87,38 @@ def full_tensor(
     return module.assemble(key, shards)
 
 
+def hf_tensors(
+    model: nn.Module, items: Iterator[tuple[str, torch.Tensor | None]]
+) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """``items`` (name, full tensor) under Hugging Face's names: the parts of a projection the
+    model's family fuses (Phi-3's ``qkv_proj``) are held until all have come, then stacked by
+    rows into the fused tensor (None where a part is None: another rank's result)."""
+    family = model.tsp.family
+    pending: dict[str, dict[int, torch.Tensor | None]] = {}
+    for name, t in items:
+        fused = family.fused_name(name)
+        if fused is None:
+            yield name, t
+            continue
+        hf_name, i, n = fused
+        parts = pending.setdefault(hf_name, {})
+        parts[i] = t
+        if len(parts) == n:
+            del pending[hf_name]
+            ordered = [parts[j] for j in range(n)]
+            yield hf_name, None if any(p is None for p in ordered) else torch.cat(ordered)
+
+
 def iter_full_tensors(
     model: nn.Module, *, dst: int | None = None
 ) -> Iterator[tuple[str, torch.Tensor | None]]:
-    """``(name, full tensor)`` for every entry of ``model.state_dict()``, one at a time
-    (collective: every rank must consume the whole iterator); see ``full_tensor`` for ``dst``."""
+    """``(name, full tensor)`` for every entry of ``model.state_dict()`` under Hugging Face's
+    names, one at a time (a fused projection's parts together: ``hf_tensors``; collective:
+    every rank must consume the whole iterator); see ``full_tensor`` for ``dst``."""
     require_tsp(model)
     reshard_fsdp(model)
-    for name, t in model.state_dict(keep_vars=True).items():
-        yield name, full_tensor(model, name, t, dst=dst)
+    items = model.state_dict(keep_vars=True).items()
+    yield from hf_tensors(model, ((n, full_tensor(model, n, t, dst=dst)) for n, t in items))
 
 
 def full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
@@ -112,8 +135,7 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> dict[str, 
 def full_grads(model: nn.Module, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
     """Full gradients under the original names (collective); parameters without one are left out."""
     require_tsp(model)
-    out = {}
-    for n, p in model.named_parameters(remove_duplicate=False):
-        if p.grad is not None:
-            out[n] = full_tensor(model, n, p.grad)
+    params = model.named_parameters(remove_duplicate=False)
+    grads = ((n, full_tensor(model, n, p.grad)) for n, p in params if p.grad is not None)
+    out = dict(hf_tensors(model, grads))
     return {} if rank0_only and dist.get_rank(model.tsp.group) != 0 else out

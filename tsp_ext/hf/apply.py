@@ -125,8 +125,10 @@ def apply_tsp(
 
     if adapter is not None:
         check_adapters_agree(peft_model, group)
-    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     f = family
+    for layer in f.layers_of(model):
+        f.unfuse(layer)  # Phi-3's qkv_proj / gate_up_proj: their parts, as TSP shards them
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     for layer in f.layers_of(model):
         for name, projections, tsp_class, extra in (
             (f.attention, f.attention_projections, TSPAttention, {"family": f}),
@@ -206,12 +208,12 @@ def check_supported(model: nn.Module) -> Family:
         raise ValueError(f"{name} has no config: not a Hugging Face causal LM")
     for i, layer in enumerate(f.layers_of(model)):
         attn, mlp = getattr(layer, f.attention, None), getattr(layer, f.mlp, None)
-        if attn is None or not all(hasattr(attn, n) for n in f.attention_projections):
+        if attn is None or not f.has_projections(attn, f.attention_projections):
             raise ValueError(
                 f"{name} layer {i}: attention without {'/'.join(f.attention_projections)} is "
                 "not supported"
             )
-        if mlp is None or not all(hasattr(mlp, n) for n in f.mlp_projections):
+        if mlp is None or not f.has_projections(mlp, f.mlp_projections):
             kind = "mixture-of-experts" if hasattr(mlp, "experts") else "non-gated"
             raise ValueError(
                 f"{name} layer {i}: {kind} MLPs are not supported (need "
@@ -256,6 +258,12 @@ def check_supported(model: nn.Module) -> Family:
     rope = getattr(cfg, "rope_parameters", None) or {}
     per_type = [p for p in rope.values() if isinstance(p, dict)]  # Gemma-3: one per layer type
     for params in per_type or [rope]:
+        partial = params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
+        if partial != 1.0:
+            raise ValueError(
+                f"{name}: partial_rotary_factor={partial} (RoPE on part of each head) is not "
+                "supported under TSP; it rotates whole heads"
+            )
         rope_type = params.get("rope_type", "default")
         if rope_type not in _POSITION_ONLY_ROPE:
             # e.g. dynamic NTK: its scaling depends on the largest position each rank sees

@@ -45,6 +45,10 @@ class Family:
     norm_offset: float = 0.0  # RMSNorm as x̂·(offset + w), in float32: Gemma's (1 + w)
     activation: str = "hidden_act"  # the config's name of the gate's activation
     rope_per_layer_type: bool = False  # rotary(x, pos, layer_type): one table per layer type
+    # Hugging Face projections stacking several of TSP's by rows, ``(fused, parts)`` (Phi-3's
+    # ``qkv_proj``, ``gate_up_proj``): split when TSP is applied, stacked again in every
+    # Hugging Face-facing tensor (``hf_tensors``, export, shard-on-read loading)
+    fused: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     @property
     def layer_norms(self) -> tuple[str, ...]:
@@ -64,6 +68,49 @@ class Family:
             (getattr(layer, self.attention), self.attention_projections),
             (getattr(layer, self.mlp), self.mlp_projections),
         )
+
+    def unfuse(self, layer: nn.Module) -> None:
+        """Replace a layer's fused projections by their parts (``nn.Linear`` views of its rows),
+        as TSP's modules take them."""
+        for module in (getattr(layer, self.attention), getattr(layer, self.mlp)):
+            for fused, parts in self.fused:
+                linear = getattr(module, fused, None)
+                if linear is None:
+                    continue
+                if linear.bias is not None:
+                    raise ValueError(f"a fused {fused} with a bias is not supported")
+                rows = _part_rows(parts, module.config)
+                for part, w in zip(parts, linear.weight.split(rows)):
+                    piece = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+                    piece.weight = nn.Parameter(w, requires_grad=linear.weight.requires_grad)
+                    setattr(module, part, piece)
+                delattr(module, fused)
+
+    def fused_name(self, name: str) -> tuple[str, int, int] | None:
+        """``(Hugging Face name, part index, parts)`` of a parameter of a split projection
+        (``...self_attn.k_proj.weight`` -> ``(...self_attn.qkv_proj.weight, 1, 3)``), else
+        None."""
+        prefix, _, leaf = name.rpartition(".")
+        module_path, _, proj = prefix.rpartition(".")
+        for fused, parts in self.fused:
+            if proj in parts:
+                return f"{module_path}.{fused}.{leaf}", parts.index(proj), len(parts)
+        return None
+
+    def fused_rows(self, name: str, config) -> tuple[str, int] | None:
+        """``(Hugging Face name, first row)`` of a split projection's parameter ``name`` in its
+        fused tensor, else None."""
+        found = self.fused_name(name)
+        if found is None:
+            return None
+        hf_name, i, _ = found
+        parts = next(p for _, p in self.fused if len(p) > i and name.split(".")[-2] == p[i])
+        return hf_name, sum(_part_rows(parts, config)[:i])
+
+    def has_projections(self, module: nn.Module, names: tuple[str, ...]) -> bool:
+        """Whether ``module`` has the projections ``names``, each itself or in a fused one."""
+        fused = {p for f, parts in self.fused if hasattr(module, f) for p in parts}
+        return all(hasattr(module, n) or n in fused for n in names)
 
     def sliding_window(self, attention: nn.Module) -> int | None:
         """Window of a layer's attention module (query i sees keys ``(i - window, i]``) or None:
@@ -123,7 +170,30 @@ GEMMA3 = Family(
     activation="hidden_activation",
     rope_per_layer_type=True,
 )
-FAMILIES = (LLAMA, GEMMA, GEMMA3)
+# Llama's layout with q/k/v stacked in ``qkv_proj`` and gate/up in ``gate_up_proj``
+PHI3 = Family(
+    "Phi-3",
+    ("Phi3ForCausalLM",),
+    fused=(
+        ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+        ("gate_up_proj", ("gate_proj", "up_proj")),
+    ),
+)
+FAMILIES = (LLAMA, GEMMA, GEMMA3, PHI3)
+
+
+def _part_rows(parts: tuple[str, ...], config) -> list[int]:
+    """Rows of each part of a fused projection, from the model's config."""
+    d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rows = {
+        "q_proj": config.num_attention_heads * d,
+        "k_proj": config.num_key_value_heads * d,
+        "v_proj": config.num_key_value_heads * d,
+        "gate_proj": config.intermediate_size,
+        "up_proj": config.intermediate_size,
+    }
+    return [rows[p] for p in parts]
+
 
 # Hugging Face ``hidden_act`` -> the engine's gate activation (``pointwise.GATE_ACTIVATIONS``)
 GATE_ACTIVATIONS = {

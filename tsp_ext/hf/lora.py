@@ -99,6 +99,13 @@ def check_peft_model(peft_model: nn.Module) -> str:
     }
     for module_name, module in base.named_modules():
         if is_lora_layer(module) and id(module) not in allowed:
+            if family.fused:
+                fused = ", ".join(f for f, _ in family.fused)
+                raise ValueError(
+                    f"LoRA on {module_name} is not supported under TSP: the {family.name} "
+                    f"family stacks its projections ({fused}), and TSP folds adapters on "
+                    "separate ones only"
+                )
             raise ValueError(
                 f"LoRA on {module_name} is not supported under TSP: target only "
                 f"{', '.join(family.attention_projections + family.mlp_projections)} (not the "
