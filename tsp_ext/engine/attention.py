@@ -282,9 +282,6 @@ def _in_segment(q_spans, base: int, stop: int):
 def segments_forward(kernel, q, q_spans, segments, scale: float, window: int | None):
     """``chunked_attention_forward`` of ``q [B, T, Hq, d]`` over K/V ``segments`` ``(base, K,
     V)``; a query's keys are all in one segment (rows of other segments' spans stay 0, -inf)."""
-    (base, k, v), *rest = segments
-    if base == 0 and not rest:
-        return chunked_attention_forward(kernel, q, q_spans, k, v, scale, window)
     out = lse = None
     for base, k, v in segments:
         spans = _in_segment(q_spans, base, base + k.shape[1])
@@ -297,11 +294,7 @@ def segments_backward(kernel, da, q, q_spans, segments, a, lse, scale, window):
     """Gradients of ``segments_forward``: dq and ``[(dK, dV)]`` per segment."""
     dq, grads = None, []
     for base, k, v in segments:
-        spans = (
-            q_spans
-            if len(segments) == 1 and base == 0
-            else _in_segment(q_spans, base, base + k.shape[1])
-        )
+        spans = _in_segment(q_spans, base, base + k.shape[1])
         g_q, g_k, g_v = chunked_attention_backward(
             kernel, da, q, spans, k, v, a, lse, scale, window
         )
