@@ -25,7 +25,8 @@ TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 # (family, dtype, batch, seq_len, right-padding of the last sequence, variant); 21 and 30 need
 # padding; windowed layers run at S = 5-10x their window. Variants: "" vocab-sharded (the
 # default) with a loss block smaller than the local tokens; "pad_id" with an embedding padding
-# row; "replicated" with TSPConfig(shard_vocab=False)
+# row; "replicated" with TSPConfig(shard_vocab=False); "lean" without overlap, layers recomputed
+# (the longest-context options)
 CASES = [
     ("llama", torch.float64, 2, 21, 0, ""),
     ("llama_tied", torch.float64, 2, 16, 3, ""),
@@ -33,7 +34,7 @@ CASES = [
     ("mistral", torch.float64, 1, 30, 0, ""),
     ("qwen2", torch.float64, 2, 24, 5, ""),
     ("qwen3", torch.float64, 2, 21, 0, ""),
-    ("mistral_window", torch.float64, 2, 30, 0, ""),
+    ("mistral_window", torch.float64, 2, 30, 0, "lean"),
     ("qwen2_window", torch.float64, 2, 40, 5, ""),
     ("gemma", torch.float64, 2, 21, 3, ""),
     ("gemma", torch.float32, 1, 24, 0, "replicated"),
@@ -48,6 +49,7 @@ VARIANTS = {
     "": ({}, TSPConfig(loss_chunk=5)),
     "pad_id": ({"pad_token_id": 3}, TSPConfig(loss_chunk=5)),
     "replicated": ({}, TSPConfig(shard_vocab=False)),
+    "lean": ({}, TSPConfig(overlap=False, checkpoint_layers=True, loss_chunk=5)),
 }
 
 
