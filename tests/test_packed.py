@@ -138,17 +138,19 @@ def test_cuda_kernels_match_block_diagonal_dense(name, dtype):
 
 
 @pytest.mark.parametrize("name", ["cuda_flash", "cuda_cudnn", "cuda_efficient"])
-def test_cuda_op_calls_on_document_spans_match_schema_on_meta(name):
-    """Pieces of 1 to 7 tokens with and without a prefix, through the CUDA ops' meta kernels
-    (shapes and dtypes; runs without a GPU)."""
+@pytest.mark.parametrize("window", [None, 3, 8])
+def test_cuda_op_calls_on_document_spans_match_schema_on_meta(name, window):
+    """Pieces of 1 to 7 tokens with and without a prefix, and a sliding window's reversed bands,
+    through the CUDA ops' meta kernels (shapes and dtypes; runs without a GPU)."""
     pos = doc_positions(([7, 1, 15, 3, 6],))
     lay = ZigzagLayout(32, 2)
     spans = query_spans(lay.shard(pos, 1), lay, 1)
     assert {s.length for s in spans} >= {1} and any(s.start > s.first_key for s in spans)
     q, dout = (torch.empty(2, 16, 4, 8, device="meta", dtype=torch.bfloat16) for _ in "qo")
     k, v = (torch.empty(2, 32, 2, 8, device="meta", dtype=torch.bfloat16) for _ in "kv")
-    out, lse = chunked_attention_forward(BACKENDS[name], q, spans, k, v, 0.3)
-    dq, dk, dv = chunked_attention_backward(BACKENDS[name], dout, q, spans, k, v, out, lse, 0.3)
+    kernel = BACKENDS[name]
+    out, lse = chunked_attention_forward(kernel, q, spans, k, v, 0.3, window)
+    dq, dk, dv = chunked_attention_backward(kernel, dout, q, spans, k, v, out, lse, 0.3, window)
     assert (out.shape, lse.shape, dq.shape, dk.shape, dv.shape) == (
         q.shape,
         (2, 4, 16),
