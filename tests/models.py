@@ -12,6 +12,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     Qwen2Config,
@@ -83,6 +85,12 @@ FAMILIES = {
     "phi3": (
         Phi3ForCausalLM,
         Phi3Config,
+        dict(num_attention_heads=4, num_key_value_heads=2, pad_token_id=None, eos_token_id=None),
+    ),
+    # post-norms only, q/k norms over the whole projection
+    "olmo2": (
+        Olmo2ForCausalLM,
+        Olmo2Config,
         dict(num_attention_heads=4, num_key_value_heads=2, pad_token_id=None, eos_token_id=None),
     ),
     "qwen3": (

@@ -13,8 +13,6 @@ from transformers import (
     GPT2LMHeadModel,
     MixtralConfig,
     MixtralForCausalLM,
-    Olmo2Config,
-    Olmo2ForCausalLM,
 )
 
 from tsp_ext import ZigzagLayout, apply_tsp, gather_sequence, init_tsp_mesh, shard_batch
@@ -37,7 +35,8 @@ def errors_worker(rank, world):
             sliding_window=None,
         )
     )
-    olmo2 = Olmo2ForCausalLM(Olmo2Config(**tiny, num_attention_heads=2, num_key_value_heads=2))
+    no_norm = build("llama")
+    del no_norm.model.layers[0].input_layernorm
     model = apply_tsp(build("llama"), mesh)
     data = batch(model.config.vocab_size, 2, 8)
     local = shard_batch(data, mesh)
@@ -51,7 +50,7 @@ def errors_worker(rank, world):
     return {
         "gpt2": error_message(lambda: apply_tsp(gpt2, mesh)),
         "moe": error_message(lambda: apply_tsp(mixtral, mesh)),
-        "post_norm": error_message(lambda: apply_tsp(olmo2, mesh)),
+        "no_norm": error_message(lambda: apply_tsp(no_norm, mesh)),
         "partial_rope": error_message(
             lambda: apply_tsp(build("phi3", partial_rotary_factor=0.5), mesh)
         ),
@@ -112,7 +111,7 @@ def messages(workers):
     [
         ("gpt2", "GPT2LMHeadModel is not a Hugging Face decoder-only causal LM"),
         ("moe", "mixture-of-experts MLPs are not supported"),
-        ("post_norm", "Olmo2ForCausalLM layer 0: no input_layernorm: TSP runs pre-norm layers"),
+        ("no_norm", "LlamaForCausalLM layer 0: no input_layernorm, which the Llama family's"),
         ("partial_rope", "Phi3ForCausalLM: partial_rotary_factor=0.5 (RoPE on part of each"),
         ("window_1", "layer 0: sliding_window=1; TSP supports windows of 2 or more tokens"),
         ("layer_types", "layer types ['chunked_attention'] are not supported"),

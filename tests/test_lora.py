@@ -318,6 +318,8 @@ def errors_worker(rank, world):
     after = get_peft_model(folded, LoraConfig(r=4, target_modules=["q_proj", "down_proj"]))
     data = shard_batch(batch(96, 1, 8), mesh)
     messages["peft after apply_tsp"] = error_message(lambda: after(**data))
+    olmo2 = apply_tsp(build_lora("olmo2", torch.float64, ["q_proj", "o_proj"]), mesh)
+    messages["full-width q/k norm"] = error_message(lambda: olmo2(**data))
     return messages
 
 
@@ -334,6 +336,7 @@ def test_unsupported_adapters_are_refused(workers):
         "two adapters": "exactly one LoRA adapter",
         "rank-dependent init": "initial values differ across TSP ranks",
         "peft after apply_tsp": "call apply_tsp(peft_model) on the PEFT model",
+        "full-width q/k norm": "LoRA on q_proj / k_proj of a model with q/k norms over the whole",
     }
     for messages in workers.run(errors_worker, 2, timeout=120):
         for name, fragment in expected.items():

@@ -183,13 +183,13 @@ class _Schedule:
             yield r, w
 
     def projected_groups(self, own: dict[str, torch.Tensor], project: Callable):
-        """Yield ``_Group``s r = 0..D-1: W_r, ``project(W_r)`` (a tuple starting ``q, k, v``) and
+        """Yield ``_Group``s r = 0..D-1: W_r, ``project(r, W_r)`` (a tuple starting ``q, k, v``) and
         the K/V all-gather of group r in flight. With ``overlap``, group r+1 is projected and its
         gather posted before group r is yielded, so the caller's attention of group r hides it."""
 
         def start(item: tuple[int, dict[str, torch.Tensor]]) -> _Group:
             r, w = item
-            projected = project(w)
+            projected = project(r, w)
             if self.exchange is None:
                 kv_all, handle = comm.all_gather_seq(projected[1], self.group, async_op=True)
             else:
@@ -221,6 +221,13 @@ class _Schedule:
             return comm.reduce_scatter_seq(self.rank_major(*grads[0]), self.group, True)
         heads_major = [torch.cat([dk, dv], dim=2).transpose(1, 2) for dk, dv in grads]
         return self.exchange.scatter(heads_major, self.acc, self.group)
+
+    def norms_of(self, r: int, q_norm, k_norm):
+        """The q/k norm weights group ``r`` uses: the per-head ones, or its slices of full-width
+        ones (``spec.qk_norm_full``)."""
+        if q_norm is None or not self.spec.qk_norm_full:
+            return q_norm, k_norm
+        return q_norm[self.spec.q_rows(r)], k_norm[self.spec.kv_rows(r)]
 
     def natural_kv(self, kv_all: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Gathered ``kv_all [D, B, 2hk, T, d]`` (rank-major, heads-major) -> K, V ``[B, S, hk,
@@ -380,8 +387,11 @@ def tsp_attention_forward(
     lora_a: list[torch.Tensor] | None = None,
     kv_sink: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
     key_valid: torch.Tensor | None = None,
+    rms: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
-    """Forward schedule (RoPE by ``phases``, ``pointwise.rope_phases`` of the tokens' cos/sin).
+    """Forward schedule (RoPE by ``phases``, ``pointwise.rope_phases`` of the tokens' cos/sin;
+    ``rms``: the tokens' full-width q/k reciprocal RMS, ``engine.qk_rms``, with
+    ``spec.qk_norm_full``).
     Returns ``Y_p [B, T, h]`` plus, if ``keep``, ``A [B, n_h, T, d]`` and ``lse [B, n_h, T]`` of
     every group's heads (what backward needs), else None for both. LoRA: ``lora_a`` the
     replicated A's of ``sched.lora.inputs`` (o's replicated B: ``sched.set_adapters``).
@@ -405,8 +415,9 @@ def tsp_attention_forward(
         )
         z = x.new_zeros(B * T, own["lo"].shape[0], dtype=sched.acc) if "lo" in own else None
 
-    def project(w):
-        return project_qkv(x, w, phases, q_norm, k_norm, spec, sched.stacked(w), u)
+    def project(r, w):
+        norms = sched.norms_of(r, q_norm, k_norm)
+        return project_qkv(x, w, phases, *norms, spec, sched.stacked(w), u, rms)
 
     for group in sched.projected_groups(own, project):
         r, w = group.r, group.w
@@ -463,11 +474,12 @@ def tsp_attention_backward(
     a_all,
     lse_all,
     lora_a=None,
+    rms=None,
 ):
     """Backward schedule. Returns ``dX_p``, the fully reduced gradients of this rank's own shards
     in ``sched.trainable`` (dict), this rank's partial gradients of the replicated q/k norm
-    weights, of the LoRA A's ``lora_a`` and of o's LoRA B (``sched.set_adapters``; None
-    without).
+    weights, of the LoRA A's ``lora_a``, of o's LoRA B (``sched.set_adapters``) and of ``rms``
+    (the full-width norms' ``rq, rk``) (each None without).""
     ``saved_x``: what ``pointwise.to_save`` made of X_p. With ``overlap`` X_p is rebuilt once;
     without, for each use (a group's projection, then its weight gradients), so that it is not
     alive during the kernels (memory before speed).
@@ -502,12 +514,13 @@ def tsp_attention_backward(
         u = input_projection(x_p().reshape(B * T, h), lora_a, sched.lora, sched.drop)
         du = torch.zeros_like(u, dtype=acc)
 
-    def recompute(w):
+    def recompute(r, w):
         """Q, K, V of group r from the saved X_p, its projection (only q/k norms read it: None
         without them, so that it is not kept) and its stacked weights."""
         weight = sched.stacked(w)
         u_term = None if sched.merged else u
-        q, kv, lin = project_qkv(x_p(), w, phases, q_norm, k_norm, spec, weight, u_term)
+        norms = sched.norms_of(r, q_norm, k_norm)
+        q, kv, lin = project_qkv(x_p(), w, phases, *norms, spec, weight, u_term, rms)
         return q, kv, lin if q_norm is not None else None, weight
 
     def finish(r, w, weight, lin, dq, dkv, handle, d_out):
@@ -526,14 +539,20 @@ def tsp_attention_backward(
             weight,
             lin,
             inverse,
-            q_norm,
-            k_norm,
+            *sched.norms_of(r, q_norm, k_norm),
             spec,
             acc,
             sched.trainable,
             u,
+            rms,
         )
-        if gn is not None:
+        if gn is not None and spec.qk_norm_full:  # group r's slices, then d(rq), d(rk)
+            if d_norm is None:
+                d_norm = [torch.zeros_like(t, dtype=acc) for t in (q_norm, k_norm)] + [0, 0]
+            d_norm[0][spec.q_rows(r)] += gn[0]
+            d_norm[1][spec.kv_rows(r)] += gn[1]
+            d_norm[2:] = [a + b for a, b in zip(d_norm[2:], gn[2:])]
+        elif gn is not None:
             d_norm = gn if d_norm is None else [a + b for a, b in zip(d_norm, gn)]
         g.update(d_out)
         if names:
@@ -599,7 +618,9 @@ def tsp_attention_backward(
     collect(keep=0)
     share_kv(d_own, spec, p, sched.group)
     d_own = {n: d_own[n].to(own[n].dtype) for n in names}
+    d_rms = None
     if d_norm is not None:
+        d_norm, d_rms = d_norm[:2], d_norm[2:] or None
         d_norm = [t.to(n.dtype) for t, n in zip(d_norm, (q_norm, k_norm))]
     d_lora = None
     if du is not None:
@@ -610,7 +631,7 @@ def tsp_attention_backward(
     d_b_out = None
     if b_out is not None:
         d_b_out = matmul(dy.reshape(B * T, h).t(), z, acc).mul_(sched.lora.output).to(b_out.dtype)
-    return dx.to(dy.dtype), d_own, d_norm, d_lora, d_b_out
+    return dx.to(dy.dtype), d_own, d_norm, d_lora, d_b_out, d_rms
 
 
 def tsp_attention_prefill(
@@ -624,57 +645,61 @@ def tsp_attention_prefill(
     options: EngineOptions,
     kv_sink: Callable[[int, torch.Tensor, torch.Tensor], None],
     key_valid: torch.Tensor | None = None,
+    rms: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Inference: the forward schedule of a prompt's tokens ``x [B, S'/D, h]`` (zigzag, one
     causal stream) with nothing kept for backward; ``Y_p [B, S'/D, h]`` (no o bias).
-    ``weights``: the head-group shards, adapters merged; ``kv_sink`` and ``key_valid`` as in
-    ``tsp_attention_forward``."""
+    ``weights``: the head-group shards, adapters merged; ``kv_sink``, ``key_valid`` and ``rms``
+    as in ``tsp_attention_forward``."""
     sched = _Schedule(spec, group, options, x, gather_all=True)
     y, *_ = tsp_attention_forward(
-        sched, x, phases, weights, q_norm, k_norm, keep=False, kv_sink=kv_sink, key_valid=key_valid
+        sched, x, phases, weights, q_norm, k_norm, False, None, kv_sink, key_valid, rms
     )
     return y
 
 
 class _TSPAttentionFunction(torch.autograd.Function):
     """Autograd boundary of the schedule: saves only local tensors, re-communicates in backward.
-    Inputs after the norms: o's replicated LoRA B (or None), the ``n_lora`` replicated LoRA A's,
-    then the shards ``names``."""
+    Inputs after the norms: the full-width norms' ``rq, rk`` (or None), o's replicated LoRA B (or
+    None), the ``n_lora`` replicated LoRA A's, then the shards ``names``."""
 
     @staticmethod
-    def forward(ctx, sched, names, n_lora, x, cos, sin, q_norm, k_norm, b_out, *tensors):
+    def forward(ctx, sched, names, n_lora, x, cos, sin, q_norm, k_norm, rq, rk, b_out, *tensors):
         lora_a, weights = list(tensors[:n_lora]), tensors[n_lora:]
         own = dict(zip(names, weights))
         keep = any(ctx.needs_input_grad)
-        needs = ctx.needs_input_grad[9 + n_lora :]
+        needs = ctx.needs_input_grad[11 + n_lora :]
         sched.trainable = frozenset(n for n, need in zip(names, needs) if need)
         sched.set_adapters(SeededDropout.for_call(sched.lora.dropout), lora_a, b_out)
         phases = rope_phases(cos, sin, x.dtype)
+        rms = None if rq is None else (rq, rk)
         y, a_all, lse_all = tsp_attention_forward(
-            sched, x, phases, own, q_norm, k_norm, keep, lora_a
+            sched, x, phases, own, q_norm, k_norm, keep, lora_a, rms=rms
         )
         ctx.sched, ctx.names, ctx.n_lora = sched, names, n_lora
         if keep:  # X_p as its norm's input when it is a norm's output (rebuilt in backward)
             x, norm_weight, ctx.norm = to_save(x)
-            saved = (x, norm_weight, cos, sin, q_norm, k_norm, a_all, lse_all, b_out, *tensors)
-            ctx.save_for_backward(*saved)
+            saved = (x, norm_weight, cos, sin, q_norm, k_norm, rq, rk, a_all, lse_all, b_out)
+            ctx.save_for_backward(*saved, *tensors)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, norm_weight, cos, sin, q_norm, k_norm, a_all, lse_all, b_out, *tensors = (
+        x, norm_weight, cos, sin, q_norm, k_norm, rq, rk, a_all, lse_all, b_out, *tensors = (
             ctx.saved_tensors
         )
         lora_a, weights = tensors[: ctx.n_lora], tensors[ctx.n_lora :]
         own = dict(zip(ctx.names, weights))
         phases = rope_phases(cos, sin, x.dtype)
-        dx, d_own, d_norm, d_lora, d_b_out = tsp_attention_backward(
+        rms = None if rq is None else (rq, rk)
+        dx, d_own, d_norm, d_lora, d_b_out, d_rms = tsp_attention_backward(
             ctx.sched, dy, (x, norm_weight, ctx.norm), phases, own, q_norm, k_norm, a_all,
-            lse_all, lora_a,
+            lse_all, lora_a, rms,
         )  # fmt: skip
         d_qn, d_kn = d_norm if d_norm is not None else (None, None)
+        d_rq, d_rk = d_rms if d_rms is not None else (None, None)
         return (
-            None, None, None, dx, None, None, d_qn, d_kn, d_b_out,
+            None, None, None, dx, None, None, d_qn, d_kn, d_rq, d_rk, d_b_out,
             *(d_lora or ()),
             *(d_own.get(n) for n in ctx.names),
         )  # fmt: skip
@@ -694,13 +719,16 @@ def tsp_attention(
     lora: LoraPlan | None = None,
     lora_a: list[torch.Tensor] | None = None,
     b_out: torch.Tensor | None = None,
+    rms: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
     """TSP attention of this rank's tokens: ``x [B, S/D, h]`` -> ``Y_p [B, S/D, h]`` (no o bias).
 
     ``cos, sin [B or 1, S/D, d]`` are the RoPE tables of the tokens' positions; ``weights``
     holds this rank's head-group shards (``wq, wo, wk, wv`` and optional ``bq, bk, bv``);
-    ``q_norm, k_norm`` the replicated per-head norm weights or None; ``q_spans`` the local query
-    spans of packed documents (``engine.documents.query_spans``; None: one causal stream).
+    ``q_norm, k_norm`` the replicated per-head norm weights or None (with
+    ``spec.qk_norm_full``: the full-width ones, and ``rms = engine.qk_rms.qk_rms(...)``);
+    ``q_spans`` the local query spans of packed documents (``engine.documents.query_spans``;
+    None: one causal stream).
 
     LoRA (``engine.lora``): ``lora`` names the adapted projections; ``weights`` then also holds
     the B rows ``lq, lk, lv`` ``[rows, r]`` of the adapted q/k/v and o's A columns ``lo [r,
@@ -717,7 +745,8 @@ def tsp_attention(
         )
     cos, sin = cos.expand(B, T, -1), sin.expand(B, T, -1)
     lora_a = list(lora_a or ())
+    rq, rk = rms if rms is not None else (None, None)
     return _TSPAttentionFunction.apply(
-        sched, tuple(weights), len(lora_a), x, cos, sin, q_norm, k_norm, b_out, *lora_a,
+        sched, tuple(weights), len(lora_a), x, cos, sin, q_norm, k_norm, rq, rk, b_out, *lora_a,
         *weights.values(),
     )  # fmt: skip

@@ -32,6 +32,7 @@ class AttentionSpec:
     scaling: float
     qk_norm_eps: float | None = None  # per-head RMSNorm on q and k (Qwen3), else None
     qk_norm_offset: float = 0.0  # those norms as x̂·(offset + w) (Gemma-3's 1 + w)
+    qk_norm_full: bool = False  # q/k norms over the whole projection, not per head (OLMo-2)
     window: int | None = None  # sliding window: query i sees keys (i - window, i]; None: causal
 
     def __post_init__(self) -> None:

@@ -7,6 +7,11 @@ Forward, for the local tokens ``X [B, T, h]`` and group r's shards::
     Q, K, V = split(L)                     # per head: [B, T, n, d]
     Q, K = rope(norm(Q)), rope(norm(K))    # norms only where the model has them
 
+A full-width q/k norm (OLMo-2: one RMS over all heads of a token's projection, which no head
+group has alone) takes each token's reciprocal RMS ``rq, rk [B, T]`` from ``engine.qk_rms`` and
+the group's slice of the norm weight: ``norm(Q) = w_r · (Q · rq)``; the backward returns the
+gradient of ``rq, rk`` too (``qk_rms`` carries it back to X and the weights).
+
 With LoRA adapters on some of q/k/v (``engine.lora``) ``L += U · B_rᵀ``, ``U`` the adapters'
 input projection and ``B_r`` their group-r rows, block-diagonal.
 
@@ -75,7 +80,26 @@ def _split(t: torch.Tensor, w: dict[str, torch.Tensor], d: int) -> list[torch.Te
     return [part.view(B, T, -1, d) for part in t.split(sizes, dim=-1)]
 
 
-def project_qkv(x, w, phases, q_norm, k_norm, spec: AttentionSpec, weight=None, u=None):
+def _full_norm(t: torch.Tensor, weight: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """``weight · (t · r)`` of a group's ``t [B, T, n, d]`` (interleaved heads) with its slice
+    ``weight [n·d]`` of a full-width norm and the tokens' reciprocal RMS ``r [B, T]`` (float32),
+    as Hugging Face's RMSNorm computes it."""
+    w = interleave_heads(weight, t.shape[-1]).view(t.shape[-2:])
+    return w * (t.float() * r[..., None, None]).to(t.dtype)
+
+
+def _full_norm_backward(pre, weight, r, g):
+    """``(d_pre, d_weight [n·d], d_r [B, T])`` of ``_full_norm(pre, weight, r)`` given ``g``."""
+    d = pre.shape[-1]
+    w = interleave_heads(weight, d).view(pre.shape[-2:])
+    xn = pre.float() * r[..., None, None]
+    gw = (g * w).float()
+    d_w = (g * xn.to(g.dtype)).sum((0, 1)).reshape(-1)
+    d_r = (gw * pre.float()).sum((-1, -2))
+    return (gw * r[..., None, None]).to(pre.dtype), deinterleave_heads(d_w, d), d_r
+
+
+def project_qkv(x, w, phases, q_norm, k_norm, spec: AttentionSpec, weight=None, u=None, rms=None):
     """Q ``[B, T, n_q, d]``, ``KV [B, 2 n_kv, T, d]`` (K's heads, then V's) and the pre-norm
     projection ``L [B, T, rows]`` of the tokens ``x [B, T, h]`` for the head group whose shards
     are ``w`` (RoPE by ``phases [B, T, 1, d/2]``, ``pointwise.rope_phases``). ``weight``: what
@@ -85,7 +109,8 @@ def project_qkv(x, w, phases, q_norm, k_norm, spec: AttentionSpec, weight=None, 
     interleaved (module docstring). Everything is heads-major: the kernels take Q so, ``KV`` is
     the K/V all-gather's send buffer (its chunks then land in token order by contiguous block
     copies), and RoPE writes that layout faster than a token-major one. ``split_kv`` views K and V
-    ``[B, T, n_kv, d]``."""
+    ``[B, T, n_kv, d]``. ``rms = (rq, rk)``: the tokens' full-width reciprocal RMS, when
+    ``spec.qk_norm_full`` (``q_norm, k_norm``: then the group's slices of the norm weights)."""
     B, T, _ = x.shape
     d = spec.head_dim
     W, b, lora = weight if weight is not None else stacked_weights(w, d)
@@ -93,7 +118,9 @@ def project_qkv(x, w, phases, q_norm, k_norm, spec: AttentionSpec, weight=None, 
     if lora is not None and u is not None:
         add_matmul(lin.view(-1, lin.shape[-1]), u, lora.t())
     q, k, v = _split(lin, w, d)
-    if q_norm is not None:
+    if q_norm is not None and spec.qk_norm_full:
+        q, k = _full_norm(q, q_norm, rms[0]), _full_norm(k, k_norm, rms[1])
+    elif q_norm is not None:
         eps, offset = spec.qk_norm_eps, spec.qk_norm_offset
         q = rms_norm(q, interleave_heads(q_norm, d), eps, offset)
         k = rms_norm(k, interleave_heads(k_norm, d), eps, offset)
@@ -113,7 +140,7 @@ def split_kv(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def project_qkv_backward(
-    dq, dk, dv, x, w, weight, lin, inverse, q_norm, k_norm, spec, acc, trainable, u=None
+    dq, dk, dv, x, w, weight, lin, inverse, q_norm, k_norm, spec, acc, trainable, u=None, rms=None
 ):
     """Adjoint of ``project_qkv`` given ``dq [B, T, n_q, d]``, ``dk, dv [B, T, n_kv, d]``: returns
     the gradients of the shards in ``trainable`` (of ``wq, wk, wv, bq, bk, bv, lq, lk, lv``; in
@@ -124,7 +151,8 @@ def project_qkv_backward(
     ``stacked_weights(w, d)``; ``lin``: its projection (read only with norms); ``inverse``: the
     conjugate of the forward's phases (RoPE's adjoint is the opposite rotation). ``dq, dk`` and
     ``dL`` are in the interleaved order, the returned weight and norm gradients in the shards'
-    own."""
+    own. With ``rms`` (a full-width norm) the norm gradients are of the group's slices, followed
+    by those of ``rq, rk`` ``[B, T]``."""
     B, T, h = x.shape
     d = spec.head_dim
     W, b, lora = weight
@@ -135,6 +163,18 @@ def project_qkv_backward(
     if q_norm is None:
         rope(dq, inverse, out=dq_lin)
         rope(dk, inverse, out=dk_lin)
+    elif spec.qk_norm_full:
+        q_pre, k_pre, _ = _split(lin, w, d)
+        d_norms, d_rms = [], []
+        for pre, g, nw, r, out in (
+            (q_pre, dq, q_norm, rms[0], dq_lin),
+            (k_pre, dk, k_norm, rms[1], dk_lin),
+        ):
+            d_pre, d_w, d_r = _full_norm_backward(pre, nw, r, rope(g, inverse))
+            out.copy_(d_pre)
+            d_norms.append(d_w.to(acc))
+            d_rms.append(d_r)
+        d_norms += d_rms
     else:
         q_pre, k_pre, _ = _split(lin, w, d)
         d_norms = []

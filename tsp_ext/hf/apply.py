@@ -223,9 +223,8 @@ def check_supported(model: nn.Module) -> Family:
             module = getattr(layer, norm, None)
             if module is None:
                 raise ValueError(
-                    f"{name} layer {i}: no {norm}: TSP runs pre-norm layers (an RMSNorm before "
-                    "the attention and before the MLP); post-norm layers (e.g. OLMo-2's) are not "
-                    f"supported; supported: {supported_names()}"
+                    f"{name} layer {i}: no {norm}, which the {f.name} family's layers have; "
+                    f"supported: {supported_names()} and models of the same structure"
                 )
             if not hasattr(module, f.norm_eps):
                 kind = "(1 + weight)" if f.norm_offset else "weight"

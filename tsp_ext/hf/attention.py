@@ -12,6 +12,7 @@ import copy
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from ..config import TSPConfig
@@ -21,6 +22,7 @@ from ..engine.decode import decode_attention, row_parallel
 from ..engine.documents import query_spans
 from ..engine.layout import ZigzagLayout
 from ..engine.pointwise import rope_phases
+from ..engine.qk_rms import decode_qk_rms, qk_rms
 from ..engine.qkv import project_qkv
 from .families import LLAMA, Family
 from .lora import adapters_of, plan_of
@@ -109,8 +111,13 @@ class TSPAttention(ShardedModule):
             scaling=attn.scaling,
             qk_norm_eps=getattr(q_norm, family.norm_eps) if q_norm is not None else None,
             qk_norm_offset=family.norm_offset if q_norm is not None else 0.0,
+            qk_norm_full=q_norm is not None and q_norm.weight.numel() != attn.head_dim,
             window=family.sliding_window(attn),
         )
+        if spec.qk_norm_full and attn.q_proj.bias is not None:
+            raise ValueError(
+                "q/k norms over the whole projection with q/k biases are not supported under TSP"
+            )
         w = attn.q_proj.weight
         mod = cls(
             spec,
@@ -201,9 +208,13 @@ class TSPAttention(ShardedModule):
                 )
 
         cos, sin = position_embeddings
+        own = self._own(merged=True)
+        rms = None
+        if self.spec.qk_norm_full:
+            rms = qk_rms(x, own["wq"], own["wk"], self.spec, self.group, self.options)
         y = tsp_attention_prefill(
-            x, rope_phases(cos, sin, x.dtype), self._own(merged=True), *self._qk_norms(),
-            self.spec, self.group, self.options, keep, key_valid,
+            x, rope_phases(cos, sin, x.dtype), own, *self._qk_norms(),
+            self.spec, self.group, self.options, keep, key_valid, rms,
         )  # fmt: skip
         return self._with_o_bias(y)
 
@@ -223,7 +234,14 @@ class TSPAttention(ShardedModule):
         cos, sin = position_embeddings
         own = self._own(merged=True)
         phases = rope_phases(cos, sin, x.dtype)
-        q, kv, _ = project_qkv(x, own, phases, *self._qk_norms(), self.spec)
+        q_norm, k_norm = self._qk_norms()
+        rms = None
+        if self.spec.qk_norm_full:  # this group's slices; the RMS over every group's heads
+            p = dist.get_rank(self.group)
+            q_norm, k_norm = q_norm[self.spec.q_rows(p)], k_norm[self.spec.kv_rows(p)]
+            pre = (F.linear(x, own[n]) for n in ("wq", "wk"))
+            rms = decode_qk_rms(*pre, self.spec, self.group, p)
+        q, kv, _ = project_qkv(x, own, phases, q_norm, k_norm, self.spec, rms=rms)
         keys, values, index = cache_layer.append(*kv.chunk(2, dim=1), q_index)
         allowed = (index[None, :] <= q_index[:, None])[None]  # [1, Tq, L_p]
         if self.spec.window is not None:
@@ -275,9 +293,17 @@ class TSPAttention(ShardedModule):
             own["lo"] = adapted["o_proj"].a
             b_out = comm.replicated(adapted["o_proj"].b, self.group)
         lora_a = [comm.replicated(adapted[f"{n}_proj"].a, self.group) for n in plan.inputs]
+        rms = None
+        if self.spec.qk_norm_full:
+            if "q_proj" in adapted or "k_proj" in adapted:
+                raise ValueError(
+                    "LoRA on q_proj / k_proj of a model with q/k norms over the whole projection "
+                    "(OLMo-2) is not supported under TSP: target the other projections"
+                )
+            rms = qk_rms(x, own["wq"], own["wk"], self.spec, self.group, self.options)
         y = tsp_attention(
             x, cos, sin, own, q_norm, k_norm, self.spec, self.group, self.options, spans,
-            plan, lora_a, b_out,
+            plan, lora_a, b_out, rms,
         )  # fmt: skip
         if self.o_proj.bias is not None:
             y = y + comm.replicated(self.o_proj.bias, self.group)

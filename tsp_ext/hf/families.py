@@ -3,13 +3,13 @@ family, read by ``apply_tsp``, inference, FSDP2 and loading alike.
 
 A ``Family`` names the attributes of the model (base model, layers, embedding, final norm,
 rotary embedding, LM head) and of each decoder layer (attention and its projections, MLP and its
-projections, the norms before attention and MLP), and runs a decoder layer's residual structure
-(``layer_forward``), and the kind of its RMSNorms (``weight`` or ``1 + weight``, their epsilon
-attribute). A family with this layer structure under other names, or with Gemma's norms, is one
-entry in ``FAMILIES`` (and its parity tests, ``tests/models.py``); the TSP modules themselves still
-read Llama's projection names, and an embedding's scale and the gate's activation are read from
-the module and config. ``family_of`` takes a model whose class is not listed but whose parts are
-where the Llama description says as that structure.
+projections, the norms before and after attention and MLP, where it has them), the kind of its
+RMSNorms (``weight`` or ``1 + weight``, their epsilon attribute), the config key of its gate
+activation, its fused projections (Phi-3) and whether it has one rotary table per layer type
+(Gemma-3); ``layer_forward`` runs a decoder layer's residual structure. Adding a family is one
+entry in ``FAMILIES`` and its parity tests (``tests/models.py``). An embedding's scale, a layer's
+sliding window and the q/k norms' width are read from the modules. ``family_of`` takes a model
+whose class is not listed but whose parts are where the Llama description says as that structure.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ class Family:
     attention_projections: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     mlp: str = "mlp"
     mlp_projections: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
-    attention_norm: str = "input_layernorm"  # the pre-norm of the attention
-    mlp_norm: str = "post_attention_layernorm"  # the pre-norm of the MLP
+    attention_norm: str | None = "input_layernorm"  # the pre-norm of the attention
+    mlp_norm: str | None = "post_attention_layernorm"  # the pre-norm of the MLP
     attention_post_norm: str | None = None  # norms of the attention's / MLP's output (Gemma-3)
     mlp_post_norm: str | None = None
     norm_eps: str = "variance_epsilon"  # the RMSNorms' epsilon attribute
@@ -53,8 +53,8 @@ class Family:
     @property
     def layer_norms(self) -> tuple[str, ...]:
         """Every RMSNorm of a decoder layer."""
-        post = (self.attention_post_norm, self.mlp_post_norm)
-        return (self.attention_norm, self.mlp_norm, *(n for n in post if n is not None))
+        names = (self.attention_norm, self.mlp_norm, self.attention_post_norm, self.mlp_post_norm)
+        return tuple(n for n in names if n is not None)
 
     def base_of(self, model: nn.Module) -> nn.Module:
         return getattr(model, self.base)
@@ -139,13 +139,13 @@ class Family:
         mlp: Callable[[nn.Module, torch.Tensor], torch.Tensor],
     ) -> torch.Tensor:
         """One decoder layer on ``x`` with the given calls of its attention and MLP modules:
-        pre-norm attention, then pre-norm MLP, each (through its post-norm, if any) added to
-        the residual stream."""
+        attention, then MLP, each through its pre-norm and post-norm where the family has them,
+        added to the residual stream."""
         for module, pre, post, call in (
             (self.attention, self.attention_norm, self.attention_post_norm, attention),
             (self.mlp, self.mlp_norm, self.mlp_post_norm, mlp),
         ):
-            out = call(getattr(layer, module), getattr(layer, pre)(x))
+            out = call(getattr(layer, module), x if pre is None else getattr(layer, pre)(x))
             x = x + (out if post is None else getattr(layer, post)(out))
         return x
 
@@ -179,7 +179,16 @@ PHI3 = Family(
         ("gate_up_proj", ("gate_proj", "up_proj")),
     ),
 )
-FAMILIES = (LLAMA, GEMMA, GEMMA3, PHI3)
+# post-norms only, and q/k norms over the whole projection (``engine.qk_rms``)
+OLMO2 = Family(
+    "OLMo-2",
+    ("Olmo2ForCausalLM",),
+    attention_norm=None,
+    mlp_norm=None,
+    attention_post_norm="post_attention_layernorm",
+    mlp_post_norm="post_feedforward_layernorm",
+)
+FAMILIES = (LLAMA, GEMMA, GEMMA3, PHI3, OLMO2)
 
 
 def _part_rows(parts: tuple[str, ...], config) -> list[int]:
