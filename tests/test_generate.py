@@ -33,6 +33,7 @@ CASES = [
     ("mistral_window", torch.float64, 2, 21, 5, {}),  # prompt and decode past the window
     ("gemma3", torch.float64, 2, 15, 3, {}),  # a windowed and a full layer; Gemma's parts
     ("phi3", torch.float32, 1, 13, 0, {}),
+    ("gemma", torch.float32, 1, 11, 0, {}),
     ("olmo2", torch.float64, 2, 14, 2, {}),
 ]
 

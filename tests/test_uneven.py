@@ -43,6 +43,7 @@ MODELS = {
     "qwen2_14_2": ("qwen2", dict(num_attention_heads=14, num_key_value_heads=2, hidden_size=112)),
     "qwen3_12_4": ("qwen3", dict(num_attention_heads=12, num_key_value_heads=4, head_dim=8)),
     "mistral_6_6": ("mistral", dict(num_attention_heads=6, num_key_value_heads=6, hidden_size=48)),
+    "gemma_6_2": ("gemma", dict(num_attention_heads=6, num_key_value_heads=2, hidden_size=48)),
     "gemma3_6_2": ("gemma3", dict(num_attention_heads=6, num_key_value_heads=2, hidden_size=48)),
     "phi3_6_3": ("phi3", dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=48)),
     "olmo2_9_3": ("olmo2", dict(num_attention_heads=9, num_key_value_heads=3, hidden_size=72)),
@@ -59,6 +60,7 @@ CASES = [
     ("qwen3_12_4", torch.float64, 2, 18, 0),
     ("mistral_6_6", torch.float64, 1, 20, 0),
     ("mistral_w_6_2", torch.float64, 2, 33, 3),  # S = 6-7x the window
+    ("gemma_6_2", torch.float64, 1, 19, 2),
     ("gemma3_6_2", torch.float64, 1, 22, 0),
     ("phi3_6_3", torch.float64, 2, 17, 1),
     ("olmo2_9_3", torch.float64, 1, 20, 0),  # KV heads shared by head groups
