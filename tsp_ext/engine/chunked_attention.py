@@ -42,7 +42,7 @@ def _check(q: Tensor, q_spans: Sequence[Span], k: Tensor, v: Tensor, window) -> 
             raise ValueError(f"{s} does not fit q {tuple(q.shape)} and k {tuple(k.shape)}")
 
 
-_FULL, _CAUSAL, _ANTI = "full", "causal", "anti"  # mask of a piece (see ``_call``)
+_FULL, _CAUSAL, _ANTI = "full", "causal", "anti"  # mask of a piece (see ``_forward``)
 
 
 def _blocks(s: Span, one_call: bool, window: int | None):

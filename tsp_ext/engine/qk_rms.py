@@ -18,6 +18,7 @@ rows summed among its users, as the attention does). Saved: X_p and two floats p
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from . import comm
 from .attention import _Schedule, share_kv
@@ -41,8 +42,8 @@ def _sums(sched: _Schedule, x: torch.Tensor, own: dict) -> tuple[torch.Tensor, t
     spec = sched.spec
     ss_q = ss_k = 0
     for r, w in sched.weight_stream(own):
-        q = torch.nn.functional.linear(x, w["wq"]).float()
-        k = _counted(torch.nn.functional.linear(x, w["wk"]).float(), spec, r)
+        q = F.linear(x, w["wq"]).float()
+        k = _counted(F.linear(x, w["wk"]).float(), spec, r)
         ss_q = ss_q + q.pow(2).sum(-1)
         ss_k = ss_k + k.pow(2).sum(-1)
     return ss_q, ss_k
@@ -77,19 +78,30 @@ class _QKRms(torch.autograd.Function):
         x2 = x.reshape(B * T, h)
         dx = torch.zeros(B * T, h, dtype=acc, device=x.device)
         own = {"wq": wq, "wk": wk}
-        mine = None
+        mine = posted = None
+
+        def collect():  # the previous group's reduction: it flew behind this group's GEMMs
+            nonlocal mine
+            r0, buf0, handle = posted
+            handle.wait()
+            if r0 == p:
+                mine = comm.unpack(buf0, [wq.shape, wk.shape])
+
         for r, w in sched.weight_stream(own):
-            q = torch.nn.functional.linear(x, w["wq"]).float()
-            k = torch.nn.functional.linear(x, w["wk"]).float()
+            q = F.linear(x, w["wq"]).float()
+            k = F.linear(x, w["wk"]).float()
             dq = (2 * dss_q[..., None] * q).to(x.dtype).reshape(B * T, -1)
             dk = _counted((2 * dss_k[..., None] * k).to(x.dtype), spec, r).reshape(B * T, -1)
-            add_matmul(dx, dq, w["wq"])
-            add_matmul(dx, dk, w["wk"])
             if any(weights):
                 buf = comm.pack([matmul(dq.t(), x2, acc), matmul(dk.t(), x2, acc)], acc)
-                comm.reduce(buf, r, sched.group)
-                if r == p:
-                    mine = comm.unpack(buf, [wq.shape, wk.shape])
+                handle = comm.reduce(buf, r, sched.group, async_op=True)
+                if posted is not None:
+                    collect()
+                posted = (r, buf, handle)
+            add_matmul(dx, dq, w["wq"])  # while group r's gradient travels to its owner
+            add_matmul(dx, dk, w["wk"])
+        if posted is not None:
+            collect()
         d_wq = d_wk = None
         if mine is not None:
             grads = {"wq": mine[0], "wk": mine[1]}

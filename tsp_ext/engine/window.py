@@ -14,6 +14,7 @@ all-gather's traffic (windows over most of the sequence).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -49,15 +50,19 @@ class WindowExchange:
             for j, (base, stop) in enumerate(self.bounds[p])
             for piece in self._cut(p, j, base, stop)
         ]
+        self._pairs: dict[tuple[int, int], list[Piece]] = {}
+        for x in self.pieces:  # in the same order on every rank: one message per pair
+            self._pairs.setdefault((x.src, x.dst), []).append(x)
 
-    @classmethod
-    def for_layout(cls, layout: ZigzagLayout, window: int | None) -> WindowExchange | None:
+    @staticmethod
+    @functools.cache
+    def for_layout(layout: ZigzagLayout, window: int | None) -> WindowExchange | None:
         """The exchange, or None: no window, D = 1, or it moves more than half the rows of the
         all-gather (``D (D-1) S/D``), which is one collective where the exchange is up to
-        2(D-1) point-to-point messages per rank."""
+        2(D-1) point-to-point messages per rank. Cached: every layer of a step asks alike."""
         if window is None or layout.size == 1:
             return None
-        exchange = cls(layout, window)
+        exchange = WindowExchange(layout, window)
         full = layout.size * (layout.size - 1) * layout.local_len
         return exchange if 2 * exchange.moved_rows() <= full else None
 
@@ -91,7 +96,7 @@ class WindowExchange:
         )
 
     def _between(self, src: int, dst: int) -> list[Piece]:
-        return [x for x in self.pieces if x.src == src and x.dst == dst]
+        return self._pairs.get((src, dst), [])
 
     def gather(self, kv: torch.Tensor, group) -> tuple[_Gathered, Pending]:
         """Post the exchange of this rank's ``kv [B, 2hk, T, d]`` (heads-major); returns what

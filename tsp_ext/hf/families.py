@@ -86,25 +86,29 @@ class Family:
                     setattr(module, part, piece)
                 delattr(module, fused)
 
-    def fused_name(self, name: str) -> tuple[str, int, int] | None:
-        """``(Hugging Face name, part index, parts)`` of a parameter of a split projection
-        (``...self_attn.k_proj.weight`` -> ``(...self_attn.qkv_proj.weight, 1, 3)``), else
-        None."""
+    def _fused_part(self, name: str) -> tuple[str, int, tuple[str, ...]] | None:
+        """``(Hugging Face name, part index, parts)`` of a split projection's parameter."""
         prefix, _, leaf = name.rpartition(".")
         module_path, _, proj = prefix.rpartition(".")
         for fused, parts in self.fused:
             if proj in parts:
-                return f"{module_path}.{fused}.{leaf}", parts.index(proj), len(parts)
+                return f"{module_path}.{fused}.{leaf}", parts.index(proj), parts
         return None
+
+    def fused_name(self, name: str) -> tuple[str, int, int] | None:
+        """``(Hugging Face name, part index, parts)`` of a parameter of a split projection
+        (``...self_attn.k_proj.weight`` -> ``(...self_attn.qkv_proj.weight, 1, 3)``), else
+        None."""
+        found = self._fused_part(name)
+        return None if found is None else (found[0], found[1], len(found[2]))
 
     def fused_rows(self, name: str, config) -> tuple[str, int] | None:
         """``(Hugging Face name, first row)`` of a split projection's parameter ``name`` in its
         fused tensor, else None."""
-        found = self.fused_name(name)
+        found = self._fused_part(name)
         if found is None:
             return None
-        hf_name, i, _ = found
-        parts = next(p for _, p in self.fused if len(p) > i and name.split(".")[-2] == p[i])
+        hf_name, i, parts = found
         return hf_name, sum(_part_rows(parts, config)[:i])
 
     def has_projections(self, module: nn.Module, names: tuple[str, ...]) -> bool:
