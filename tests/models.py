@@ -12,14 +12,20 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Olmo2Config,
     Olmo2ForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 BASE = dict(
@@ -101,15 +107,60 @@ FAMILIES = {
 }
 
 
+# mixture-of-experts models (``tests/test_moe.py``): 4 experts, top-2, the per-expert loop of
+# Hugging Face (its grouped_mm takes no float64); Qwen3-MoE with a dense first layer
+# (``mlp_only_layers``) and experts of an intermediate size no D = 4 divides, Qwen2-MoE with its
+# gated shared expert and unnormalised top-k weights
+MOE = dict(num_attention_heads=4, num_key_value_heads=2, experts_implementation="eager")
+MOE_FAMILIES = {
+    "qwen3_moe": (
+        Qwen3MoeForCausalLM,
+        Qwen3MoeConfig,
+        dict(
+            **MOE,
+            head_dim=8,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=18,
+            mlp_only_layers=[0],
+            norm_topk_prob=True,
+        ),
+    ),
+    "mixtral": (
+        MixtralForCausalLM,
+        MixtralConfig,
+        dict(
+            **MOE,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=20,
+        ),
+    ),
+    "qwen2_moe": (
+        Qwen2MoeForCausalLM,
+        Qwen2MoeConfig,
+        dict(
+            **MOE,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=24,
+        ),
+    ),
+}
+
+
 def build(name: str, dtype: torch.dtype = torch.float64, seed: int = 0, **overrides):
     """The same randomly initialised model on every rank (fixed seed), in ``dtype``."""
-    model_cls, cfg_cls, kw = FAMILIES[name]
+    model_cls, cfg_cls, kw = FAMILIES[name] if name in FAMILIES else MOE_FAMILIES[name]
     torch.manual_seed(seed)
     model = model_cls(cfg_cls(**{**BASE, **kw, **overrides})).to(dtype)
     with torch.no_grad():  # make norms and biases non-trivial so their gradients are tested
-        for p in model.parameters():
+        for n, p in model.named_parameters():
             if p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.2)
+            elif n.endswith("mlp.gate.weight"):  # routers start at zero: no ties in top-k
+                p.normal_(0, 1.0)
     return model
 
 

@@ -9,10 +9,10 @@ import torch
 from checks import error_message
 from models import batch, build
 from transformers import (
+    Glm4MoeConfig,
+    Glm4MoeForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
-    MixtralConfig,
-    MixtralForCausalLM,
 )
 
 from tsp_ext import ZigzagLayout, apply_tsp, gather_sequence, init_tsp_mesh, shard_batch
@@ -26,13 +26,15 @@ def errors_worker(rank, world):
     gpt2 = GPT2LMHeadModel(
         GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=32, bos_token_id=0, eos_token_id=0)
     )
-    mixtral = MixtralForCausalLM(
-        MixtralConfig(
+    glm4_moe = Glm4MoeForCausalLM(  # grouped top-k routing, shared experts: not built
+        Glm4MoeConfig(
             **tiny,
             num_attention_heads=2,
             num_key_value_heads=2,
-            num_local_experts=2,
-            sliding_window=None,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=8,
+            first_k_dense_replace=0,
         )
     )
     no_norm = build("llama")
@@ -49,7 +51,7 @@ def errors_worker(rank, world):
     bad_label["labels"][0, 0] = 96
     return {
         "gpt2": error_message(lambda: apply_tsp(gpt2, mesh)),
-        "moe": error_message(lambda: apply_tsp(mixtral, mesh)),
+        "moe": error_message(lambda: apply_tsp(glm4_moe, mesh)),
         "no_norm": error_message(lambda: apply_tsp(no_norm, mesh)),
         "partial_rope": error_message(
             lambda: apply_tsp(build("phi3", partial_rotary_factor=0.5), mesh)
@@ -110,7 +112,7 @@ def messages(workers):
     "case, expected",
     [
         ("gpt2", "GPT2LMHeadModel is not a Hugging Face decoder-only causal LM"),
-        ("moe", "mixture-of-experts MLPs are not supported"),
+        ("moe", "Glm4MoeForCausalLM layer 0: its mixture-of-experts MLP is not supported; TSP"),
         ("no_norm", "LlamaForCausalLM layer 0: no input_layernorm, which the Llama family's"),
         ("partial_rope", "Phi3ForCausalLM: partial_rotary_factor=0.5 (RoPE on part of each"),
         ("window_1", "layer 0: sliding_window=1; TSP supports windows of 2 or more tokens"),

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.multiproc
 NEW = 64  # new tokens per greedy case
 # the families' own cases generate fewer (past every window still): their decode path is shared
 SHORT = {"mistral_window": 24, "gemma": 24, "gemma3": 24, "phi3": 24, "olmo2": 24}
+SHORT.update(qwen3_moe=16, mixtral=16, qwen2_moe=16)  # test_moe's
 
 
 def new_tokens(family: str) -> int:

@@ -35,7 +35,13 @@ from ..mesh import init_tsp_mesh, tsp_group
 from .attention import TSPAttention
 from .causal_lm import TSPCausalLMLoss, check_inputs
 from .checkpointing import HostStore, enable_layer_checkpointing
-from .families import Family, family_of, gate_activation, supported_names
+from .families import (
+    Family,
+    expert_intermediate_size,
+    family_of,
+    gate_activation,
+    supported_names,
+)
 from .generate import tsp_forward, tsp_generate
 from .lora import (
     attach_adapters,
@@ -46,6 +52,7 @@ from .lora import (
     peft_base,
 )
 from .mlp import TSPGatedMLP
+from .moe import TSPSparseMoe, check_moe_block
 from .nf4 import quantize_projections
 from .replicated import TSPEmbedding, TSPLMHead, TSPRMSNorm, replicated_vectors
 from .vocab import TSPVocabEmbedding, TSPVocabLMHead
@@ -121,7 +128,8 @@ def apply_tsp(
     D = dist.get_world_size(group)
     if size is not None and size != D:
         raise ValueError(f"tsp_size={size} but the mesh's 'tsp' dimension has {D} ranks")
-    _check_layout(model.config, D)
+    moe = any(family.is_moe(getattr(x, family.mlp)) for x in family.layers_of(model))
+    _check_layout(model.config, D, moe)
 
     if adapter is not None:
         check_adapters_agree(peft_model, group)
@@ -130,9 +138,10 @@ def apply_tsp(
         f.unfuse(layer)  # Phi-3's qkv_proj / gate_up_proj: their parts, as TSP shards them
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     for layer in f.layers_of(model):
+        mlp_class = TSPSparseMoe if f.is_moe(getattr(layer, f.mlp)) else TSPGatedMLP
         for name, projections, tsp_class, extra in (
             (f.attention, f.attention_projections, TSPAttention, {"family": f}),
-            (f.mlp, f.mlp_projections, TSPGatedMLP, {"family": f}),
+            (f.mlp, f.mlp_projections, mlp_class, {"family": f}),
         ):
             taken = detach_adapters(getattr(layer, name), projections)
             setattr(layer, name, tsp_class.from_hf(getattr(layer, name), group, config, **extra))
@@ -213,7 +222,9 @@ def check_supported(model: nn.Module) -> Family:
                 f"{name} layer {i}: attention without {'/'.join(f.attention_projections)} is "
                 "not supported"
             )
-        if mlp is None or not f.has_projections(mlp, f.mlp_projections):
+        if mlp is not None and f.is_moe(mlp):
+            check_moe_block(name, i, mlp, f)
+        elif mlp is None or not f.has_projections(mlp, f.mlp_projections):
             kind = "mixture-of-experts" if hasattr(mlp, "experts") else "non-gated"
             raise ValueError(
                 f"{name} layer {i}: {kind} MLPs are not supported (need "
@@ -278,11 +289,18 @@ def check_supported(model: nn.Module) -> Family:
     return family
 
 
-def _check_layout(cfg, D: int) -> None:
-    """Every rank gets at least one query head (and MLP row), checked before any weight is
-    sliced; head counts, MLP widths and vocabularies need not be multiples of D."""
+def _check_layout(cfg, D: int, moe: bool) -> None:
+    """Every rank gets at least one query head (and MLP row, of every expert where ``moe``),
+    checked before any weight is sliced; head counts, MLP widths and vocabularies need not be
+    multiples of D."""
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     AttentionSpec(
         cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim, D, 1.0
     )
     check_split(cfg.intermediate_size, D, "intermediate_size", "use a smaller TSP size")
+    if moe:
+        hint = "use a smaller TSP size"
+        check_split(expert_intermediate_size(cfg), D, "the experts' intermediate size", hint)
+        shared = getattr(cfg, "shared_expert_intermediate_size", None)
+        if shared:
+            check_split(shared, D, "shared_expert_intermediate_size", hint)

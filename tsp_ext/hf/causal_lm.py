@@ -91,10 +91,14 @@ class TSPCausalLMLoss:
 class TSPCausalLMOutput(CausalLMOutputWithPast):
     """``CausalLMOutputWithPast`` plus, with ``return_token_logps``, the local tokens'
     ``token_logps [B, S/D]`` (log p(label), 0 where the label is ignored; differentiable) and
-    the requested ``token_stats`` (``{name: [B, S/D]}``, no gradient)."""
+    the requested ``token_stats`` (``{name: [B, S/D]}``, no gradient); for MoE models with
+    ``output_router_logits``, the global ``aux_loss`` and every MoE layer's local
+    ``router_logits [B·S/D, E]`` (as Hugging Face's ``MoeCausalLMOutputWithPast``)."""
 
     token_logps: torch.Tensor | None = None
     token_stats: dict[str, torch.Tensor] | None = None
+    aux_loss: torch.Tensor | None = None
+    router_logits: tuple[torch.Tensor, ...] | None = None
 
 
 def vocab_sharded_forward(

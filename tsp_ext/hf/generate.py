@@ -18,6 +18,7 @@ from .cache import TSPCache
 from .causal_lm import vocab_sharded_forward
 from .inference import inference_forward
 from .log_probs import fused_lm_head_forward
+from .moe import collect_router_logits, with_aux_loss
 from .replicated import bucketed_grads
 
 # generate() options that need something a TSP cache does not do (crop, re-run, a second model)
@@ -64,8 +65,12 @@ def tsp_forward(
         )
     if fused:
         train = fused_lm_head_forward
-    with bucketed_grads(self):
-        return train(self, **given, **kwargs)
+    router = kwargs.pop("output_router_logits", None)
+    if self.tsp.family.moe:  # the aux loss is added below, over the whole TSP group's tokens
+        kwargs["output_router_logits"] = False
+    with bucketed_grads(self), collect_router_logits() as logits:
+        out = train(self, **given, **kwargs)
+    return with_aux_loss(self, out, logits, router)
 
 
 def _check_generation_options(generation_config, kwargs: dict) -> None:

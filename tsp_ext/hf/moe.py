@@ -1,0 +1,285 @@
+"""``TSPSparseMoe``: a Hugging Face mixture-of-experts block (Qwen3-MoE, Qwen2-MoE, Mixtral) with
+slice p of every expert, and the global load-balancing loss.
+
+The expert ring is ``tsp_ext.engine.moe``. The router ``[E, h]`` is replicated (its gradient
+summed over the TSP group) and routes each rank's own tokens as Hugging Face's does; Qwen2-MoE's
+shared expert is a ``TSPGatedMLP`` (its own ring) behind its replicated sigmoid gate.
+``collect_router_logits`` gathers every MoE layer's logits during a call, from which
+``load_balancing_loss`` gives Hugging Face's auxiliary loss over the whole TSP group's tokens.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.utils import ModelOutput
+
+from ..config import TSPConfig
+from ..engine import comm
+from ..engine.moe import decode_experts, router_logits, tsp_experts
+from ..engine.partition import check_split, split_range, split_sizes
+from .families import Family, expert_intermediate_size, gate_activation
+from .mlp import TSPGatedMLP
+from .sharding import ShardedModule
+
+_collected: list[torch.Tensor] | None = None
+
+
+class TSPExperts(ShardedModule):
+    """Slice p of every expert's intermediate dimension: ``gate_proj, up_proj [E, f_p, h]``,
+    ``down_proj [E, h, f_p]`` (``⌊F/D⌋`` or ``⌈F/D⌉`` of F, the first ``F mod D`` ranks one
+    more). Hugging Face's ``gate_up_proj [E, 2F, h]`` is ``cat(gate_proj, up_proj, dim=1)``
+    (``Family.stacks``)."""
+
+    shard_dims = {"gate_proj": 1, "up_proj": 1, "down_proj": 2}
+
+    def __init__(
+        self,
+        n_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        group,
+        config: TSPConfig | None = None,
+        *,
+        activation: str = "silu",
+        dtype=None,
+        device=None,
+    ) -> None:
+        super().__init__()
+        D, p = comm.size_and_rank(group)
+        hint = "use a smaller TSP size"
+        check_split(intermediate_size, D, "the experts' intermediate size", hint)
+        self.group, self.options = group, (config or TSPConfig()).engine_options()
+        self.activation = activation
+        self.n_experts, self.hidden_size = n_experts, hidden_size
+        self.intermediate_size = intermediate_size
+        self.sizes = split_sizes(intermediate_size, D)
+        f, kw = self.sizes[p], {"dtype": dtype, "device": device}
+        self.gate_proj = nn.Parameter(torch.empty(n_experts, f, hidden_size, **kw))
+        self.up_proj = nn.Parameter(torch.empty(n_experts, f, hidden_size, **kw))
+        self.down_proj = nn.Parameter(torch.empty(n_experts, hidden_size, f, **kw))
+
+    @classmethod
+    def from_hf(cls, experts: nn.Module, group, config: TSPConfig | None, activation: str):
+        """This rank's slices of a Hugging Face experts module (``gate_up_proj [E, 2F, h]``,
+        ``down_proj [E, h, F]``)."""
+        gate_up, down = experts.gate_up_proj, experts.down_proj
+        E, F2, h = gate_up.shape
+        kw = {"activation": activation, "dtype": gate_up.dtype, "device": gate_up.device}
+        mod = cls(E, h, F2 // 2, group, config, **kw)
+        gate, up = gate_up.chunk(2, dim=1)
+        with torch.no_grad():
+            for name, full in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
+                mod.get_parameter(name).copy_(mod.local_slice(name, full))
+        for p in mod.parameters():
+            p.requires_grad_(gate_up.requires_grad)
+        return mod
+
+    def index_of(self, name: str, rank: int) -> tuple[slice, ...]:
+        rows = split_range(self.intermediate_size, len(self.sizes), rank)
+        return (slice(None),) * self.shard_dims[name] + (rows,)
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``x [B, S/D, h]`` with each token's experts ``index`` and weights ``weight [B·S/D,
+        k]`` -> ``[B, S/D, h]``."""
+        w = (self.gate_proj, self.up_proj, self.down_proj)
+        return tsp_experts(
+            x, index, weight, *w, self.group, self.options, self.sizes, self.activation
+        )
+
+    @torch.no_grad()
+    def decode(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        acc = self.options.accum_for(x.dtype)
+        w = (self.gate_proj, self.up_proj, self.down_proj)
+        return decode_experts(x, index, weight, *w, self.group, acc, self.activation)
+
+
+class TSPSparseMoe(nn.Module):
+    """A sparse MoE block on a TSP axis: ``[B, S/D, h]`` -> ``[B, S/D, h]``, each token the
+    weighted sum of its top-k experts (plus, in Qwen2-MoE, the gated shared expert). ``gate``:
+    the replicated router (Hugging Face's module, ``weight [E, h]``), ``experts``: a
+    ``TSPExperts``."""
+
+    def __init__(
+        self,
+        gate: nn.Module,
+        experts: TSPExperts,
+        group,
+        *,
+        top_k: int,
+        normalize: bool,
+        float32_weights: bool,
+        shared_expert: TSPGatedMLP | None = None,
+        shared_expert_gate: nn.Module | None = None,
+    ) -> None:
+        super().__init__()
+        self.gate, self.experts, self.group = gate, experts, group
+        self.top_k, self.normalize, self.float32_weights = top_k, normalize, float32_weights
+        self.shared_expert, self.shared_expert_gate = shared_expert, shared_expert_gate
+
+    @classmethod
+    def from_hf(
+        cls, block: nn.Module, group, config: TSPConfig | None, family: Family
+    ) -> TSPSparseMoe:
+        """Build from a Hugging Face MoE block of ``family`` (checked by ``check_moe_block``)."""
+        router, experts = getattr(block, family.router), getattr(block, family.experts)
+        activation = gate_activation(experts.config, family.activation)
+        shared = getattr(block, "shared_expert", None)
+        if shared is not None:
+            shared = TSPGatedMLP.from_hf(shared, group, config, family)
+        return cls(
+            router,
+            TSPExperts.from_hf(experts, group, config, activation),
+            group,
+            top_k=router.top_k,
+            normalize=getattr(router, "norm_topk_prob", True),
+            float32_weights=family.router_float32,
+            shared_expert=shared,
+            shared_expert_gate=getattr(block, "shared_expert_gate", None),
+        )
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hugging Face's top-k routing of ``logits [n, E]``: the weights ``[n, k]`` (softmax in
+        float32, renormalized over the k if the model does; float32 or the logits' dtype) and
+        the experts' indices ``[n, k]``."""
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        top, index = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return (top if self.float32_weights else top.to(logits.dtype)), index
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = router_logits(x, comm.replicated(self.gate.weight, self.group))
+        if _collected is not None:
+            _collected.append(logits)
+        weight, index = self.route(logits)
+        y = self.experts(x, index, weight)
+        if self.shared_expert is not None:
+            y = y + self._shared_gate(x) * self.shared_expert(x)
+        return y
+
+    def _shared_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """Qwen2-MoE's ``sigmoid(x · w)`` ``[B, S/D, 1]`` (``w [1, h]`` replicated)."""
+        w = comm.replicated(self.shared_expert_gate.weight, self.group)
+        return torch.sigmoid(F.linear(x, w))
+
+    @torch.no_grad()
+    def decode(self, x: torch.Tensor) -> torch.Tensor:
+        """Inference: the block on tokens ``x [B, Tq, h]`` that every rank holds (a decode
+        step), each rank with its slices; the same on every rank."""
+        weight, index = self.route(F.linear(x.reshape(-1, x.shape[-1]), self.gate.weight))
+        y = self.experts.decode(x, index, weight)
+        if self.shared_expert is not None:
+            y = y + torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * (
+                self.shared_expert.decode(x)
+            )
+        return y
+
+
+@contextmanager
+def collect_router_logits():
+    """Within the block, every ``TSPSparseMoe`` call appends its router logits ``[n, E]``
+    (differentiable) to the list this yields, in layer order."""
+    global _collected
+    previous, _collected = _collected, []
+    try:
+        yield _collected
+    finally:
+        _collected = previous
+
+
+def load_balancing_loss(logits: list[torch.Tensor], n_experts: int, top_k: int, group):
+    """Hugging Face's auxiliary load-balancing loss (Switch Transformer's) over every layer's
+    router ``logits [n, E]`` of the whole TSP group's tokens: ``E · Σ_e f_e · P_e``, with
+    ``f_e`` the share of top-k assignments to expert e and ``P_e`` its mean router
+    probability, both over all layers and tokens. The per-expert sums are summed over the group
+    (``P``'s differentiably), so every rank gets the single-process value and its tokens'
+    gradient. In float32, as Hugging Face computes it; tokens are not masked (a TSP batch has no
+    attention mask)."""
+    device = logits[0].device
+    counts = torch.zeros(n_experts + 1, dtype=torch.float32, device=device)  # + rows
+    prob_sum = torch.zeros(n_experts, dtype=torch.float32, device=device)
+    for layer in logits:
+        probs = F.softmax(layer, dim=-1)
+        _, chosen = torch.topk(probs, top_k, dim=-1)
+        counts[:n_experts] += torch.bincount(chosen.reshape(-1), minlength=n_experts)
+        counts[n_experts] += probs.shape[0]
+        prob_sum = prob_sum + probs.float().sum(dim=0)
+    comm.all_reduce(counts, group)
+    prob_sum = comm.sum_over_ranks(prob_sum, group)
+    rows = counts[n_experts]
+    return torch.sum(counts[:n_experts] / rows * (prob_sum / rows)) * n_experts
+
+
+def n_experts_of(config) -> int:
+    """The number of routed experts (Qwen-MoE's ``num_experts``, Mixtral's
+    ``num_local_experts``)."""
+    return getattr(config, "num_experts", None) or config.num_local_experts
+
+
+def check_moe_block(name: str, i: int, block: nn.Module, family: Family) -> None:
+    """Raise ``ValueError`` naming the model and what is supported unless layer ``i``'s MoE
+    ``block`` is one TSP runs: a listed MoE family, a top-k router over the config's experts,
+    experts of the config's shapes without biases, no router jitter."""
+    supported = "Qwen3MoeForCausalLM, Qwen2MoeForCausalLM and MixtralForCausalLM"
+    if not family.moe:
+        raise ValueError(
+            f"{name} layer {i}: its mixture-of-experts MLP is not supported; TSP runs the MoE "
+            f"blocks of {supported}"
+        )
+    router, experts = getattr(block, family.router, None), getattr(block, family.experts)
+    cfg = experts.config
+    E, h, F_ = n_experts_of(cfg), cfg.hidden_size, expert_intermediate_size(cfg)
+    weight = getattr(router, "weight", None)
+    if weight is None or tuple(weight.shape) != (E, h) or not hasattr(router, "top_k"):
+        raise ValueError(
+            f"{name} layer {i}: the router {type(router).__name__} is not a top-k router with a "
+            f"weight [{E}, {h}]; TSP runs the top-k softmax routers of {supported}"
+        )
+    if not 1 <= router.top_k <= E:
+        raise ValueError(
+            f"{name} layer {i}: num_experts_per_tok={router.top_k} must be between 1 and the "
+            f"number of experts ({E})"
+        )
+    shapes = {
+        "gate_up_proj": (E, 2 * F_, h),
+        "down_proj": (E, h, F_),
+    }
+    for key, shape in shapes.items():
+        got = getattr(experts, key, None)
+        if got is None or tuple(got.shape) != shape:
+            have = None if got is None else tuple(got.shape)
+            raise ValueError(
+                f"{name} layer {i}: experts.{key} is {have}, the config says {shape} (E = {E} "
+                f"experts of intermediate size {F_}); TSP needs experts as the config describes"
+            )
+    if any(hasattr(experts, f"{k}_bias") for k in shapes):
+        raise ValueError(f"{name} layer {i}: expert biases are not supported under TSP")
+    if getattr(block, "jitter_noise", 0):
+        raise ValueError(
+            f"{name}: router_jitter_noise={block.jitter_noise} is not supported under TSP; set "
+            "router_jitter_noise=0"
+        )
+
+
+def with_aux_loss(model: nn.Module, out, logits: list[torch.Tensor], requested: bool | None):
+    """``out`` (a model output) with Hugging Face's MoE outputs where ``output_router_logits``
+    is on (``requested``, else the config's): ``aux_loss`` over the whole TSP group's tokens,
+    added to ``loss`` times ``router_aux_loss_coef``, and the local ``router_logits``."""
+    if requested is None:
+        requested = getattr(model.config, "output_router_logits", False)
+    if not requested or not logits:
+        return out
+    if not isinstance(out, ModelOutput):
+        raise ValueError("output_router_logits needs return_dict=True on a TSP model")
+    block = next(m for m in model.modules() if isinstance(m, TSPSparseMoe))
+    aux = load_balancing_loss(logits, block.experts.n_experts, block.top_k, block.group)
+    if out.get("loss") is not None:
+        coef = getattr(model, "router_aux_loss_coef", model.config.router_aux_loss_coef)
+        out["loss"] = out["loss"] + coef * aux.to(out["loss"].device)
+    out["aux_loss"] = aux
+    out["router_logits"] = tuple(logits)
+    return out
