@@ -55,6 +55,10 @@ class TSPConfig:
         quantize_base: ``"nf4"`` (QLoRA): store the frozen projection shards of a PEFT LoRA
             model in 4-bit NormalFloat (``engine.nf4``, 0.5625 bytes a weight), send them so on
             the broadcast / ring and dequantize each just before use; None: as loaded.
+        moe_schedule: how a mixture-of-experts layer's tokens meet its experts (each rank owns
+            E/D whole experts): ``"ring"`` (the experts travel the ring, tokens stay),
+            ``"all_to_all"`` (tokens go to their experts' owners and back) or ``"auto"``: per
+            call, the one that moves fewer bytes (``engine.moe.traffic``).
     """
 
     tsp_size: int | None = None
@@ -70,6 +74,7 @@ class TSPConfig:
     checkpoint_layers: bool = False
     offload_checkpoints: bool = False
     quantize_base: str | None = None
+    moe_schedule: str = "auto"
 
     def __post_init__(self) -> None:
         if self.quantize_base not in (None, "nf4"):

@@ -240,7 +240,7 @@ def _export_plan(model: nn.Module, tied: bool) -> list:
 
 def _entries(model: nn.Module, plan: list) -> list[tuple[str, torch.dtype, torch.Size]]:
     """``(Hugging Face name, dtype, full shape)`` of every tensor ``_stream`` yields: a fused
-    projection's (Phi-3's ``qkv_proj``, MoE experts' ``gate_up_proj``) stacks its parts."""
+    projection's (Phi-3's ``qkv_proj``) stacks its parts' rows."""
     family, shapes = model.tsp.family, {}
     for out, src, t, _, _ in plan:
         shape = full_shape(model, src, t)
@@ -248,8 +248,7 @@ def _entries(model: nn.Module, plan: list) -> list[tuple[str, torch.dtype, torch
         name = out if fused is None else fused[0]
         if name in shapes:
             dtype, prev = shapes[name]
-            dim = fused[3]
-            shape = torch.Size([*shape[:dim], prev[dim] + shape[dim], *shape[dim + 1 :]])
+            shape = torch.Size([prev[0] + shape[0], *shape[1:]])
         shapes[name] = (t.dtype, shape)
     return [(name, dtype, shape) for name, (dtype, shape) in shapes.items()]
 

@@ -78,12 +78,10 @@ def load_pretrained(
             index = local_index(model, name)
             fused = family.fused_rows(name, hf_config)
             stored = name
-            if fused is not None:  # a part of a stacked tensor: its rows of the stacked one
-                stored, first, dim = fused
-                index = (*index, *[slice(None)] * (param.dim() - len(index)))
-                rows = index[dim]
-                start, stop = first + (rows.start or 0), first + (rows.stop or param.shape[dim])
-                index = (*index[:dim], slice(start, stop), *index[dim + 1 :])
+            if fused is not None:  # a part of a fused projection: its rows of the fused tensor
+                stored, first = fused
+                rows = index[0]
+                index = (slice(first + (rows.start or 0), first + rows.stop), *index[1:])
             if stored not in files:
                 head = f"{family.lm_head}.weight"
                 if name == head and getattr(hf_config, "tie_word_embeddings", False):

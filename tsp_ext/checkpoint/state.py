@@ -90,9 +90,9 @@ def full_tensor(
 def hf_tensors(
     model: nn.Module, items: Iterator[tuple[str, torch.Tensor | None]]
 ) -> Iterator[tuple[str, torch.Tensor | None]]:
-    """``items`` (name, full tensor) under Hugging Face's names: the parts of a tensor the
-    model's family stacks (Phi-3's ``qkv_proj``, MoE experts' ``gate_up_proj``) are held until
-    all have come, then stacked into it (None where a part is None: another rank's result)."""
+    """``items`` (name, full tensor) under Hugging Face's names: the parts of a projection the
+    model's family fuses (Phi-3's ``qkv_proj``) are held until all have come, then stacked by
+    rows into the fused tensor (None where a part is None: another rank's result)."""
     family = model.tsp.family
     pending: dict[str, dict[int, torch.Tensor | None]] = {}
     for name, t in items:
@@ -100,13 +100,13 @@ def hf_tensors(
         if fused is None:
             yield name, t
             continue
-        hf_name, i, n, dim = fused
+        hf_name, i, n = fused
         parts = pending.setdefault(hf_name, {})
         parts[i] = t
         if len(parts) == n:
             del pending[hf_name]
             ordered = [parts[j] for j in range(n)]
-            yield hf_name, None if any(p is None for p in ordered) else torch.cat(ordered, dim)
+            yield hf_name, None if any(p is None for p in ordered) else torch.cat(ordered)
 
 
 def iter_full_tensors(

@@ -1,23 +1,30 @@
-"""TSP mixture-of-experts MLP: every expert's intermediate slice travels the ring while each rank
-keeps its tokens (the dense MLP's weight ring, ``engine.mlp``, for E experts at once).
+"""TSP mixture-of-experts MLP: rank p owns E_p whole experts; either the experts travel to the
+tokens (a weight ring, as the dense MLP) or the tokens travel to the experts (all-to-all).
 
-Rank p holds slice p of every expert's intermediate dimension, ``gate, up [E, f_p, h]`` and
-``down [E, h, f_p]`` (``⌊F/D⌋`` or ``⌈F/D⌉`` rows, as the dense MLP), and the tokens of zigzag
-shard p. The router is replicated, so each rank routes its own tokens: ``index, weight [n, k]``,
-each token's top-k experts and their weights. Forward:
+Rank p holds experts ``split_range(E, D, p)`` (``⌊E/D⌋`` or ``⌈E/D⌉`` of them, the first
+``E mod D`` ranks one more), ``gate_up [E_p, 2F, h]`` and ``down [E_p, h, F]`` as Hugging Face
+stores them, and the tokens of zigzag shard p. The router is replicated, so each rank routes its
+own n tokens: ``index, weight [n, k]``. Two schedules give the same result:
 
-    cur = (G_p, U_p, Dn_p) of every expert; Y_p = 0
-    for t in 0..D-1:                            # cur: every expert's slice of owner p - t
-        if t < D-1: send cur -> p+1, recv next <- p-1        # async, overlaps the matmuls
-        for each expert e, its tokens X_e (the rows of X_p routed to e), their weights w_e:
-            Y_p[rows of e] += w_e · (act(X_e·G_eᵀ) ⊙ (X_e·U_eᵀ))·Dn_eᵀ
-        wait; cur = next
+    ring (experts travel):                       all_to_all (tokens travel):
+    cur = my experts; Y_p = 0                    rows = X_p[token of each assignment]
+    for t in 0..D-1:       # cur: owner p - t    send each row to its expert's owner
+        post cur -> p+1, next <- p-1             for my experts e:
+        for e in cur, its tokens X_e, w_e:           out_e = FFN_e(rows received for e)
+            Y_p[X_e] += w_e · FFN_e(X_e)         send each out row back
+        wait; cur = next                         Y_p[token] += weight · out row
 
-Tokens never move and no rank holds a whole expert, so there is no all-to-all and no capacity:
-every routed token is computed (dropless). Backward runs the weight ring again with the dense
-MLP's gradient ring one step behind, recomputing each expert's activations, and returns the
-routing weights' gradient ``<dY, expert output>`` (summed over the D slices). Saved per rank:
-X_p, the routing ``[n, k]`` and the rank's own slices.
+with ``FFN_e(X) = (act(X·G_eᵀ) ⊙ (X·U_eᵀ))·Dn_eᵀ``. Neither drops a token (no capacity). A rank
+moves ``3·E·F·h`` weight elements a step through the ring (forward, and weights plus their
+gradients in backward) against ``n·k·h`` activation rows per transfer for the all-to-all (two
+forward, three backward); ``traffic`` counts both and ``schedule_for`` takes the cheaper one
+per call (``TSPConfig(moe_schedule=...)`` fixes it).
+
+Backward mirrors each: the ring runs again with the dense MLP's gradient ring one step behind;
+the all-to-all sends the rows of X and dY (and the routing weights) to the owners, which compute
+their experts' full gradients (every row of an expert is theirs) and send dX rows (and each
+weight's gradient, ``<dY, expert output>``) back. Activations are recomputed; saved per rank:
+X_p and the routing ``[n, k]``.
 """
 
 from __future__ import annotations
@@ -27,153 +34,239 @@ import torch
 from . import comm
 from .mlp import swiglu_pointwise_backward
 from .options import EngineOptions
+from .partition import split_range, split_sizes
 from .pointwise import add_matmul, from_saved, gate_activation, matmul, to_save
 from .weight_ring import GradientRing, circulate
 
+SCHEDULES = ("ring", "all_to_all")
+
+
+def traffic(n: int, k: int, E: int, F: int, h: int, D: int) -> dict[str, float]:
+    """Elements one rank receives in one training step of one MoE layer under each schedule
+    (``n`` tokens a rank, top-``k`` of ``E`` experts of width ``F``, uniform routing): the ring
+    forwards every other rank's experts once and sends weights and weight gradients in backward;
+    the all-to-all moves the rows that leave the rank twice forward (dispatch, combine) and
+    three times backward (X, dY out; dX back)."""
+    remote = (D - 1) / D
+    return {"ring": 3 * remote * 3 * E * F * h, "all_to_all": 5 * remote * n * k * h}
+
+
+def schedule_for(option: str, n: int, k: int, E: int, F: int, h: int, D: int) -> str:
+    """The schedule a call runs: ``option`` unless it is ``"auto"``, then the one that moves
+    fewer elements (``traffic``); the same on every rank (n is)."""
+    if option != "auto":
+        return option
+    moved = traffic(n, k, E, F, h, D)
+    return "all_to_all" if moved["all_to_all"] < moved["ring"] else "ring"
+
 
 class Routing:
-    """The assignments of ``n`` tokens to experts, grouped by expert: ``index [n, k]`` ->
+    """The assignments of ``n`` tokens to ``E`` experts, grouped by expert: ``index [n, k]`` ->
     ``slots [n·k]`` (positions in the flat ``[n·k]`` routing, sorted by expert, stable),
-    ``tokens [n·k]`` (their tokens) and ``groups``, ``(expert, rows)`` for each expert with
-    tokens (``rows``: its slice of ``slots`` / ``tokens``)."""
+    ``tokens [n·k]`` (their tokens), ``counts [E]`` (assignments per expert) and ``groups``,
+    ``(expert, rows)`` for each expert with tokens (``rows``: its slice of ``slots``)."""
 
     def __init__(self, index: torch.Tensor, n_experts: int) -> None:
         flat = index.reshape(-1)
         self.slots = torch.argsort(flat, stable=True)
         self.tokens = self.slots // index.shape[1]
-        counts = torch.bincount(flat, minlength=n_experts).tolist()
-        starts = [sum(counts[:e]) for e in range(n_experts)]
-        self.groups = [(e, slice(s, s + c)) for e, (s, c) in enumerate(zip(starts, counts)) if c]
+        self.counts = torch.bincount(flat, minlength=n_experts).tolist()
+        self.groups = _groups(self.counts)
 
 
-class _ExpertRing:
-    """The weight ring of one call: every owner's slice width ``sizes [D]``, the experts' count
-    and hidden size, and the gate's activation. A ring buffer holds one owner's slices of every
-    expert, ``[G; U]`` ``[E, 2f, h]`` then ``Dn [E, h, f]``, padded to the largest owner's."""
+def _groups(counts: list[int], first: int = 0) -> list[tuple[int, slice]]:
+    """``(first + i, rows)`` of each non-empty run of ``counts`` laid end to end."""
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    return [(first + i, slice(s, s + c)) for i, (s, c) in enumerate(zip(starts, counts)) if c]
 
-    def __init__(self, group, options: EngineOptions, x, down, sizes, activation: str) -> None:
-        self.options, self.activation = options, activation
-        self.ring = comm.Ring(group)
-        self.D, self.p = self.ring.size, self.ring.rank
-        self.n_experts, self.h = down.shape[0], down.shape[1]
-        self.sizes = sizes or [down.shape[2]] * self.D
+
+def _ffn(x: torch.Tensor, gu: torch.Tensor, dn: torch.Tensor, kind: str, acc) -> torch.Tensor:
+    """``(act(x·Gᵀ) ⊙ (x·Uᵀ))·Dnᵀ`` ``[c, h]`` in ``acc`` of rows ``x [c, h]``, ``gu = [G; U]
+    [2F, h]``, ``dn [h, F]``."""
+    hg, hu = torch.mm(x, gu.t()).chunk(2, dim=-1)
+    return matmul(gate_activation(hg, kind).mul_(hu), dn.t(), acc)
+
+
+def _ffn_backward(x, dy, w, gu, dn, kind: str, acc, grads=None):
+    """Backward of ``w · FFN(x)`` for rows ``x, dy [c, h]`` with weights ``w [c]`` (acc):
+    returns ``dX [c, h]`` and ``dw [c]`` (acc) and adds ``[dG; dU]``, ``dDn`` into ``grads``
+    (``(d_gu [2F, h], d_dn [h, F])``, acc) if given."""
+    d_out = torch.mm(dy, dn)  # dY·Dn before the routing weight
+    dh, act = swiglu_pointwise_backward(
+        d_out * w[:, None].to(d_out.dtype), torch.mm(x, gu.t()), kind=kind
+    )
+    dw = (d_out * act).sum(dim=-1, dtype=acc)
+    if grads is not None:
+        add_matmul(grads[0], dh.t(), x)
+        add_matmul(grads[1], dy.t(), act.mul_(w[:, None].to(act.dtype)))
+    return matmul(dh, gu, acc), dw
+
+
+class _Experts:
+    """The layout of one call: every rank's expert count ``sizes [D]`` and first expert, the
+    experts' shapes, the gate's activation and the accumulation dtype."""
+
+    def __init__(self, group, options: EngineOptions, x, down, n_experts: int, kind: str):
+        self.group, self.options, self.kind = group, options, kind
+        self.D, self.p = comm.size_and_rank(group)
+        self.n_experts, self.h, self.F = n_experts, down.shape[1], down.shape[2]
+        self.sizes = split_sizes(n_experts, self.D)
+        self.first = [split_range(n_experts, self.D, q).start for q in range(self.D)]
         self.acc = options.accum_for(x.dtype)
 
-    def numel(self, f: int) -> int:
-        return 3 * self.n_experts * f * self.h
+    def owned(self, routing: Routing, q: int) -> list[tuple[int, int, slice]]:
+        """``(local index, expert, rows)`` of rank q's experts that have this rank's tokens."""
+        first = self.first[q]
+        return [(e - first, e, r) for e, r in routing.groups if 0 <= e - first < self.sizes[q]]
 
-    def views(self, flat: torch.Tensor, f: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[G; U]`` ``[E, 2f, h]`` and ``Dn [E, h, f]`` of a buffer holding width-``f``
-        slices."""
-        E, h = self.n_experts, self.h
-        return flat[: 2 * E * f * h].view(E, 2 * f, h), flat[2 * E * f * h : 3 * E * f * h].view(
-            E, h, f
-        )
+    # --- ring: the experts travel ---
 
-    def shards(self, gate, up, down):
-        """Yield ``(t, f, [G; U], Dn)`` of owner q = p - t (views of the ring buffer, valid until
-        the next step); the next owner's arrive while the caller works."""
-        packed = comm.pack([torch.cat([gate, up], dim=1), down], numel=self.numel(max(self.sizes)))
-        for t, cur in circulate(self.ring, packed, self.options.overlap, reuse=True):
-            f = self.sizes[(self.p - t) % self.D]
-            yield (t, f, *self.views(cur, f))
+    def numel(self, n_experts: int) -> int:
+        return 3 * n_experts * self.F * self.h
+
+    def views(self, flat: torch.Tensor, n_experts: int):
+        """``[G; U]`` ``[n_e, 2F, h]`` and ``Dn [n_e, h, F]`` of a ring buffer."""
+        n = 2 * n_experts * self.F * self.h
+        gu = flat[:n].view(n_experts, 2 * self.F, self.h)
+        return gu, flat[n : self.numel(n_experts)].view(n_experts, self.h, self.F)
+
+    def shards(self, gate_up, down):
+        """Yield ``(t, q, [G; U], Dn)`` of owner q = p - t (views of the ring buffer, valid
+        until the next step); the next owner's experts arrive while the caller works."""
+        packed = comm.pack([gate_up, down], numel=self.numel(max(self.sizes)))
+        overlap = self.options.overlap
+        for t, cur in circulate(comm.Ring(self.group), packed, overlap, reuse=True):
+            q = (self.p - t) % self.D
+            yield (t, q, *self.views(cur, self.sizes[q]))
+
+    # --- all-to-all: the tokens travel ---
+
+    def exchange(self, routing: Routing):
+        """Split sizes of the dispatch: rows this rank sends to each owner, rows it receives
+        from each rank, and ``(local expert, rows)`` of the received rows grouped by expert
+        (``order``: the received rows' permutation into that grouping)."""
+        send = [sum(routing.counts[f : f + n]) for f, n in zip(self.first, self.sizes)]
+        counts = torch.tensor(routing.counts, dtype=torch.long)
+        got = comm.all_to_all(counts, self.sizes, [self.sizes[self.p]] * self.D, self.group)
+        got = got.view(self.D, self.sizes[self.p])  # [source, my expert]
+        recv = got.sum(dim=1).tolist()
+        expert = torch.arange(self.sizes[self.p]).repeat(self.D).repeat_interleave(got.flatten())
+        order = torch.argsort(expert, stable=True)
+        return send, recv, order, _groups(got.sum(dim=0).tolist())
 
 
-def _expert_rows(x2: torch.Tensor, routing: Routing, rows: slice) -> torch.Tensor:
-    """The tokens of one expert's assignments, ``[c, h]`` (a gathered copy)."""
-    return x2.index_select(0, routing.tokens[rows])
-
-
-def expert_ring_forward(
-    ring: _ExpertRing, x2: torch.Tensor, weights, routing: Routing, scale: torch.Tensor
-) -> torch.Tensor:
-    """``x2 [n, h]`` -> ``Y [n, h]`` (in the accumulation dtype): every token's routed experts,
-    weighted by ``scale [n·k]`` (the routing weights in ``routing.slots`` order)."""
-    y = torch.zeros(x2.shape, dtype=ring.acc, device=x2.device)
-    for _, _, gu, dn in ring.shards(*weights):
-        for e, rows in routing.groups:
-            hid = torch.mm(_expert_rows(x2, routing, rows), gu[e].t())
-            hg, hu = hid.chunk(2, dim=-1)
-            act = gate_activation(hg, ring.activation).mul_(hu)
-            out = matmul(act, dn[e].t(), ring.acc).mul_(scale[rows, None])
-            y.index_add_(0, routing.tokens[rows], out)
+def _ring_forward(lay: _Experts, x2, gate_up, down, routing, scale):
+    y = torch.zeros(x2.shape, dtype=lay.acc, device=x2.device)
+    for _, q, gu, dn in lay.shards(gate_up, down):
+        for i, _, rows in lay.owned(routing, q):
+            tokens = routing.tokens[rows]
+            out = _ffn(x2.index_select(0, tokens), gu[i], dn[i], lay.kind, lay.acc)
+            y.index_add_(0, tokens, out.mul_(scale[rows, None]))
     return y
 
 
-def expert_ring_backward(
-    ring: _ExpertRing,
-    dy2: torch.Tensor,
-    x2: torch.Tensor,
-    weights,
-    routing: Routing,
-    scale: torch.Tensor,
-    weight_grads: bool,
-):
-    """Backward rings: returns ``dX [n, h]`` and ``d scale [n·k]`` (accumulation dtype) and, if
-    ``weight_grads``, this rank's slices' gradients ``(dG, dU, dDn)`` summed over every rank's
-    tokens (else None)."""
-    dx = torch.zeros(x2.shape, dtype=ring.acc, device=x2.device)
+def _ring_backward(lay: _Experts, dy2, x2, gate_up, down, routing, scale, weight_grads):
+    dx = torch.zeros(x2.shape, dtype=lay.acc, device=x2.device)
     d_scale = torch.zeros_like(scale)
-    owner_grads = GradientRing(ring.ring)
-    numel = ring.numel(max(ring.sizes))
-    for t, f, gu, dn in ring.shards(*weights):
+    owner_grads = GradientRing(comm.Ring(lay.group))
+    numel = lay.numel(max(lay.sizes))
+    for t, q, gu, dn in lay.shards(gate_up, down):
+        grads = None
         if weight_grads:
-            share = torch.zeros(numel, dtype=ring.acc, device=x2.device)
-            d_gu, d_dn = ring.views(share, f)
-        for e, rows in routing.groups:
-            xe, dye = _expert_rows(x2, routing, rows), _expert_rows(dy2, routing, rows)
-            hid = torch.mm(xe, gu[e].t())
-            d_out = torch.mm(dye, dn[e])  # dY·Dn before the routing weight [c, f]
-            dm = d_out * scale[rows, None].to(d_out.dtype)
-            dh, act = swiglu_pointwise_backward(dm, hid, kind=ring.activation)
-            d_scale[rows] += (d_out * act).sum(dim=-1, dtype=ring.acc)
-            if weight_grads:
-                add_matmul(d_gu[e], dh.t(), xe)
-                act.mul_(scale[rows, None].to(act.dtype))
-                add_matmul(d_dn[e], dye.t(), act)
-            dx.index_add_(0, routing.tokens[rows], matmul(dh, gu[e], ring.acc))
+            share = torch.zeros(numel, dtype=lay.acc, device=x2.device)
+            grads = lay.views(share, lay.sizes[q])
+        for i, _, rows in lay.owned(routing, q):
+            tokens = routing.tokens[rows]
+            xe, dye = x2.index_select(0, tokens), dy2.index_select(0, tokens)
+            mine = None if grads is None else (grads[0][i], grads[1][i])
+            dxe, d_scale[rows] = _ffn_backward(
+                xe, dye, scale[rows], gu[i], dn[i], lay.kind, lay.acc, mine
+            )
+            dx.index_add_(0, tokens, dxe)
         if weight_grads:
-            owner_grads.add(t, share)  # on its way while the next owner's slices are used
-    if not weight_grads:
-        return dx, d_scale, None
-    own = owner_grads.result()
-    d_gu, d_dn = ring.views(own, ring.sizes[ring.p])
-    d_gate, d_up = d_gu.chunk(2, dim=1)
-    return dx, d_scale, tuple(g.to(w.dtype) for g, w in zip((d_gate, d_up, d_dn), weights))
+            owner_grads.add(t, share)  # on its way while the next owner's experts are used
+    own = lay.views(owner_grads.result(), lay.sizes[lay.p]) if weight_grads else None
+    return dx, d_scale, own
 
 
-class _ExpertRingFunction(torch.autograd.Function):
-    """Autograd boundary of the expert ring: saves X_p (as its RMSNorm's input when it is a
+def _all_to_all_forward(lay: _Experts, x2, gate_up, down, routing, scale):
+    send, recv, order, groups = lay.exchange(routing)
+    rows = comm.all_to_all(x2.index_select(0, routing.tokens), send, recv, lay.group)[order]
+    out = torch.empty(rows.shape, dtype=lay.acc, device=x2.device)
+    for i, r in groups:
+        out[r] = _ffn(rows[r], gate_up[i], down[i], lay.kind, lay.acc)
+    back = torch.empty_like(out)
+    back[order] = out
+    back = comm.all_to_all(back, recv, send, lay.group)
+    y = torch.zeros(x2.shape, dtype=lay.acc, device=x2.device)
+    return y.index_add_(0, routing.tokens, back.mul_(scale[:, None]))
+
+
+def _all_to_all_backward(lay: _Experts, dy2, x2, gate_up, down, routing, scale, weight_grads):
+    send, recv, order, groups = lay.exchange(routing)
+    h = lay.h
+    rows = torch.cat([x2.index_select(0, routing.tokens), dy2.index_select(0, routing.tokens)], 1)
+    rows = comm.all_to_all(rows, send, recv, lay.group)[order]
+    w = comm.all_to_all(scale, send, recv, lay.group)[order]
+    grads = None
+    if weight_grads:
+        grads = (torch.zeros_like(gate_up, dtype=lay.acc), torch.zeros_like(down, dtype=lay.acc))
+    out = torch.empty(rows.shape[0], h + 1, dtype=lay.acc, device=x2.device)  # [dX | dw]
+    for i, r in groups:
+        mine = None if grads is None else (grads[0][i], grads[1][i])
+        out[r, :h], out[r, h] = _ffn_backward(
+            rows[r, :h], rows[r, h:], w[r], gate_up[i], down[i], lay.kind, lay.acc, mine
+        )
+    back = torch.empty_like(out)
+    back[order] = out
+    back = comm.all_to_all(back, recv, send, lay.group)
+    dx = torch.zeros(x2.shape, dtype=lay.acc, device=x2.device)
+    dx.index_add_(0, routing.tokens, back[:, :h])
+    return dx, back[:, h].contiguous(), grads
+
+
+_FORWARD = {"ring": _ring_forward, "all_to_all": _all_to_all_forward}
+_BACKWARD = {"ring": _ring_backward, "all_to_all": _all_to_all_backward}
+
+
+class _ExpertsFunction(torch.autograd.Function):
+    """Autograd boundary of both schedules: saves X_p (as its RMSNorm's input when it is a
     norm's output: ``pointwise.to_save``), the routing ``index, weight [n, k]`` and the rank's
-    own slices."""
+    own experts."""
 
     @staticmethod
-    def forward(ctx, group, options, sizes, activation, x, index, weight, gate, up, down):
-        ring = _ExpertRing(group, options, x, down, sizes, activation)
-        x2 = x.reshape(-1, ring.h)
-        routing = Routing(index, ring.n_experts)
-        scale = weight.reshape(-1)[routing.slots].to(ring.acc)
-        y = expert_ring_forward(ring, x2, (gate, up, down), routing, scale)
-        ctx.ring = ring
+    def forward(ctx, group, options, n_experts, kind, schedule, x, index, weight, gate_up, down):
+        lay = _Experts(group, options, x, down, n_experts, kind)
+        routing = Routing(index, n_experts)
+        scale = weight.reshape(-1)[routing.slots].to(lay.acc)
+        y = _FORWARD[schedule](lay, x.reshape(-1, lay.h), gate_up, down, routing, scale)
+        ctx.lay, ctx.schedule = lay, schedule
         saved, norm_weight, ctx.norm = to_save(x)
-        ctx.save_for_backward(saved, norm_weight, index, weight, gate, up, down)
+        ctx.save_for_backward(saved, norm_weight, index, weight, gate_up, down)
         return y.to(x.dtype).view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
-        x, norm_weight, index, weight, gate, up, down = ctx.saved_tensors
-        ring = ctx.ring
+        x, norm_weight, index, weight, gate_up, down = ctx.saved_tensors
+        lay = ctx.lay
         x = from_saved(x, norm_weight, ctx.norm)
-        routing = Routing(index, ring.n_experts)
-        scale = weight.reshape(-1)[routing.slots].to(ring.acc)
-        dy2 = dy.contiguous().view(-1, ring.h)
-        weight_grads = any(ctx.needs_input_grad[7:10])
-        dx, d_scale, d_w = expert_ring_backward(
-            ring, dy2, x.reshape(-1, ring.h), (gate, up, down), routing, scale, weight_grads
+        routing = Routing(index, lay.n_experts)
+        scale = weight.reshape(-1)[routing.slots].to(lay.acc)
+        weight_grads = any(ctx.needs_input_grad[8:10])
+        dx, d_scale, grads = _BACKWARD[ctx.schedule](
+            lay,
+            dy.reshape(-1, lay.h),
+            x.reshape(-1, lay.h),
+            gate_up,
+            down,
+            routing,
+            scale,
+            weight_grads,
         )
         d_weight = torch.zeros_like(scale).index_put_((routing.slots,), d_scale)
         d_weight = d_weight.view(weight.shape).to(weight.dtype)
-        return (None,) * 4 + (dx.to(x.dtype).view(x.shape), None, d_weight, *(d_w or (None,) * 3))
+        d_gu, d_dn = (None, None) if grads is None else (g.to(gate_up.dtype) for g in grads)
+        return (None,) * 5 + (dx.to(x.dtype).view(x.shape), None, d_weight, d_gu, d_dn)
 
 
 class _RouterLogits(torch.autograd.Function):
@@ -205,35 +298,46 @@ def tsp_experts(
     x: torch.Tensor,
     index: torch.Tensor,
     weight: torch.Tensor,
-    gate: torch.Tensor,
-    up: torch.Tensor,
+    gate_up: torch.Tensor,
     down: torch.Tensor,
     group,
     options: EngineOptions,
-    sizes: list[int] | None = None,
+    n_experts: int,
     activation: str = "silu",
+    schedule: str = "auto",
 ) -> torch.Tensor:
     """Routed experts of this rank's tokens: ``x [B, S/D, h]`` -> ``[B, S/D, h]``, each token the
     sum of its experts ``index [n, k]`` (``n = B·S/D``, rows in x's order) times their routing
-    weights ``weight [n, k]`` (differentiable); this rank's slices of every expert ``gate, up
-    [E, f_p, h]``, ``down [E, h, f_p]``; ``sizes [D]``: every rank's ``f_q`` (None: all equal to
-    this rank's); ``activation``: the gate's (``pointwise.GATE_ACTIVATIONS``)."""
-    return _ExpertRingFunction.apply(
-        group, options, sizes, activation, x, index, weight, gate, up, down
+    weights ``weight [n, k]`` (differentiable). ``gate_up [E_p, 2F, h]``, ``down [E_p, h, F]``:
+    this rank's experts of ``n_experts`` (``split_range``); ``activation``: the gate's
+    (``pointwise.GATE_ACTIVATIONS``); ``schedule``: ``"ring"``, ``"all_to_all"`` or ``"auto"``
+    (``schedule_for``)."""
+    D = comm.size_and_rank(group)[0]
+    n, k = index.shape
+    F = down.shape[2]
+    run = schedule_for(schedule, n, k, n_experts, F, x.shape[-1], D)
+    return _ExpertsFunction.apply(
+        group, options, n_experts, activation, run, x, index, weight, gate_up, down
     )
 
 
-def decode_experts(x, index, weight, gate, up, down, group, acc, activation: str = "silu"):
+def decode_experts(
+    x, index, weight, gate_up, down, first: int, n_experts: int, group, acc, activation="silu"
+):
     """Routed experts of the replicated decode tokens ``x [B, Tq, h]`` (routing ``index, weight
-    [B·Tq, k]``, the same on every rank) with this rank's slices: each rank's partial sums over
-    its slices, then one all-reduce; ``[B, Tq, h]`` in x's dtype, identical on every rank."""
+    [B·Tq, k]``, the same on every rank): each rank adds its experts' rows (``gate_up, down``:
+    experts ``first`` on, of ``n_experts``), then one all-reduce; ``[B, Tq, h]`` in x's dtype,
+    identical on every rank."""
     x2 = x.reshape(-1, x.shape[-1])
-    routing = Routing(index, down.shape[0])
+    routing = Routing(index, n_experts)
     scale = weight.reshape(-1)[routing.slots].to(acc)
     y = torch.zeros(x2.shape, dtype=acc, device=x.device)
     for e, rows in routing.groups:
-        xe = _expert_rows(x2, routing, rows)
-        act = gate_activation(xe @ gate[e].t(), activation).mul_(xe @ up[e].t())
-        y.index_add_(0, routing.tokens[rows], matmul(act, down[e].t(), acc).mul_(scale[rows, None]))
+        if first <= e < first + gate_up.shape[0]:
+            tokens = routing.tokens[rows]
+            out = _ffn(
+                x2.index_select(0, tokens), gate_up[e - first], down[e - first], activation, acc
+            )
+            y.index_add_(0, tokens, out.mul_(scale[rows, None]))
     comm.all_reduce(y, group)
     return y.to(x.dtype).view(x.shape)

@@ -25,6 +25,7 @@ class EngineOptions:
         recompute_mlp: recompute the MLP's gate/up projections in backward.
         mlp_tile: tokens per tile of an MLP ring step (None: all of the rank's at once).
         loss_chunk: tokens per block of the fused LM-head loss.
+        moe_schedule: ``"ring"``, ``"all_to_all"`` or ``"auto"`` (``engine.moe``).
     """
 
     accum_dtype: torch.dtype = torch.float32
@@ -35,6 +36,7 @@ class EngineOptions:
     recompute_mlp: bool = True
     mlp_tile: int | None = 4096
     loss_chunk: int = 1024
+    moe_schedule: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.accum_dtype.is_floating_point:
@@ -49,6 +51,10 @@ class EngineOptions:
             raise ValueError(f"mlp_tile must be >= 1 or None, got {self.mlp_tile}")
         if self.loss_chunk < 1:
             raise ValueError(f"loss_chunk must be >= 1, got {self.loss_chunk}")
+        if self.moe_schedule not in ("auto", "ring", "all_to_all"):
+            raise ValueError(
+                f"moe_schedule={self.moe_schedule!r}: use 'auto', 'ring' or 'all_to_all'"
+            )
 
     def accum_for(self, dtype: torch.dtype) -> torch.dtype:
         """Accumulation dtype for activations of ``dtype`` (never less precise than them)."""

@@ -37,7 +37,6 @@ from .causal_lm import TSPCausalLMLoss, check_inputs
 from .checkpointing import HostStore, enable_layer_checkpointing
 from .families import (
     Family,
-    expert_intermediate_size,
     family_of,
     gate_activation,
     supported_names,
@@ -52,7 +51,7 @@ from .lora import (
     peft_base,
 )
 from .mlp import TSPGatedMLP
-from .moe import TSPSparseMoe, check_moe_block
+from .moe import TSPSparseMoe, check_moe_block, n_experts_of
 from .nf4 import quantize_projections
 from .replicated import TSPEmbedding, TSPLMHead, TSPRMSNorm, replicated_vectors
 from .vocab import TSPVocabEmbedding, TSPVocabLMHead
@@ -300,7 +299,7 @@ def _check_layout(cfg, D: int, moe: bool) -> None:
     check_split(cfg.intermediate_size, D, "intermediate_size", "use a smaller TSP size")
     if moe:
         hint = "use a smaller TSP size"
-        check_split(expert_intermediate_size(cfg), D, "the experts' intermediate size", hint)
+        check_split(n_experts_of(cfg), D, "the number of experts", hint)
         shared = getattr(cfg, "shared_expert_intermediate_size", None)
         if shared:
             check_split(shared, D, "shared_expert_intermediate_size", hint)

@@ -12,9 +12,9 @@ sliding window and the q/k norms' width are read from the modules. ``family_of``
 whose class is not listed but whose parts are where the Llama description says as that structure.
 
 Mixture-of-experts families (``moe``) have layers whose MLP is a sparse block: a router
-(``router``), the experts stored fused (``experts.gate_up_proj [E, 2F, h]``, ``down_proj [E, h,
-F]``) and, in Qwen2-MoE, a shared expert with a sigmoid gate. TSP keeps every expert's gate and
-up slices apart (``hf.moe``) and stacks them again in every Hugging Face-facing tensor.
+(``router``), the experts (``experts.gate_up_proj [E, 2F, h]``, ``down_proj [E, h, F]``; TSP
+gives each rank E/D whole experts: ``hf.moe``) and, in Qwen2-MoE, a shared expert with a sigmoid
+gate.
 """
 
 from __future__ import annotations
@@ -84,20 +84,6 @@ class Family:
         """Whether a layer's MLP module is a mixture-of-experts block."""
         return hasattr(mlp, self.experts)
 
-    @property
-    def stacks(self) -> tuple[tuple[str, tuple[str, ...], int], ...]:
-        """``(Hugging Face suffix, parts' suffixes, dim)`` of every tensor Hugging Face stores
-        stacked and TSP keeps as parts: the fused projections' weights (by rows) and, in MoE
-        families, the experts' ``gate_up_proj`` (gate's then up's slices, along dim 1)."""
-        out = tuple(
-            (f"{fused}.weight", tuple(f"{p}.weight" for p in parts), 0)
-            for fused, parts in self.fused
-        )
-        if self.moe:
-            e = self.experts
-            out += ((f"{e}.gate_up_proj", (f"{e}.gate_proj", f"{e}.up_proj"), 1),)
-        return out
-
     def unfuse(self, layer: nn.Module) -> None:
         """Replace a layer's fused projections by their parts (``nn.Linear`` views of its rows),
         as TSP's modules take them."""
@@ -108,36 +94,37 @@ class Family:
                     continue
                 if linear.bias is not None:
                     raise ValueError(f"a fused {fused} with a bias is not supported")
-                rows = _part_rows(tuple(f"{p}.weight" for p in parts), module.config)
+                rows = _part_rows(parts, module.config)
                 for part, w in zip(parts, linear.weight.split(rows)):
                     piece = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
                     piece.weight = nn.Parameter(w, requires_grad=linear.weight.requires_grad)
                     setattr(module, part, piece)
                 delattr(module, fused)
 
-    def _fused_part(self, name: str) -> tuple[str, int, tuple[str, ...], int] | None:
-        """``(Hugging Face name, part index, parts, dim)`` of a stacked tensor's part."""
-        for stacked, parts, dim in self.stacks:
-            for i, part in enumerate(parts):
-                if name == part or name.endswith(f".{part}"):
-                    return name[: len(name) - len(part)] + stacked, i, parts, dim
+    def _fused_part(self, name: str) -> tuple[str, int, tuple[str, ...]] | None:
+        """``(Hugging Face name, part index, parts)`` of a split projection's parameter."""
+        prefix, _, leaf = name.rpartition(".")
+        module_path, _, proj = prefix.rpartition(".")
+        for fused, parts in self.fused:
+            if proj in parts:
+                return f"{module_path}.{fused}.{leaf}", parts.index(proj), parts
         return None
 
-    def fused_name(self, name: str) -> tuple[str, int, int, int] | None:
-        """``(Hugging Face name, part index, parts, dim)`` of a part of a tensor Hugging Face
-        stacks (``...self_attn.k_proj.weight`` -> ``(...self_attn.qkv_proj.weight, 1, 3, 0)``),
-        else None."""
+    def fused_name(self, name: str) -> tuple[str, int, int] | None:
+        """``(Hugging Face name, part index, parts)`` of a parameter of a split projection
+        (``...self_attn.k_proj.weight`` -> ``(...self_attn.qkv_proj.weight, 1, 3)``), else
+        None."""
         found = self._fused_part(name)
-        return None if found is None else (found[0], found[1], len(found[2]), found[3])
+        return None if found is None else (found[0], found[1], len(found[2]))
 
-    def fused_rows(self, name: str, config) -> tuple[str, int, int] | None:
-        """``(Hugging Face name, first row, dim)`` of a stacked tensor's part ``name`` in the
-        stacked tensor, else None."""
+    def fused_rows(self, name: str, config) -> tuple[str, int] | None:
+        """``(Hugging Face name, first row)`` of a split projection's parameter ``name`` in its
+        fused tensor, else None."""
         found = self._fused_part(name)
         if found is None:
             return None
-        hf_name, i, parts, dim = found
-        return hf_name, sum(_part_rows(parts, config)[:i]), dim
+        hf_name, i, parts = found
+        return hf_name, sum(_part_rows(parts, config)[:i])
 
     def has_projections(self, module: nn.Module, names: tuple[str, ...]) -> bool:
         """Whether ``module`` has the projections ``names``, each itself or in a fused one."""
@@ -237,17 +224,14 @@ def expert_intermediate_size(config) -> int:
 
 
 def _part_rows(parts: tuple[str, ...], config) -> list[int]:
-    """Rows of each part of a stacked tensor (along its stacking dim), from the model's config."""
+    """Rows of each part of a fused projection, from the model's config."""
     d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    F_ = expert_intermediate_size(config)
     rows = {
-        "q_proj.weight": config.num_attention_heads * d,
-        "k_proj.weight": config.num_key_value_heads * d,
-        "v_proj.weight": config.num_key_value_heads * d,
-        "gate_proj.weight": config.intermediate_size,
-        "up_proj.weight": config.intermediate_size,
-        "experts.gate_proj": F_,
-        "experts.up_proj": F_,
+        "q_proj": config.num_attention_heads * d,
+        "k_proj": config.num_key_value_heads * d,
+        "v_proj": config.num_key_value_heads * d,
+        "gate_proj": config.intermediate_size,
+        "up_proj": config.intermediate_size,
     }
     return [rows[p] for p in parts]
 

@@ -1,9 +1,10 @@
 """``TSPSparseMoe``: a Hugging Face mixture-of-experts block (Qwen3-MoE, Qwen2-MoE, Mixtral) with
-slice p of every expert, and the global load-balancing loss.
+E/D whole experts per rank, and the global load-balancing loss.
 
-The expert ring is ``tsp_ext.engine.moe``. The router ``[E, h]`` is replicated (its gradient
-summed over the TSP group) and routes each rank's own tokens as Hugging Face's does; Qwen2-MoE's
-shared expert is a ``TSPGatedMLP`` (its own ring) behind its replicated sigmoid gate.
+The schedules (experts on a ring, or tokens by all-to-all) are ``tsp_ext.engine.moe``. The
+router ``[E, h]`` is replicated (its gradient summed over the TSP group) and routes each rank's
+own tokens as Hugging Face's does; Qwen2-MoE's shared expert is a ``TSPGatedMLP`` (its own ring)
+behind its replicated sigmoid gate.
 ``collect_router_logits`` gathers every MoE layer's logits during a call, from which
 ``load_balancing_loss`` gives Hugging Face's auxiliary loss over the whole TSP group's tokens.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from transformers.utils import ModelOutput
@@ -29,12 +31,12 @@ _collected: list[torch.Tensor] | None = None
 
 
 class TSPExperts(ShardedModule):
-    """Slice p of every expert's intermediate dimension: ``gate_proj, up_proj [E, f_p, h]``,
-    ``down_proj [E, h, f_p]`` (``⌊F/D⌋`` or ``⌈F/D⌉`` of F, the first ``F mod D`` ranks one
-    more). Hugging Face's ``gate_up_proj [E, 2F, h]`` is ``cat(gate_proj, up_proj, dim=1)``
-    (``Family.stacks``)."""
+    """This rank's E_p whole experts, ``gate_up_proj [E_p, 2F, h]`` and ``down_proj [E_p, h,
+    F]`` as Hugging Face stores them (experts ``split_range(E, D, p)``: ``⌊E/D⌋`` or ``⌈E/D⌉``,
+    the first ``E mod D`` ranks one more). ``schedule``: how tokens and experts meet
+    (``engine.moe``: ``"ring"``, ``"all_to_all"`` or ``"auto"``)."""
 
-    shard_dims = {"gate_proj": 1, "up_proj": 1, "down_proj": 2}
+    shard_dims = {"gate_up_proj": 0, "down_proj": 0}
 
     def __init__(
         self,
@@ -50,51 +52,62 @@ class TSPExperts(ShardedModule):
     ) -> None:
         super().__init__()
         D, p = comm.size_and_rank(group)
-        hint = "use a smaller TSP size"
-        check_split(intermediate_size, D, "the experts' intermediate size", hint)
-        self.group, self.options = group, (config or TSPConfig()).engine_options()
+        check_split(n_experts, D, "the number of experts", "use a smaller TSP size")
+        config = config or TSPConfig()
+        self.group, self.options = group, config.engine_options()
+        self.schedule = config.moe_schedule
         self.activation = activation
         self.n_experts, self.hidden_size = n_experts, hidden_size
         self.intermediate_size = intermediate_size
-        self.sizes = split_sizes(intermediate_size, D)
-        f, kw = self.sizes[p], {"dtype": dtype, "device": device}
-        self.gate_proj = nn.Parameter(torch.empty(n_experts, f, hidden_size, **kw))
-        self.up_proj = nn.Parameter(torch.empty(n_experts, f, hidden_size, **kw))
-        self.down_proj = nn.Parameter(torch.empty(n_experts, hidden_size, f, **kw))
+        self.first = split_range(n_experts, D, p).start
+        E, F_, kw = (
+            split_sizes(n_experts, D)[p],
+            intermediate_size,
+            {"dtype": dtype, "device": device},
+        )
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * F_, hidden_size, **kw))
+        self.down_proj = nn.Parameter(torch.empty(E, hidden_size, F_, **kw))
 
     @classmethod
     def from_hf(cls, experts: nn.Module, group, config: TSPConfig | None, activation: str):
-        """This rank's slices of a Hugging Face experts module (``gate_up_proj [E, 2F, h]``,
+        """This rank's experts of a Hugging Face experts module (``gate_up_proj [E, 2F, h]``,
         ``down_proj [E, h, F]``)."""
-        gate_up, down = experts.gate_up_proj, experts.down_proj
+        gate_up = experts.gate_up_proj
         E, F2, h = gate_up.shape
         kw = {"activation": activation, "dtype": gate_up.dtype, "device": gate_up.device}
         mod = cls(E, h, F2 // 2, group, config, **kw)
-        gate, up = gate_up.chunk(2, dim=1)
         with torch.no_grad():
-            for name, full in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
-                mod.get_parameter(name).copy_(mod.local_slice(name, full))
-        for p in mod.parameters():
-            p.requires_grad_(gate_up.requires_grad)
+            for name, param in mod.named_parameters():
+                param.copy_(mod.local_slice(name, getattr(experts, name)))
+                param.requires_grad_(gate_up.requires_grad)
         return mod
 
     def index_of(self, name: str, rank: int) -> tuple[slice, ...]:
-        rows = split_range(self.intermediate_size, len(self.sizes), rank)
-        return (slice(None),) * self.shard_dims[name] + (rows,)
+        return (split_range(self.n_experts, dist.get_world_size(self.group), rank),)
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """``x [B, S/D, h]`` with each token's experts ``index`` and weights ``weight [B·S/D,
         k]`` -> ``[B, S/D, h]``."""
-        w = (self.gate_proj, self.up_proj, self.down_proj)
         return tsp_experts(
-            x, index, weight, *w, self.group, self.options, self.sizes, self.activation
+            x,
+            index,
+            weight,
+            self.gate_up_proj,
+            self.down_proj,
+            self.group,
+            self.options,
+            self.n_experts,
+            self.activation,
+            self.schedule,
         )
 
     @torch.no_grad()
     def decode(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         acc = self.options.accum_for(x.dtype)
-        w = (self.gate_proj, self.up_proj, self.down_proj)
-        return decode_experts(x, index, weight, *w, self.group, acc, self.activation)
+        w = (self.gate_up_proj, self.down_proj)
+        return decode_experts(
+            x, index, weight, *w, self.first, self.n_experts, self.group, acc, self.activation
+        )
 
 
 class TSPSparseMoe(nn.Module):
