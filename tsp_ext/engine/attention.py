@@ -79,6 +79,7 @@ class _Schedule:
         self.drop = SeededDropout(self.lora.dropout, None)
         self.trainable: frozenset[str] = frozenset()
         self.merged = False  # adapters merged into the travelling shards (``set_adapters``)
+        self.premerged = False  # ... by their owner, before they travel
         self.a_stack = self.b_out = None
         self.D, self.p = comm.size_and_rank(group)
         self.layout = ZigzagLayout.from_local(x.shape[1], self.D)
@@ -94,21 +95,45 @@ class _Schedule:
             options.attn_backend, x.device, x.dtype, options.attn_block, spec.head_dim, repeating
         )
 
-    def set_adapters(self, drop: SeededDropout, lora_a: list, b_out) -> None:
+    def set_adapters(self, drop: SeededDropout, lora_a: list, b_out, packed: bool) -> None:
         """This call's dropout and whether the adapters are merged into each group's shards
-        (without active dropout: ``engine.lora``)."""
+        (without active dropout: ``engine.lora``): by each shard's owner before it travels
+        (``merged_own``), or, when the base travels NF4-``packed``, by every receiver."""
         self.drop, self.b_out = drop, b_out
         self.merged = not drop.active
+        self.premerged = self.merged and not packed
         if self.merged and lora_a:
             self.a_stack = scaled_stack(lora_a, self.lora)
 
+    def merged_own(self, own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's shards as they travel: with ``premerged`` adapters, ``W + B·(s·A)`` for
+        the adapted q/k/v and ``Wo + s·B_o·Ao`` for o (new tensors; once per pass here instead
+        of once per group on every rank), else ``own`` itself."""
+        if not self.premerged:
+            return own
+        out = dict(own)
+        ranks = [own[f"l{n}"].shape[1] for n in self.lora.inputs]
+        a_scaled = self.a_stack.split(ranks) if ranks else ()
+        for n, a in zip(self.lora.inputs, a_scaled):
+            w = own[f"w{n}"]
+            out[f"w{n}"] = torch.addmm(w, own[f"l{n}"].to(w.dtype), a.to(w.dtype))
+        if "lo" in own:
+            wo = own["wo"]
+            out["wo"] = torch.addmm(
+                wo, self.b_out.to(wo.dtype), own["lo"].to(wo.dtype), alpha=self.lora.output
+            )
+        return out
+
     def stacked(self, w: dict[str, torch.Tensor]):
-        """``stacked_weights`` of group shards ``w``, merged with the q/k/v adapters if so."""
-        return stacked_weights(w, self.spec.head_dim, self.a_stack)
+        """``stacked_weights`` of group shards ``w``, merged with the q/k/v adapters if so (and
+        not done by their owner)."""
+        late = self.merged and not self.premerged
+        return stacked_weights(w, self.spec.head_dim, self.a_stack if late else None)
 
     def out_weight(self, w: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Group's o shard, merged with o's adapter (``Wo_r + s·B_o·Ao_r``) if so."""
-        if not self.merged or "lo" not in w:
+        """Group's o shard, merged with o's adapter (``Wo_r + s·B_o·Ao_r``) if so (and not done
+        by its owner)."""
+        if not self.merged or self.premerged or "lo" not in w:
             return w["wo"]
         wo = w["wo"]
         return torch.addmm(
@@ -155,9 +180,10 @@ class _Schedule:
 
         def post(r: int):
             posted = []
+            sending = self.merged_own(own) if r == self.p else None
             for names, shape in zip(parts, shapes[r]):
-                if r == self.p:
-                    buf = comm.pack([own[n] for n in names])
+                if sending is not None:
+                    buf = comm.pack([sending[n] for n in names])
                 else:
                     buf = own[names[0]].new_empty(sum(s.numel() for s in shape))
                 posted.append((buf, comm.broadcast(buf, r, self.group, async_op=True)))
@@ -670,7 +696,8 @@ class _TSPAttentionFunction(torch.autograd.Function):
         keep = any(ctx.needs_input_grad)
         needs = ctx.needs_input_grad[11 + n_lora :]
         sched.trainable = frozenset(n for n, need in zip(names, needs) if need)
-        sched.set_adapters(SeededDropout.for_call(sched.lora.dropout), lora_a, b_out)
+        packed = any(t.dtype == torch.uint8 for t in weights)  # NF4 bytes (QLoRA's base)
+        sched.set_adapters(SeededDropout.for_call(sched.lora.dropout), lora_a, b_out, packed)
         phases = rope_phases(cos, sin, x.dtype)
         rms = None if rq is None else (rq, rk)
         y, a_all, lse_all = tsp_attention_forward(

@@ -13,12 +13,13 @@ A LoRA projection is ``y = x·Wᵀ + s·(drop(x)·Aᵀ)·Bᵀ`` (``A [r, in]``, 
   ``Z [T, r]``, and ``s·Z·Bᵀ`` joins the output. Backward: ``dZ = s·dY·B`` is known before the
   groups / steps, which rebuild ``Z`` on the way for ``dB = s·dYᵀ·Z``.
 
-Without active dropout (p = 0, or evaluation) each travelling shard is merged with its adapter
-just before use, ``W_r + s·B_r·A`` (q/k/v, gate/up) or ``W_r + s·B·A_r`` (o, down): a GEMM of
-inner size r over the weight instead of passes over the activations, and the schedules then run
-as for a plain model (``dX`` through the merged weight includes the adapter's); ``U`` and ``Z``
-are only rebuilt in backward, for the adapters' gradients. With dropout the adapter input
-differs from the base's, so the terms are added separately as above.
+Without active dropout (p = 0, or evaluation) each shard is merged with its adapter by its owner
+before it travels, ``W_p + s·B_p·A`` (q/k/v, gate/up) or ``W_p + s·B·A_p`` (o, down): a GEMM of
+inner size r over the rank's own weights once per pass (an NF4-packed base is merged by every
+receiver instead, after dequantizing), and the schedules then run as for a plain model (``dX``
+through the merged weight includes the adapter's; the forward's MLP ring carries no adapter
+pieces); ``U`` and ``Z`` are only rebuilt in backward, for the adapters' gradients. With dropout
+the adapter input differs from the base's, so the terms are added separately as above.
 
 Nothing of the adapters is saved for backward: ``U`` and ``Z`` are rebuilt, and dropout masks are
 drawn again from a per-call seed and a key (projection, group, tile). A LoRA step saves exactly

@@ -112,16 +112,16 @@ class _Shard:
         self.f = dn.shape[1]
         self.gu_use, self.dn_use = gu, dn
 
-    def merge(self, a_stack, b_out, s_out) -> None:
-        """``[G; U] + B_in · a_stack`` and ``Dn + s·B_out · A_out`` (new tensors: the ring
-        buffers travel on)."""
+    def merge(self, a_stack, b_out, s_out, in_place: bool = False) -> None:
+        """``[G; U] + B_in · a_stack`` and ``Dn + s·B_out · A_out``: new tensors (the ring
+        buffers travel on), or, ``in_place``, over ``gu`` and ``dn`` (the owner's copy, before
+        it travels)."""
         if self.b_in is not None:
-            self.gu_use = torch.addmm(
-                self.gu, self.b_in.to(self.gu.dtype), a_stack.to(self.gu.dtype)
-            )
+            b_in, a = self.b_in.to(self.gu.dtype), a_stack.to(self.gu.dtype)
+            self.gu_use = (self.gu.addmm_ if in_place else self.gu.addmm)(b_in, a)
         if self.a_out is not None:
-            dn, a_out = self.dn, self.a_out.to(self.dn.dtype)
-            self.dn_use = torch.addmm(dn, b_out.to(dn.dtype), a_out, alpha=s_out)
+            b_out, a_out = b_out.to(self.dn.dtype), self.a_out.to(self.dn.dtype)
+            self.dn_use = (self.dn.addmm_ if in_place else self.dn.addmm)(b_out, a_out, alpha=s_out)
 
 
 def _accumulate(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, add: bool) -> None:
@@ -285,18 +285,25 @@ class _RingSchedule:
         r_in, r_out = (sum(self.r_in), self.r_out) if lora else (0, 0)
         return _GradLayout(flat, f, self.h, self.base_trainable, r_in, r_out)
 
-    def shards(self, weights, adapters):
+    def shards(self, weights, adapters, backward: bool):
         """Yield ``(t, _Shard)`` of owner q = p - t, views of the ring buffers; the next one
         arrives while the caller works. ``adapters = ([B_gate, B_up], A_down)`` (entries None
-        without an adapter): they travel a second ring, in their own dtype."""
+        without an adapter): they travel a second ring, in their own dtype, where they are read:
+        in ``backward``, or to be merged on arrival. Merged adapters (``set_adapters``) are
+        merged into the owner's shard before it travels, once per pass instead of once per step
+        on every rank, unless the shard travels NF4-packed: then each step merges on arrival."""
         packed = comm.pack(weights, numel=self.numel)  # a copy: it may serve as a receive buffer
+        f_p = self.sizes[self.p]
+        b_in, a_out = adapters
+        own_b_in = block_diagonal(b_in, [f_p, f_p])
+        premerged = self.merged and not self.packed
+        if premerged and self.has_lora:
+            own = _Shard(self.p, *self.base_views(packed, f_p), own_b_in, a_out)
+            own.merge(self.a_stack, self.b_out, self.lora.output, in_place=True)
         base = circulate(self.ring, packed, self.options.overlap, reuse=True)
         lora = None
-        if self.has_lora:
-            f_p = self.sizes[self.p]
-            b_in, a_out = adapters
-            pieces = [block_diagonal(b_in, [f_p, f_p]), a_out]
-            pieces = [t for t in pieces if t is not None]
+        if self.has_lora and (backward or not premerged):
+            pieces = [t for t in (own_b_in, a_out) if t is not None]
             numel = self.lora_numel(max(self.sizes))
             lora = circulate(self.ring, comm.pack(pieces, numel=numel), self.options.overlap, True)
         for t, cur in base:
@@ -312,7 +319,7 @@ class _RingSchedule:
                 if self.r_out:
                     a_out = extra[2 * f * r_in : self.lora_numel(f)].view(self.r_out, f)
             shard = _Shard(q, gu, dn, b_in, a_out)
-            if self.merged:
+            if self.merged and not premerged:
                 shard.merge(self.a_stack, self.b_out, self.lora.output)
             yield t, shard
 
@@ -332,7 +339,7 @@ def tsp_mlp_forward(
         z = x2.new_zeros(x2.shape[0], sched.r_out, dtype=sched.acc) if sched.r_out else None
     hidden = [] if keep_hidden else None
     work = sched.workspace(x)
-    for _, shard in sched.shards(weights, adapters):
+    for _, shard in sched.shards(weights, adapters, backward=False):
         f = shard.f
         if keep_hidden:
             hidden.append(_pre_activations(x2, shard, None, u))
@@ -376,7 +383,7 @@ def tsp_mlp_backward(
     work = sched.workspace(x)
     tiles = sched.tiles()
     numel = sched.grad_numel()
-    for t, shard in sched.shards(weights, adapters):
+    for t, shard in sched.shards(weights, adapters, backward=True):
         share = torch.empty(numel, dtype=sched.acc, device=x.device)
         layout = sched.grad_layout(share, shard.f)
         share[layout.used :].zero_()  # a smaller shard's padding travels (and is summed) too
