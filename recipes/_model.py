@@ -13,7 +13,7 @@ from _data import train_tokenizer
 from _gguf import cached_checkpoint, convert, gguf_file
 from _presets import PRESETS
 from accelerate import Accelerator
-from transformers import AutoConfig, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from tsp_ext import TSPConfig, apply_tsp, load_pretrained
 
@@ -70,13 +70,17 @@ def build_tokenizer(args, texts: list[str], acc: Accelerator):
     return AutoTokenizer.from_pretrained(path)
 
 
-def preset_model(args, vocab: int) -> LlamaForCausalLM:
+def preset_model(args, vocab: int):
     """A randomly initialised ``--model`` preset, the same weights on every rank (``--seed``)."""
-    cfg = LlamaConfig(
-        **PRESETS[args.model], vocab_size=vocab, max_position_embeddings=max(args.seq_len, 4096)
+    fields = dict(PRESETS[args.model])
+    model_type = fields.pop("model_type", "llama")
+    length = max(args.seq_len, 4096)
+    cfg = AutoConfig.for_model(
+        model_type, **fields, vocab_size=vocab, max_position_embeddings=length
     )
     torch.manual_seed(args.seed)
-    return LlamaForCausalLM(cfg).to(torch.bfloat16 if args.bf16 else torch.float32)
+    model = AutoModelForCausalLM.from_config(cfg)
+    return model.to(torch.bfloat16 if args.bf16 else torch.float32)
 
 
 def pretrained_model(args, vocab: int, mesh, config: TSPConfig, device=None):

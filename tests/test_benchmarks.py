@@ -295,3 +295,26 @@ def test_window_rows_measure_less_kv_traffic_than_the_all_gather():
     assert gather["kv_bytes_bwd"] == 2 * gather["kv_bytes_fwd"]
     assert (window["kv_tokens_held"], gather["kv_tokens_held"]) == (39, 64)
     assert markdown_table(rows).count("\n| 2 |") == 2
+
+
+def test_moe_rows_hold_e_over_d_experts_and_move_what_each_schedule_plans():
+    """``benchmarks.moe`` at D = 2 on a small block: each rank holds half the experts; the ring
+    receives the other rank's experts forward and experts plus gradients backward; the
+    all-to-all receives its experts' assignment counts and rows of h floats; both save the same
+    bytes, less than one process's."""
+    from benchmarks.moe import bench, markdown_table
+
+    model = dict(hidden_size=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    one, ring, a2a = bench(model, seq=64, sizes=[2], steps=1)
+    assert (one["schedule"], ring["schedule"], a2a["schedule"]) == (
+        "1 process",
+        "ring",
+        "all_to_all",
+    )
+    experts = 4 * 3 * 16 * 32 * 4  # bytes, float32
+    assert one["experts"] == experts and ring["experts"] == a2a["experts"] == experts // 2
+    assert ring["recv_fwd"] == experts // 2  # the other rank's two experts
+    counts = 2 * 8  # the other rank's assignment counts for my two experts (int64)
+    assert (a2a["recv_fwd"] - counts) % (32 * 4) == 0 and a2a["recv_fwd"] > counts
+    assert ring["saved"] == a2a["saved"] < one["saved"]
+    assert markdown_table([one, ring, a2a]).count("\n| 2 |") == 2

@@ -309,3 +309,23 @@ def test_window_table_is_its_json_and_the_bytes_follow_from_the_exchange():
         keys = [ex.moved_rows(p) if r["mode"] == "window" else (D - 1) * S // D for p in range(D)]
         per_key = sum(2 * spec.n_kv(g) * spec.head_dim * 4 for g in range(D))  # every group
         assert r["kv_bytes_fwd"] == max(keys) * per_key, r
+
+
+def test_moe_tables_are_their_json_and_the_expert_bytes_are_e_over_d():
+    """docs/moe.md's tables are ``benchmarks.moe``'s of its JSON files; every row's experts are
+    E/D of the model's (float32), and the crossover line is the planner's count."""
+    from benchmarks.moe import crossover_table, markdown_table
+    from tsp_ext.engine.moe import traffic
+
+    doc = (ROOT / "docs" / "moe.md").read_text()
+    result = json.loads((RESULTS / "moe_cpu.json").read_text())
+    assert markdown_table(result["rows"]) in doc
+    m = result["model"]
+    E, F, h = m["num_experts"], m["moe_intermediate_size"], m["hidden_size"]
+    for r in result["rows"]:
+        assert r["experts"] == 3 * E * F * h * 4 // r["D"], r
+    cross = json.loads((RESULTS / "moe_crossover_cpu.json").read_text())["crossover"]
+    for c in cross:
+        assert crossover_table(c) in doc
+        per_token = traffic(1, m["num_experts_per_tok"], E, F, h, c["D"])
+        assert c["planned"] == per_token["ring"] / per_token["all_to_all"]

@@ -152,15 +152,23 @@ def _reduce_scatter_by_all_to_all(x: torch.Tensor, group: ProcessGroup, async_op
 
 
 def all_to_all(
-    x: torch.Tensor, send_counts: list[int], recv_counts: list[int], group: ProcessGroup
-) -> torch.Tensor:
+    x: torch.Tensor,
+    send_counts: list[int],
+    recv_counts: list[int],
+    group: ProcessGroup,
+    async_op: bool = False,
+):
     """Rows ``x[sum(send_counts[:q]) : ...]`` go to rank q; returns ``[sum(recv_counts), ...]``
-    with rank r's rows at ``sum(recv_counts[:r])`` (uneven splits along dim 0)."""
+    with rank r's rows at ``sum(recv_counts[:r])`` (uneven splits along dim 0); with
+    ``async_op``, ``(out, handle)``: ``out`` is valid once ``handle.wait()`` returns."""
     if dist.get_world_size(group) == 1:
-        return x.clone()
+        out = x.clone()
+        return (out, Pending([])) if async_op else out
     out = x.new_empty((sum(recv_counts), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=group)
-    return out
+    work = dist.all_to_all_single(
+        out, x.contiguous(), recv_counts, send_counts, group=group, async_op=async_op
+    )
+    return (out, Pending([work])) if async_op else out
 
 
 class Ring:

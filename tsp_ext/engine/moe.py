@@ -74,10 +74,10 @@ class Routing:
         self.groups = _groups(self.counts)
 
 
-def _groups(counts: list[int], first: int = 0) -> list[tuple[int, slice]]:
-    """``(first + i, rows)`` of each non-empty run of ``counts`` laid end to end."""
+def _groups(counts: list[int]) -> list[tuple[int, slice]]:
+    """``(i, rows)`` of each non-empty run of ``counts`` laid end to end."""
     starts = [sum(counts[:i]) for i in range(len(counts))]
-    return [(first + i, slice(s, s + c)) for i, (s, c) in enumerate(zip(starts, counts)) if c]
+    return [(i, slice(s, s + c)) for i, (s, c) in enumerate(zip(starts, counts)) if c]
 
 
 def _ffn(x: torch.Tensor, gu: torch.Tensor, dn: torch.Tensor, kind: str, acc) -> torch.Tensor:
@@ -141,18 +141,50 @@ class _Experts:
 
     # --- all-to-all: the tokens travel ---
 
-    def exchange(self, routing: Routing):
-        """Split sizes of the dispatch: rows this rank sends to each owner, rows it receives
-        from each rank, and ``(local expert, rows)`` of the received rows grouped by expert
-        (``order``: the received rows' permutation into that grouping)."""
+    def exchange(self, routing: Routing) -> _Exchange:
+        """The dispatch of this call's assignments (rows sorted by expert, hence by owner)."""
         send = [sum(routing.counts[f : f + n]) for f, n in zip(self.first, self.sizes)]
         counts = torch.tensor(routing.counts, dtype=torch.long)
         got = comm.all_to_all(counts, self.sizes, [self.sizes[self.p]] * self.D, self.group)
-        got = got.view(self.D, self.sizes[self.p])  # [source, my expert]
-        recv = got.sum(dim=1).tolist()
-        expert = torch.arange(self.sizes[self.p]).repeat(self.D).repeat_interleave(got.flatten())
-        order = torch.argsort(expert, stable=True)
-        return send, recv, order, _groups(got.sum(dim=0).tolist())
+        return _Exchange(send, got.view(self.D, self.sizes[self.p]).tolist(), self.p, self.group)
+
+
+class _Exchange:
+    """One all-to-all dispatch: ``send [D]`` rows to each owner and ``got [D][E_p]`` rows of
+    each source for each of this rank's experts. Received rows come by source, and within a
+    source by expert, so each ``(source, expert)`` pair is one block (``blocks``); this rank's
+    own rows never wait for the network (``local``: their offset in the send buffer)."""
+
+    def __init__(self, send: list[int], got: list[list[int]], p: int, group) -> None:
+        self.send, self.recv, self.p, self.group = send, [sum(g) for g in got], p, group
+        self.blocks, start = [], 0
+        for r, counts in enumerate(got):
+            for i, c in enumerate(counts):
+                if c:
+                    self.blocks.append((r, i, slice(start, start + c)))
+                start += c
+        self.local = sum(send[:p]) - sum(self.recv[:p])  # send offset minus receive offset
+
+    def post(self, t: torch.Tensor) -> tuple[torch.Tensor, comm.Pending]:
+        """Send rows ``t`` (in send order) to their owners, asynchronously."""
+        return comm.all_to_all(t, self.send, self.recv, self.group, async_op=True)
+
+    def back(self, t: torch.Tensor) -> torch.Tensor:
+        """Return rows ``t`` (in receive order) to where they came from."""
+        return comm.all_to_all(t, self.recv, self.send, self.group)
+
+    def in_order(self):
+        """``(expert, rows, own)``: this rank's own blocks first (``own``: ``rows`` shifted
+        into the send buffer), then the received ones; in between one ``(None, None, None)``,
+        where the caller waits for the transfer."""
+        shift = self.local
+        for r, i, rows in self.blocks:
+            if r == self.p:
+                yield i, rows, slice(rows.start + shift, rows.stop + shift)
+        yield None, None, None
+        for r, i, rows in self.blocks:
+            if r != self.p:
+                yield i, rows, None
 
 
 def _ring_forward(lay: _Experts, x2, gate_up, down, routing, scale):
@@ -190,36 +222,39 @@ def _ring_backward(lay: _Experts, dy2, x2, gate_up, down, routing, scale, weight
 
 
 def _all_to_all_forward(lay: _Experts, x2, gate_up, down, routing, scale):
-    send, recv, order, groups = lay.exchange(routing)
-    rows = comm.all_to_all(x2.index_select(0, routing.tokens), send, recv, lay.group)[order]
+    ex = lay.exchange(routing)
+    sent = x2.index_select(0, routing.tokens)
+    rows, arriving = ex.post(sent)
     out = torch.empty(rows.shape, dtype=lay.acc, device=x2.device)
-    for i, r in groups:
-        out[r] = _ffn(rows[r], gate_up[i], down[i], lay.kind, lay.acc)
-    back = torch.empty_like(out)
-    back[order] = out
-    back = comm.all_to_all(back, recv, send, lay.group)
+    for i, r, own in ex.in_order():
+        if i is None:
+            arriving.wait()
+            continue
+        src = sent[own] if own is not None else rows[r]
+        out[r] = _ffn(src, gate_up[i], down[i], lay.kind, lay.acc)
     y = torch.zeros(x2.shape, dtype=lay.acc, device=x2.device)
-    return y.index_add_(0, routing.tokens, back.mul_(scale[:, None]))
+    return y.index_add_(0, routing.tokens, ex.back(out).mul_(scale[:, None]))
 
 
 def _all_to_all_backward(lay: _Experts, dy2, x2, gate_up, down, routing, scale, weight_grads):
-    send, recv, order, groups = lay.exchange(routing)
-    h = lay.h
-    rows = torch.cat([x2.index_select(0, routing.tokens), dy2.index_select(0, routing.tokens)], 1)
-    rows = comm.all_to_all(rows, send, recv, lay.group)[order]
-    w = comm.all_to_all(scale, send, recv, lay.group)[order]
+    ex, h = lay.exchange(routing), lay.h
+    sent = [t.index_select(0, routing.tokens) for t in (x2, dy2)] + [scale]
+    posted = [ex.post(t) for t in sent]
     grads = None
     if weight_grads:
         grads = (torch.zeros_like(gate_up, dtype=lay.acc), torch.zeros_like(down, dtype=lay.acc))
-    out = torch.empty(rows.shape[0], h + 1, dtype=lay.acc, device=x2.device)  # [dX | dw]
-    for i, r in groups:
+    out = torch.empty(posted[0][0].shape[0], h + 1, dtype=lay.acc, device=x2.device)  # [dX|dw]
+    for i, r, own in ex.in_order():
+        if i is None:
+            for _, arriving in posted:
+                arriving.wait()
+            continue
+        x, dy, w = (t[own] for t in sent) if own is not None else (t[r] for t, _ in posted)
         mine = None if grads is None else (grads[0][i], grads[1][i])
         out[r, :h], out[r, h] = _ffn_backward(
-            rows[r, :h], rows[r, h:], w[r], gate_up[i], down[i], lay.kind, lay.acc, mine
+            x, dy, w, gate_up[i], down[i], lay.kind, lay.acc, mine
         )
-    back = torch.empty_like(out)
-    back[order] = out
-    back = comm.all_to_all(back, recv, send, lay.group)
+    back = ex.back(out)
     dx = torch.zeros(x2.shape, dtype=lay.acc, device=x2.device)
     dx.index_add_(0, routing.tokens, back[:, :h])
     return dx, back[:, h].contiguous(), grads
