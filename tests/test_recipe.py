@@ -361,3 +361,32 @@ def test_lora_recipe_trains_resumes_at_another_tsp_size_and_exports(workers, tmp
         with torch.no_grad():
             loss = sum(model(input_ids=b[None], labels=b[None]).loss.item() for b in blocks) / 2
         assert abs(loss - recipe_eval) < 1e-4 * recipe_eval, (loss, recipe_eval)
+
+
+def test_moe_preset_trains_with_fsdp2_over_dp_and_exports(workers, tmp):
+    """``--model tiny-qwen3-moe`` on 4 ranks, tsp = 2 x dp = 2 with FSDP2 over dp (each rank
+    E/D experts, FSDP-sharded again): it learns in 4 steps, and ``final`` loads in one plain
+    process with the run's eval loss (the experts streamed in Hugging Face's layout)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = os.path.join(tmp, "moe")
+    run = run_on(
+        workers, *TINY, "--model", "tiny-qwen3-moe", "--dp-engine", "fsdp2", "--lr", "3e-3",
+        "--output-dir", out, processes=4,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:]
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["loss"] < rows[0]["loss"]
+    with open(os.path.join(out, "final_eval.json")) as f:
+        recipe_eval = json.load(f)["eval_loss"]
+    final = os.path.join(out, "final")
+    model = AutoModelForCausalLM.from_pretrained(final, experts_implementation="eager").eval()
+    assert type(model).__name__ == "Qwen3MoeForCausalLM"
+    tok = AutoTokenizer.from_pretrained(final)
+    sys.path.insert(0, os.path.join(ROOT, "recipes"))
+    from _data import load_texts, pack
+
+    blocks = pack(load_texts(DATASET, "text"), tok, 512)[-2:]
+    with torch.no_grad():
+        loss = sum(model(input_ids=b[None], labels=b[None]).loss.item() for b in blocks) / 2
+    assert abs(loss - recipe_eval) < 1e-4 * recipe_eval, (loss, recipe_eval)
