@@ -101,7 +101,7 @@ def _worker(rank, world, model, tokens, schedules, steps, single):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1, S, model["hidden_size"], generator=g)
     runs = {}
-    if single:
+    if single and rank == 0:  # all S tokens in one process, while the other ranks wait
         runs["1 process"] = (hf, x.clone().requires_grad_())
     xl = ZigzagLayout(S, world).shard(x, rank).requires_grad_()
     for schedule in schedules:
@@ -124,10 +124,13 @@ def bench(model: dict, seq: int, sizes, steps: int) -> list[dict]:
     """Rows of the table: one process, then ring and all-to-all at each D in ``sizes``."""
     from tsp_ext.testing.launch import run_processes
 
-    single = _merge(run_processes(_worker, 1, model, seq, (), steps, True), "1 process")
-    rows = [{"D": 1, "schedule": "1 process", "seq_len": seq, **single, "vs_1_process": 1.0}]
-    for D in sizes:
-        per_rank = run_processes(_worker, D, model, seq // D, SCHEDULES, steps, False)
+    rows, single = [], None
+    for D in sizes:  # the first size's rank 0 also times the single process
+        per_rank = run_processes(_worker, D, model, seq // D, SCHEDULES, steps, single is None)
+        if single is None:
+            single = _merge(per_rank, "1 process")
+            rows.append({"D": 1, "schedule": "1 process", "seq_len": seq, **single})
+            rows[0]["vs_1_process"] = 1.0
         for schedule in SCHEDULES:
             row = _merge(per_rank, schedule)
             ratio = row["step_s"] / single["step_s"]

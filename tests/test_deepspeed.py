@@ -242,6 +242,7 @@ def test_tsp_block_takes_every_config_field():
         "checkpoint_layers": True,
         "offload_checkpoints": True,
         "quantize_base": "nf4",
+        "moe_schedule": "ring",
     }
     expected = TSPConfig(
         tsp_size=4,
@@ -257,6 +258,7 @@ def test_tsp_block_takes_every_config_field():
         checkpoint_layers=True,
         offload_checkpoints=True,
         quantize_base="nf4",
+        moe_schedule="ring",
     )
     assert tsp_config_from_ds({"tsp": block}) == expected
     assert {f.name for f in dataclasses.fields(TSPConfig)} == set(block) - {"size"} | {"tsp_size"}

@@ -306,8 +306,8 @@ class _ExpertsFunction(torch.autograd.Function):
 
 class _RouterLogits(torch.autograd.Function):
     """``x·Wᵀ`` ``[n, E]`` of ``x [B, T, h]``, saving x as its RMSNorm's input when it is a
-    norm's output (``pointwise.to_save``): the router adds no ``[B, T, h]`` tensor to what a
-    layer saves."""
+    norm's output (``pointwise.to_save``): the router (and Qwen2-MoE's shared-expert gate)
+    adds no ``[B, T, h]`` tensor to what a layer saves."""
 
     @staticmethod
     def forward(ctx, x, weight):

@@ -175,14 +175,16 @@ class TSPSparseMoe(nn.Module):
         return y
 
     def _shared_gate(self, x: torch.Tensor) -> torch.Tensor:
-        """Qwen2-MoE's ``sigmoid(x · w)`` ``[B, S/D, 1]`` (``w [1, h]`` replicated)."""
+        """Qwen2-MoE's ``sigmoid(x · w)`` ``[B, S/D, 1]`` (``w [1, h]`` replicated; x kept as
+        its norm's input, as the router keeps it)."""
         w = comm.replicated(self.shared_expert_gate.weight, self.group)
-        return torch.sigmoid(F.linear(x, w))
+        return torch.sigmoid(router_logits(x, w)).view(*x.shape[:-1], 1)
 
     @torch.no_grad()
     def decode(self, x: torch.Tensor) -> torch.Tensor:
         """Inference: the block on tokens ``x [B, Tq, h]`` that every rank holds (a decode
-        step), each rank with its slices; the same on every rank."""
+        step), each rank with its experts (and its slice of the shared expert); the same on
+        every rank."""
         weight, index = self.route(F.linear(x.reshape(-1, x.shape[-1]), self.gate.weight))
         y = self.experts.decode(x, index, weight)
         if self.shared_expert is not None:
