@@ -15,9 +15,9 @@ import torch.distributed as dist
 from checks import error_message, rel_err
 from models import MOE_FAMILIES, batch, build, lm_loss
 from test_generate import greedy_case
-from transformers import AutoModelForCausalLM, Qwen3MoeConfig
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+from transformers import AutoModelForCausalLM
 
+from benchmarks.moe import hf_block
 from tsp_ext import (
     TSPConfig,
     ZigzagLayout,
@@ -79,15 +79,9 @@ def expert_bytes(model) -> int:
 def memory_case(rank, world):
     """Saved bytes of one Qwen3-MoE block (8 experts, top-2) on 240 tokens: Hugging Face's
     block in one process, TSP's on this rank's S/D tokens; and the shapes TSP saved."""
-    cfg = Qwen3MoeConfig(
-        hidden_size=48, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=40
+    hf = hf_block(
+        dict(hidden_size=48, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=40)
     )
-    cfg._experts_implementation = "eager"
-    torch.manual_seed(0)
-    hf = Qwen3MoeSparseMoeBlock(cfg)
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.normal_(0, 0.5)
     x = torch.randn(1, 240, 48)
     out = {}
     if world == 1:
