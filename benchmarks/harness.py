@@ -61,6 +61,11 @@ def build_model(
     model_cfg: dict, dtype: torch.dtype, seq_len: int, seed: int = 0
 ) -> LlamaForCausalLM:
     """The benchmark Llama from its config: the same weights on every rank (fixed seed)."""
+    if "model_type" in model_cfg and model_cfg["model_type"] not in ("llama", "qwen3"):
+        raise ValueError(
+            f"the benchmark harness builds dense Llama-family models, not {model_cfg['model_type']}"
+            " (mixture of experts: python -m benchmarks.moe)"
+        )
     cfg = LlamaConfig(
         **{**DEFAULT_MODEL, **model_cfg},
         max_position_embeddings=seq_len,

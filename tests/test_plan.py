@@ -254,3 +254,30 @@ def test_step_time_model_calibrates_within_25_percent_of_measured():
     # the harness's CPU runs: one core each at D = 2, four ranks sharing two cores at D = 4
     fit = calibrate(runs, planner.Cluster(peak_tflops=0.1), cores=2)
     assert fit.worst_error < 0.25, [(r.kind, r.tp, r.sp, r.seq_len, e) for r, e in fit.errors]
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "mixtral-8x7b"])
+def test_moe_presets_count_the_hf_models_parameters_and_pick_the_schedule(name):
+    """A MoE preset's parameters are the Hugging Face model's (built on the meta device from
+    its config keys); TSP's per-layer traffic runs the ring or the all-to-all as
+    ``engine.moe.schedule_for`` picks for the tokens a rank holds."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tsp_ext.engine.moe import schedule_for
+    from tsp_ext.planner.comm import tsp_comm
+
+    shape = planner.PRESETS[name]
+    kwargs = shape.hf_config_kwargs()
+    config = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(config)
+    assert shape.params == sum(p.numel() for p in hf.parameters())
+    lay = planner.Layout("tsp", 8, 8, 1)
+    for seq in (8192, 1 << 20):
+        w = planner.Workload(seq_len=seq)
+        n, k, E, F = seq // 8, shape.experts_per_token, shape.num_experts, shape.intermediate_size
+        picked = schedule_for("auto", n, k, E, F, shape.hidden_size, 8)
+        names = [t.name for t in tsp_comm(shape, w, planner.Cluster(), lay)[0]]
+        assert ("all-to-all MoE token rows" in names) == (picked == "all_to_all"), (seq, names)
+        assert ("ring MLP weights (fwd+bwd)" in names) == (picked == "ring"), (seq, names)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..engine.moe import schedule_for, traffic
 from .inputs import Cluster, Layout, Transfer, Workload
 from .memory import _tsp_seq
 from .shapes import (
@@ -13,6 +14,7 @@ from .shapes import (
     _tsp_heads,
     _tsp_shard_params,
     _vocab_params,
+    tsp_mlp_columns,
 )
 
 
@@ -20,24 +22,41 @@ def tsp_comm(m: ModelShape, w: Workload, c: Cluster, lay: Layout) -> tuple[list,
     """Per-layer and per-step transfers of TSP: weights broadcast (attention) and ringed (MLP)
     in forward and again in backward, weight gradients reduced to owners, K/V all-gathered and
     dK/dV reduce-scattered; embedding rows exchanged and LM-head shards ringed (shard_vocab)
-    or the replicated vocabulary gradients all-reduced. Uneven splits: ring buffers carry the
-    largest shard (⌈F/D⌉, ⌈V/D⌉ rows), broadcasts the largest head group."""
+    or the replicated vocabulary gradients all-reduced. MoE layers ring ⌈E/D⌉ experts, or send
+    token rows by all-to-all, as ``engine.moe.schedule_for`` picks for the B·S/D tokens of a
+    rank. Uneven splits: ring buffers carry the largest shard (⌈F/D⌉, ⌈V/D⌉ rows),
+    broadcasts the largest head group."""
     D, B, h, d, b, acc = lay.tp, w.micro_batch, m.hidden_size, m.head_dim, w.beta, w.acc
     bw, ov = c.bandwidth(1, D), w.overlap
     nh, nkv = _tsp_heads(m, D)
-    attn = _layer_params(m, nh, nkv, 0) - 2 * h  # the largest head group's q/k/v/o shard
-    mlp = 3 * h * -(-m.intermediate_size // D)
+    router = m.num_experts * h
+    attn = _layer_params(m, nh, nkv, 0) - 2 * h - router  # the largest head group's shard
+    mlp = 3 * h * tsp_mlp_columns(m, D)
     kv = 2 * B * _tsp_seq(w, D) * nkv * d * (D - 1)  # elements received, all D groups
+    tokens = B * _tsp_seq(w, D) / D
+    schedule = "ring"
+    if m.moe:
+        k, E, F = m.experts_per_token, m.num_experts, m.intermediate_size
+        schedule = schedule_for(w.moe_schedule, tokens, k, E, F, h, D)
+    if schedule == "all_to_all":  # token rows: dispatch, combine; X, dY out and dX back
+        rows = traffic(tokens, m.experts_per_token, m.num_experts, m.intermediate_size, h, D)
+        mlp_moves = [Transfer("all-to-all MoE token rows", rows["all_to_all"] * b, 5, False, bw)]
+    else:
+        mlp_moves = [
+            Transfer("ring MLP weights (fwd+bwd)", 2 * (D - 1) * mlp * b, 2 * (D - 1), ov, bw),
+            Transfer("ring MLP weight grads", (D - 1) * mlp * acc, D - 1, ov, bw),
+        ]
     layer = [
         Transfer("broadcast attention weights (fwd+bwd)", 2 * (D - 1) * attn * b, 2 * D, ov, bw),
         Transfer("reduce attention weight grads", (D - 1) * attn * acc, D, ov, bw),
-        Transfer("ring MLP weights (fwd+bwd)", 2 * (D - 1) * mlp * b, 2 * (D - 1), ov, bw),
-        Transfer("ring MLP weight grads", (D - 1) * mlp * acc, D - 1, ov, bw),
+        *mlp_moves,
         Transfer("all-gather K/V (fwd)", kv * b, D, False, bw),
         Transfer("all-gather K/V (bwd)", kv * b, D, ov, bw),
         Transfer("reduce-scatter dK/dV", kv * acc, D, False, bw),
         Transfer("all-reduce norm grads", 2 * 2 * (D - 1) / D * h * b, 2, False, bw),
     ]
+    if m.moe:
+        layer.append(Transfer("all-reduce router grads", 2 * (D - 1) / D * router * b, 1, ov, bw))
     messages = _shared_kv_messages(m, D)
     if messages:  # shared KV heads: their gradient rows summed among their users, point to point
         shared = messages * 2 * h * d * acc
@@ -100,7 +119,7 @@ def alst_comm(m: ModelShape, w: Workload, c: Cluster, lay: Layout) -> tuple[list
         a2a = 3 * g * B * T * (m.num_heads + max(m.num_kv_heads, sp) * 2 + m.num_heads) * d * b
         layer.append(Transfer("all-to-all q/k/v/out (fwd, recompute, bwd)", a2a, 12, False,
                               c.bandwidth(1, sp)))  # fmt: skip
-    full = _layer_params(m, m.num_heads, m.num_kv_heads, m.intermediate_size)
+    full = _layer_params(m, m.num_heads, m.num_kv_heads, m.mlp_width)
     bw, share = c.bandwidth(1, N), (N - 1) / N
     step = []
     if N > 1:

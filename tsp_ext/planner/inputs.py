@@ -36,6 +36,7 @@ class Workload:
     offload_checkpoints: bool = False  # layer inputs wait for backward in host memory
     offload_optimizer: bool = False  # optimizer state (and float32 master copies) in host memory
     offload_params: bool = False  # ZeRO-3 weight partitions in host memory (ALST on one device)
+    moe_schedule: str = "auto"  # TSP's MoE layers: "ring", "all_to_all" or "auto" (engine.moe)
 
     def __post_init__(self) -> None:
         checks = [
@@ -46,6 +47,10 @@ class Workload:
             (self.recompute in RECOMPUTE, f"recompute must be one of {', '.join(RECOMPUTE)}"),
             (self.zero_stage in (0, 1, 2, 3), f"zero_stage must be 0-3, got {self.zero_stage}"),
             (self.loss_chunk >= 1, f"loss_chunk must be >= 1, got {self.loss_chunk}"),
+            (
+                self.moe_schedule in ("auto", "ring", "all_to_all"),
+                f"moe_schedule must be auto, ring or all_to_all, got {self.moe_schedule!r}",
+            ),
             (
                 self.mlp_tile is None or self.mlp_tile >= 1,
                 f"mlp_tile must be >= 1 or None, got {self.mlp_tile}",

@@ -13,6 +13,7 @@ from .shapes import (
     _tsp_heads,
     _tsp_shard_params,
     _vocab_params,
+    tsp_mlp_columns,
 )
 
 
@@ -64,13 +65,16 @@ def _head_saved(m: ModelShape, w: Workload, tokens: float, vocab: float, norm=_n
 def tsp_layer_saved(m: ModelShape, w: Workload, D: int) -> float:
     """What one TSP decoder layer saves per rank: two norms (their inputs are what the attention
     and the MLP keep of their own inputs, ``pointwise.to_save``); every head group's output A
-    and float32 log-sum-exp (+ the MLP's gate/up for ``none``). ``full``: only the layer
-    input."""
+    and float32 log-sum-exp (+ the MLP's gate/up for ``none``; a MoE layer's routing instead).
+    ``full``: only the layer input."""
     B, T, h = w.micro_batch, _tsp_seq(w, D) / D, m.hidden_size
     if w.recompute == "full":
         return B * T * h * w.beta
     attn = B * T * m.num_heads * m.head_dim * w.beta + 4 * B * T * m.num_heads
-    mlp = 2 * B * T * m.intermediate_size * w.beta if w.recompute == "none" else 0
+    if m.moe:  # experts always recompute; the routing (int64 index, weight), router softmax
+        mlp = B * T * (m.experts_per_token * (8 + w.beta) + 4 * m.num_experts)
+    else:
+        mlp = 2 * B * T * m.intermediate_size * w.beta if w.recompute == "none" else 0
     return 2 * _tsp_norm_saved(w, T, h) + attn + mlp
 
 
@@ -84,7 +88,9 @@ def hf_layer_saved(m: ModelShape, w: Workload, tp: int, sp: int) -> float:
     nh, nkv = _heads(m, tp)
     o_in = nh * d if sp > 1 else 0  # Ulysses: o_proj's input is the all-to-all's new buffer
     attn = B * T * (h + 2 * nh * d + 2 * nkv * d + o_in) * w.beta + 4 * B * T * nh
-    mlp = B * T * (h + 4 * m.intermediate_size / tp) * w.beta
+    mlp = B * T * (h + 4 * m.active_width / tp) * w.beta
+    if m.moe:  # each assignment's gathered input, the router's logits and softmax
+        mlp += B * T * (m.experts_per_token * h * w.beta + m.num_experts * (w.beta + 4))
     return 2 * _norm_saved(w, T, h) + attn + mlp
 
 
@@ -126,9 +132,11 @@ def tsp_layer_working(m: ModelShape, w: Workload, D: int) -> float:
     intermediates. ``full``: the layer's re-computed saved tensors too (its input, back from
     the host when offloaded)."""
     B, T, h, d = w.micro_batch, _tsp_seq(w, D) / D, m.hidden_size, m.head_dim
-    F = -(-m.intermediate_size // D) * D  # the largest MLP slice, times D
+    # a ring step's intermediates per token: the largest MLP slice, or (MoE) the k experts'
+    # width over the D owners whose experts the ring brings
+    F = m.active_width if m.moe else -(-m.intermediate_size // D) * D
     nh, nkv = _tsp_heads(m, D)
-    shard = max(_layer_params(m, nh, nkv, 0), 3 * h * F / D)
+    shard = max(_layer_params(m, nh, nkv, 0) - m.num_experts * h, 3 * h * tsp_mlp_columns(m, D))
     tile = B * T if w.mlp_tile is None else min(w.mlp_tile, B * T)
     # local q/k/v, the output's gradient (dA), gathered K/V
     group = B * T * (2 * nh + 2 * nkv) * d + 2 * B * T * D * nkv * d
@@ -158,7 +166,7 @@ def baseline_memory(m: ModelShape, w: Workload, lay: Layout) -> Memory:
     params = m.num_layers * _shard_params(m, tp) + _vocab_params(m, V / tp, V / tp)
     grad_extra = V * h * (1 - 1 / tp)
     acts = m.num_layers * hf_layer_saved(m, w, tp, sp) + _head_saved(m, w, T, m.vocab_size)
-    layer = B * T * (3 * m.intermediate_size / tp + 4 * h) * w.beta
+    layer = B * T * (3 * m.active_width / tp + 4 * h) * w.beta
     if w.recompute == "full":
         layer += hf_layer_saved(
             m, replace(w, recompute="selective", offload_checkpoints=False), tp, sp
@@ -176,7 +184,7 @@ def alst_memory(m: ModelShape, w: Workload, lay: Layout) -> Memory:
     with ``offload_optimizer``, the weight partitions with ``offload_params``."""
     B, h, V = w.micro_batch, m.hidden_size, m.vocab_size
     T, N = w.seq_len / lay.sp, lay.sp * lay.dp
-    layer_params = _layer_params(m, m.num_heads, m.num_kv_heads, m.intermediate_size)
+    layer_params = _layer_params(m, m.num_heads, m.num_kv_heads, m.mlp_width)
     params = m.num_layers * layer_params + _vocab_params(m, V, V)
     w3 = replace(w, zero_stage=3, recompute="full")
     moments = 2 * w.beta if w.optimizer == "adamw" else 8
@@ -210,7 +218,7 @@ def alst_layer_working(m: ModelShape, w: Workload, sp: int) -> float:
     dK, dV (and float32 dQ accumulator below float32), the all-to-all's send and receive
     buffers of dQ, and the q/k norms' float32 gradients."""
     B, T, h, d, b, acc = w.micro_batch, w.seq_len / sp, m.hidden_size, m.head_dim, w.beta, w.acc
-    nh, nkv, F, tok = m.num_heads, max(m.num_kv_heads, sp), m.intermediate_size, B * w.seq_len / sp
+    nh, nkv, F, tok = m.num_heads, max(m.num_kv_heads, sp), m.active_width, B * w.seq_len / sp
     half = b < 4  # casts to float32 make copies
     base = tok * h * b * (1 + w.offload_checkpoints)  # incoming gradient, input
     base += tok * (h * (b + 4 * half) + 4) + tok * h * b  # first norm, its output

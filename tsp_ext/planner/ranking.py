@@ -37,6 +37,7 @@ def check(m: ModelShape, w: Workload, lay: Layout) -> str | None:
                 f"{m.num_heads}",
             ),
             (D > m.intermediate_size, f"intermediate_size={m.intermediate_size} < tsp={D}"),
+            (m.moe and D > m.num_experts, f"num_experts={m.num_experts} < tsp={D}"),
         ]
         return next((msg for bad, msg in reasons if bad), None)
     if lay.tp > 1:

@@ -1,4 +1,5 @@
-"""Model shapes: the sizes of a Llama-family decoder, the presets, and parameter counts."""
+"""Model shapes: the sizes of a Llama-family decoder (dense, or mixture-of-experts with every
+layer sparse), the presets, and parameter counts."""
 
 from __future__ import annotations
 
@@ -25,10 +26,30 @@ class ModelShape:
     tie_embeddings: bool = False
     qkv_bias: bool = False
     qk_norm: bool = False  # RMSNorm over each head's q and k (Qwen3)
+    # mixture of experts: every layer routes each token to experts_per_token of num_experts
+    # experts, each a gated MLP of width intermediate_size (0: a dense model)
+    num_experts: int = 0
+    experts_per_token: int = 0
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def mlp_width(self) -> int:
+        """Columns of a layer's MLP weights: every expert's (E·F), or the dense F."""
+        return self.num_experts * self.intermediate_size if self.moe else self.intermediate_size
+
+    @property
+    def active_width(self) -> int:
+        """MLP columns each token computes: its k experts' (k·F), or the dense F."""
+        return self.experts_per_token * self.intermediate_size if self.moe else self.mlp_width
 
     @classmethod
     def from_hf_config(cls, cfg: Mapping, name: str = "custom") -> ModelShape:
-        """From a Hugging Face ``config.json`` dict (Llama, Mistral, Qwen2, Qwen3 keys)."""
+        """From a Hugging Face ``config.json`` dict (Llama, Mistral, Qwen2, Qwen3 keys; Qwen3-MoE /
+        Qwen2-MoE's ``num_experts`` and ``moe_intermediate_size``, Mixtral's
+        ``num_local_experts``)."""
         required = ("hidden_size", "num_hidden_layers", "num_attention_heads")
         missing = [k for k in (*required, "intermediate_size", "vocab_size") if k not in cfg]
         if missing:
@@ -36,6 +57,8 @@ class ModelShape:
                 f"config {name!r} lacks {', '.join(missing)}: not a Llama-family config"
             )
         h, nh = cfg["hidden_size"], cfg["num_attention_heads"]
+        experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+        width = cfg.get("moe_intermediate_size") if experts else None
         return cls(
             name=name,
             hidden_size=h,
@@ -43,11 +66,14 @@ class ModelShape:
             num_heads=nh,
             num_kv_heads=cfg.get("num_key_value_heads") or nh,
             head_dim=cfg.get("head_dim") or h // nh,
-            intermediate_size=cfg["intermediate_size"],
+            intermediate_size=width or cfg["intermediate_size"],
             vocab_size=cfg["vocab_size"],
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=cfg.get("model_type") == "qwen3",
+            qkv_bias=cfg.get("model_type") in ("qwen2", "qwen2_moe")
+            or bool(cfg.get("attention_bias", False)),
+            qk_norm=cfg.get("model_type") in ("qwen3", "qwen3_moe"),
+            num_experts=experts,
+            experts_per_token=cfg.get("num_experts_per_tok", 0) if experts else 0,
         )
 
     def hf_config_kwargs(self) -> dict:
@@ -55,7 +81,8 @@ class ModelShape:
         ``from_hf_config``; ``model_type="qwen3"`` with q/k norms, whose ``Qwen3Config`` takes
         the same keys); ``head_dim``, ``tie_word_embeddings`` and ``attention_bias`` only
         where they differ from what ``LlamaConfig`` derives (h / heads) or defaults to (untied,
-        no bias)."""
+        no bias). A MoE shape gives ``Qwen3MoeConfig``'s keys (with q/k norms) or
+        ``MixtralConfig``'s, with their ``model_type``."""
         kwargs = dict(
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
@@ -72,12 +99,22 @@ class ModelShape:
             kwargs["attention_bias"] = True
         if self.qk_norm:  # Qwen3Config's keys: the same, with the model type that implies it
             kwargs["model_type"] = "qwen3"
+        if self.moe and self.qk_norm:
+            kwargs.update(
+                model_type="qwen3_moe",
+                num_experts=self.num_experts,
+                moe_intermediate_size=self.intermediate_size,
+            )
+        elif self.moe:
+            kwargs.update(model_type="mixtral", num_local_experts=self.num_experts)
+        if self.moe:
+            kwargs["num_experts_per_tok"] = self.experts_per_token
         return kwargs
 
     @property
     def params(self) -> int:
         """Total parameter count."""
-        full = _layer_params(self, self.num_heads, self.num_kv_heads, self.intermediate_size)
+        full = _layer_params(self, self.num_heads, self.num_kv_heads, self.mlp_width)
         return self.num_layers * full + _vocab_params(self, self.vocab_size, self.vocab_size)
 
 
@@ -89,6 +126,23 @@ PRESETS = {
     "llama3-8b": ModelShape("llama3-8b", 4096, 32, 32, 8, 128, 14336, 128256),
     "llama3-70b": ModelShape("llama3-70b", 8192, 80, 64, 8, 128, 28672, 128256),
     "qwen3-32b": ModelShape("qwen3-32b", 5120, 64, 64, 8, 128, 25600, 151936, qk_norm=True),
+    # mixture of experts (every layer sparse; intermediate_size: each expert's)
+    "qwen3-30b-a3b": ModelShape(
+        "qwen3-30b-a3b",
+        2048,
+        48,
+        32,
+        4,
+        128,
+        768,
+        151936,
+        qk_norm=True,
+        num_experts=128,
+        experts_per_token=8,
+    ),
+    "mixtral-8x7b": ModelShape(
+        "mixtral-8x7b", 4096, 32, 32, 8, 128, 14336, 32000, num_experts=8, experts_per_token=2
+    ),
 }
 
 
@@ -111,11 +165,12 @@ def load_model(spec: str) -> ModelShape:
 
 def _layer_params(m: ModelShape, heads: float, kv_heads: float, ffn: float) -> float:
     """Parameters of one decoder layer holding ``heads`` query heads, ``kv_heads`` KV heads and
-    ``ffn`` MLP columns (norm weights replicated)."""
+    ``ffn`` MLP columns (of ``m.mlp_width``; norm weights and a MoE router replicated)."""
     h, d = m.hidden_size, m.head_dim
     bias = (heads + 2 * kv_heads) * d if m.qkv_bias else 0
     qk_norm = 2 * d if m.qk_norm else 0
-    return 2 * h * d * (heads + kv_heads) + bias + qk_norm + 3 * h * ffn + 2 * h
+    router = m.num_experts * h
+    return 2 * h * d * (heads + kv_heads) + bias + qk_norm + 3 * h * ffn + 2 * h + router
 
 
 def _vocab_params(m: ModelShape, embed_rows: float, head_rows: float) -> float:
@@ -131,7 +186,7 @@ def _heads(m: ModelShape, n: int) -> tuple[float, float]:
 
 def _shard_params(m: ModelShape, n: int) -> float:
     """One decoder layer's parameters on each of n ranks that split heads and MLP width."""
-    return _layer_params(m, *_heads(m, n), m.intermediate_size / n)
+    return _layer_params(m, *_heads(m, n), m.mlp_width / n)
 
 
 def _tsp_heads(m: ModelShape, D: int) -> tuple[int, int]:
@@ -156,7 +211,15 @@ def _spec(m: ModelShape, D: int) -> AttentionSpec:
     return AttentionSpec(m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, D, 1.0)
 
 
+def tsp_mlp_columns(m: ModelShape, D: int) -> int:
+    """MLP columns of the TSP rank with the largest share: ⌈F/D⌉ rows of the dense MLP, or
+    ⌈E/D⌉ whole experts."""
+    if m.moe:
+        return -(-m.num_experts // D) * m.intermediate_size
+    return -(-m.intermediate_size // D)
+
+
 def _tsp_shard_params(m: ModelShape, D: int) -> float:
-    """One decoder layer's parameters on the TSP rank with the largest shards (⌈F/D⌉ MLP rows)."""
+    """One decoder layer's parameters on the TSP rank with the largest shards."""
     nh, nkv = _tsp_heads(m, D)
-    return _layer_params(m, nh, nkv, -(-m.intermediate_size // D))
+    return _layer_params(m, nh, nkv, tsp_mlp_columns(m, D))

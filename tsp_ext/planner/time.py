@@ -9,9 +9,10 @@ from .shapes import ModelShape
 
 def step_flops(m: ModelShape, w: Workload, lay: Layout) -> tuple[float, float]:
     """FLOPs per device of (one decoder layer, the LM head) for one training step: 3× the
-    forward matmuls, causal attention 3.5× its forward, plus what each layout recomputes."""
+    forward matmuls (a MoE layer's: each token's k experts), causal attention 3.5× its
+    forward, plus what each layout recomputes."""
     n = lay.group
-    B, S, h, d, F = w.micro_batch, w.seq_len, m.hidden_size, m.head_dim, m.intermediate_size
+    B, S, h, d, F = w.micro_batch, w.seq_len, m.hidden_size, m.head_dim, m.active_width
     nh, nkv = m.num_heads, m.num_kv_heads
     if lay.kind == "tsp":
         S = _tsp_seq(w, n)
