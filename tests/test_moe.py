@@ -148,21 +148,21 @@ def schedules(world: int) -> dict[str, str]:
     return {f: SCHEDULES[(i + world // 2) % 2] for i, f in enumerate(MOE_FAMILIES)}
 
 
-def parities(mesh, world: int):
-    return {f: parity_case(mesh, f, s) for f, s in schedules(world).items()}
+def parities(mesh, world: int, families=MOE_FAMILIES):
+    return {f: parity_case(mesh, f, s) for f, s in schedules(world).items() if f in families}
 
 
 def worker(rank, world, path):
     mesh = init_tsp_mesh(world)
     out = parities(mesh, world)
     out["memory"] = memory_case(rank, world)
-    if world > 1:  # (at D = 1 decode is the single-process loop over experts)
-        schedules = {"mixtral": {"moe_schedule": "ring"}}  # else "auto": all-to-all here
+    if world == 2:  # decode, export and errors do not depend on D beyond D > 1
+        ring = {"mixtral": {"moe_schedule": "ring"}}  # else "auto": all-to-all at 13 tokens
         out["generate"] = {
-            f: greedy_case(rank, mesh, f, torch.float64, 2, 13, 3, schedules.get(f, {}))
+            f: greedy_case(rank, mesh, f, torch.float64, 2, 13, 3, ring.get(f, {}))
             for f in MOE_FAMILIES
         }
-        out["checkpoint"] = checkpoint_case(rank, mesh, os.path.join(path, f"qwen3_moe_{world}"))
+        out["checkpoint"] = checkpoint_case(rank, mesh, os.path.join(path, "qwen3_moe"))
         out["errors"] = error_cases(mesh)
     return out
 
@@ -172,9 +172,10 @@ def results(workers, world, path):
     return workers.run(worker, world, path, timeout=300)
 
 
-def check_parity(world, runs):
+def check_parity(world, runs, families=MOE_FAMILIES):
     for rank, run in enumerate(runs):
-        for family, schedule in schedules(world).items():
+        for family in families:
+            schedule = schedules(world)[family]
             errs, aux, n_logits, shape = run[family]
             bad = {k: v for k, v in errs.items() if not v < TOL[family]}
             assert not bad, f"D={world} rank={rank} {family} {schedule}: {bad}"
@@ -194,22 +195,25 @@ def test_loss_aux_loss_logits_and_grads_match_hf(workers, world, tmp):
     check_parity(world, results(workers, world, tmp))
 
 
+UNEVEN = ("mixtral", "qwen2_moe")  # at D = 3: the ring and the all-to-all, float64-exact
+
+
 def uneven_worker(rank, world):
-    return parities(init_tsp_mesh(world), world)
+    return parities(init_tsp_mesh(world), world, UNEVEN)
 
 
 def test_uneven_experts_per_rank(workers):
     """4 experts on 3 ranks (2, 1, 1), 4 query heads (2, 1, 1)."""
-    check_parity(3, workers.run(uneven_worker, 3))
+    assert {schedules(3)[f] for f in UNEVEN} == set(SCHEDULES)
+    check_parity(3, workers.run(uneven_worker, 3), UNEVEN)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_generate_matches_hf_token_for_token(workers, world, tmp):
-    runs = results(workers, world, tmp)
+def test_generate_matches_hf_token_for_token(workers, tmp):
+    runs = results(workers, 2, tmp)
     for family in MOE_FAMILIES:
         ref = runs[0]["generate"][family]["ref"]
         for rank, run in enumerate(runs):
-            assert torch.equal(run["generate"][family]["tokens"], ref), (world, rank, family)
+            assert torch.equal(run["generate"][family]["tokens"], ref), (rank, family)
 
 
 def test_experts_and_saved_bytes_are_one_dth(workers, tmp):
@@ -225,9 +229,8 @@ def test_experts_and_saved_bytes_are_one_dth(workers, tmp):
                 assert 240 not in shape, shape
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_export_and_shard_on_read_loading(workers, world, tmp):
-    for run in results(workers, world, tmp):
+def test_export_and_shard_on_read_loading(workers, tmp):
+    for run in results(workers, 2, tmp):
         ckpt = run["checkpoint"]
         assert all(v < 1e-6 for v in ckpt.values()), ckpt  # Qwen3's float32 q/k norms
 
