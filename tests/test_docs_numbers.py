@@ -315,7 +315,7 @@ def test_moe_tables_are_their_json_and_the_expert_bytes_are_e_over_d():
     """docs/moe.md's tables are ``benchmarks.moe``'s of its JSON files; every row's experts are
     E/D of the model's (float32), and the crossover line is the planner's count."""
     from benchmarks.moe import crossover_table, markdown_table
-    from tsp_ext.engine.moe import traffic
+    from tsp_ext.engine.moe_traffic import traffic
 
     doc = (ROOT / "docs" / "moe.md").read_text()
     result = json.loads((RESULTS / "moe_cpu.json").read_text())

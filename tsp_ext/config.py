@@ -58,7 +58,7 @@ class TSPConfig:
         moe_schedule: how a mixture-of-experts layer's tokens meet its experts (each rank owns
             E/D whole experts): ``"ring"`` (the experts travel the ring, tokens stay),
             ``"all_to_all"`` (tokens go to their experts' owners and back) or ``"auto"``: per
-            call, the one that moves fewer bytes (``engine.moe.traffic``).
+            call, the one that moves fewer bytes (``engine.moe_traffic``).
     """
 
     tsp_size: int | None = None

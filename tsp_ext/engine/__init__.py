@@ -11,6 +11,8 @@
 - ``blockwise_attention``: causal attention by global position, blockwise, with log-sum-exp
 - ``attention``: head-group broadcast + K/V all-gather schedule, hand-written backward
 - ``mlp``: ring SwiGLU schedule
+- ``moe``: mixture-of-experts layers, experts on the ring or tokens by all-to-all
+  (``moe_traffic``: what each moves, the per-call choice; no torch)
 - ``vocab``: embedding row exchange, ring LM head + fused cross-entropy
 - ``pointwise``: RMSNorm and RoPE
 - ``masked_attention``: exact attention under a key mask with its lse
