@@ -94,10 +94,11 @@ class _Experts:
         self.first = [split_range(n_experts, self.D, q).start for q in range(self.D)]
         self.acc = options.accum_for(x.dtype)
 
-    def owned(self, routing: Routing, q: int) -> list[tuple[int, int, slice]]:
-        """``(local index, expert, rows)`` of rank q's experts that have this rank's tokens."""
+    def owned(self, routing: Routing, q: int) -> list[tuple[int, slice]]:
+        """``(index among rank q's experts, rows)`` of rank q's experts with this rank's
+        tokens."""
         first = self.first[q]
-        return [(e - first, e, r) for e, r in routing.groups if 0 <= e - first < self.sizes[q]]
+        return [(e - first, r) for e, r in routing.groups if 0 <= e - first < self.sizes[q]]
 
     # --- ring: the experts travel ---
 
@@ -124,7 +125,7 @@ class _Experts:
     def exchange(self, routing: Routing) -> _Exchange:
         """The dispatch of this call's assignments (rows sorted by expert, hence by owner)."""
         send = [sum(routing.counts[f : f + n]) for f, n in zip(self.first, self.sizes)]
-        counts = torch.tensor(routing.counts, dtype=torch.long)
+        counts = torch.tensor(routing.counts, dtype=torch.long, device=routing.slots.device)
         got = comm.all_to_all(counts, self.sizes, [self.sizes[self.p]] * self.D, self.group)
         return _Exchange(send, got.view(self.D, self.sizes[self.p]).tolist(), self.p, self.group)
 
@@ -170,7 +171,7 @@ class _Exchange:
 def _ring_forward(lay: _Experts, x2, gate_up, down, routing, scale):
     y = torch.zeros(x2.shape, dtype=lay.acc, device=x2.device)
     for _, q, gu, dn in lay.shards(gate_up, down):
-        for i, _, rows in lay.owned(routing, q):
+        for i, rows in lay.owned(routing, q):
             tokens = routing.tokens[rows]
             out = _ffn(x2.index_select(0, tokens), gu[i], dn[i], lay.kind, lay.acc)
             y.index_add_(0, tokens, out.mul_(scale[rows, None]))
@@ -187,7 +188,7 @@ def _ring_backward(lay: _Experts, dy2, x2, gate_up, down, routing, scale, weight
         if weight_grads:
             share = torch.zeros(numel, dtype=lay.acc, device=x2.device)
             grads = lay.views(share, lay.sizes[q])
-        for i, _, rows in lay.owned(routing, q):
+        for i, rows in lay.owned(routing, q):
             tokens = routing.tokens[rows]
             xe, dye = x2.index_select(0, tokens), dy2.index_select(0, tokens)
             mine = None if grads is None else (grads[0][i], grads[1][i])
