@@ -34,10 +34,12 @@ class Trainer:
     """A tiny float32 Llama (8 heads, 2 KV heads: replicated KV at tsp=4) trained with AdamW on
     a fixed global batch of 2 sequences per step, split over the dp replicas."""
 
-    def __init__(self, kind: str, tsp: int, seed: int = 0, **model_overrides) -> None:
+    def __init__(
+        self, kind: str, tsp: int, seed: int = 0, family: str = "llama", **model_overrides
+    ) -> None:
         self.kind = kind
         self.ds = None
-        model = build("llama", torch.float32, seed=seed, **model_overrides)
+        model = build(family, torch.float32, seed=seed, **model_overrides)
         factory = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)  # noqa: E731
         schedule = lambda s: 1.0 / (1 + s)  # noqa: E731
         if kind.startswith("zero"):
@@ -287,3 +289,27 @@ def test_async_save_and_refused_checkpoints(workers, tmp):
         assert "has shape" in res["other_model"], res
         assert "is not a checkpoint directory" in res["missing"], res
         assert res["untouched"] and res["inspect"] == {"step": 1}, res
+
+
+def moe_resume_worker(rank, world, tmp):
+    """Mixtral (4 experts: one a rank at tsp=4, two at tsp=2) with DDP: 2 steps at tsp=4 and a
+    checkpoint, resumed at tsp=2 x dp=2, against the straight tsp=4 run."""
+    half, path = STEPS // 2, os.path.join(tmp, "moe", "checkpoint")
+    straight = Trainer("ddp", 4, family="mixtral")
+    losses = [straight.step(s) for s in range(STEPS)]
+    final = straight.params()
+    first = Trainer("ddp", 4, family="mixtral")
+    for s in range(half):
+        first.step(s)
+    first.save(path, half)
+    again = Trainer("ddp", 2, seed=1, family="mixtral")  # other weights, overwritten by the load
+    start = again.load(path)
+    resumed = [again.step(s) for s in range(start, STEPS)]
+    params = again.params()
+    return losses[half:], resumed, max((params[k] - final[k]).abs().max().item() for k in final)
+
+
+def test_moe_experts_reshard_from_tsp4_to_tsp2(workers, tmp):
+    for straight, resumed, params in workers.run(moe_resume_worker, 4, tmp, timeout=400):
+        assert all(abs(a - b) < 1e-5 * b for a, b in zip(resumed, straight)), (resumed, straight)
+        assert params < 1e-4, params
