@@ -43,10 +43,10 @@ TOL = {"qwen3_moe": 1e-6, "mixtral": 1e-10, "qwen2_moe": 1e-10}
 AUX_TOL = 1e-6
 
 
-def parity_case(mesh, family, schedule):
+def parity_case(mesh, family, schedule, dtype=torch.float64):
     """Errors of a vocab-sharded TSP model against Hugging Face on one batch with the auxiliary
     loss on (``output_router_logits``): loss, aux loss, logits, every gradient, eval logits."""
-    model = build(family)
+    model = build(family, dtype)
     ref = copy.deepcopy(model)
     data = batch(model.config.vocab_size, 2, S)
     out = ref(input_ids=data["input_ids"], output_router_logits=True)
@@ -163,6 +163,9 @@ def worker(rank, world, path):
             for f in MOE_FAMILIES
         }
         out["checkpoint"] = checkpoint_case(rank, mesh, os.path.join(path, "qwen3_moe"))
+        out["float32"] = {  # the grouped GEMMs (torch._grouped_mm on CPU; float64 loops)
+            (f, s): parity_case(mesh, f, s, torch.float32) for f, s in FLOAT32.items()
+        }
         out["errors"] = error_cases(mesh)
     return out
 
@@ -206,6 +209,18 @@ def test_uneven_experts_per_rank(workers):
     """4 experts on 3 ranks (2, 1, 1), 4 query heads (2, 1, 1)."""
     assert {schedules(3)[f] for f in UNEVEN} == set(SCHEDULES)
     check_parity(3, workers.run(uneven_worker, 3), UNEVEN)
+
+
+FLOAT32 = {"mixtral": "ring", "qwen2_moe": "all_to_all"}
+
+
+def test_float32_grouped_gemms_match_hf(workers, tmp):
+    """float32 runs the experts as grouped GEMMs (``torch._grouped_mm``) where float64 loops:
+    both schedules against Hugging Face's per-expert loop, to float32 rounding."""
+    for rank, run in enumerate(results(workers, 2, tmp)):
+        for case, (errs, aux, _, _) in run["float32"].items():
+            bad = {k: v for k, v in errs.items() if not v < 1e-5}
+            assert not bad and aux < AUX_TOL, (rank, case, bad, aux)
 
 
 def test_generate_matches_hf_token_for_token(workers, tmp):
