@@ -18,7 +18,7 @@ from tsp_ext.hf.families import family_of
 
 pytestmark = pytest.mark.multiproc
 
-NEW = 40  # new tokens per greedy case (past a 32-token KV block of every cache)
+NEW = 32  # new tokens per greedy case: prompt + NEW crosses a 32-token KV block in every cache
 # the families' own cases generate fewer (past every window still): their decode path is shared
 SHORT = {"mistral_window": 24, "gemma": 24, "gemma3": 24, "phi3": 24, "olmo2": 24}
 SHORT.update(qwen3_moe=16, mixtral=16, qwen2_moe=16)  # test_moe's
