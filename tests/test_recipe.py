@@ -174,7 +174,7 @@ def runs(workers, tmp: str) -> dict[str, dict]:
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_recipe_trains_exports_and_resumes(workers, engine, tmp):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     res = runs(workers, tmp)[engine]
     rows = metrics(res["out"])
@@ -192,19 +192,27 @@ def test_recipe_trains_exports_and_resumes(workers, engine, tmp):
     assert straight.keys() == resumed.keys()
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
     # the exported checkpoint loads in one plain process and gives the recipe's eval loss
-    final = os.path.join(res["out"], "final")
-    with open(os.path.join(res["out"], "final_eval.json")) as f:
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(res["out"], "final")).eval()
+    loss, recipe_eval = plain_eval_loss(model, res["out"])
+    assert abs(loss - recipe_eval) < 1e-4 * recipe_eval, (loss, recipe_eval)
+    assert "one process would need" in res["log"]
+
+
+def plain_eval_loss(model, out: str) -> tuple[float, float]:
+    """The eval loss of ``model`` (one plain process) on the recipe's last two 512-token
+    blocks, tokenized by ``out/final``'s tokenizer, and the run's own ``final_eval.json``."""
+    from transformers import AutoTokenizer
+
+    with open(os.path.join(out, "final_eval.json")) as f:
         recipe_eval = json.load(f)["eval_loss"]
-    model = AutoModelForCausalLM.from_pretrained(final).eval()
-    tok = AutoTokenizer.from_pretrained(final)
+    tok = AutoTokenizer.from_pretrained(os.path.join(out, "final"))
     sys.path.insert(0, os.path.join(ROOT, "recipes"))
     from _data import load_texts, pack
 
     blocks = pack(load_texts(DATASET, "text"), tok, 512)[-2:]
     with torch.no_grad():
         loss = sum(model(input_ids=b[None], labels=b[None]).loss.item() for b in blocks) / 2
-    assert abs(loss - recipe_eval) < 1e-4 * recipe_eval, (loss, recipe_eval)
-    assert "one process would need" in res["log"]
+    return loss, recipe_eval
 
 
 @pytest.mark.parametrize(
@@ -367,7 +375,7 @@ def test_moe_preset_trains_with_fsdp2_over_dp_and_exports(workers, tmp):
     """``--model tiny-qwen3-moe`` on 4 ranks, tsp = 2 x dp = 2 with FSDP2 over dp (each rank
     E/D experts, FSDP-sharded again): it learns in 4 steps, and ``final`` loads in one plain
     process with the run's eval loss (the experts streamed in Hugging Face's layout)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     out = os.path.join(tmp, "moe")
     run = run_on(
@@ -377,16 +385,8 @@ def test_moe_preset_trains_with_fsdp2_over_dp_and_exports(workers, tmp):
     assert run.returncode == 0, run.stdout[-3000:]
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["loss"] < rows[0]["loss"]
-    with open(os.path.join(out, "final_eval.json")) as f:
-        recipe_eval = json.load(f)["eval_loss"]
     final = os.path.join(out, "final")
     model = AutoModelForCausalLM.from_pretrained(final, experts_implementation="eager").eval()
     assert type(model).__name__ == "Qwen3MoeForCausalLM"
-    tok = AutoTokenizer.from_pretrained(final)
-    sys.path.insert(0, os.path.join(ROOT, "recipes"))
-    from _data import load_texts, pack
-
-    blocks = pack(load_texts(DATASET, "text"), tok, 512)[-2:]
-    with torch.no_grad():
-        loss = sum(model(input_ids=b[None], labels=b[None]).loss.item() for b in blocks) / 2
+    loss, recipe_eval = plain_eval_loss(model, out)
     assert abs(loss - recipe_eval) < 1e-4 * recipe_eval, (loss, recipe_eval)
