@@ -77,10 +77,10 @@ def expert_bytes(model) -> int:
 
 
 def memory_case(rank, world):
-    """Saved bytes of one Qwen3-MoE block (8 experts, top-2) on 240 tokens: Hugging Face's
+    """Saved bytes of one Qwen3-MoE block (8 experts, top-3) on 240 tokens: Hugging Face's
     block in one process, TSP's on this rank's S/D tokens; and the shapes TSP saved."""
     hf = hf_block(
-        dict(hidden_size=48, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=40)
+        dict(hidden_size=48, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=40)
     )
     x = torch.randn(1, 240, 48)
     out = {}

@@ -41,16 +41,29 @@ from .weight_ring import GradientRing, circulate
 
 
 class Routing:
-    """The assignments of ``n`` tokens to ``E`` experts, grouped by expert: ``index [n, k]`` ->
-    ``slots [n·k]`` (positions in the flat ``[n·k]`` routing, sorted by expert, stable),
-    ``tokens [n·k]`` (their tokens) and ``counts [E]`` (assignments per expert, laid end to
-    end in that order)."""
+    """The assignments of ``n`` tokens to ``E`` experts, grouped by expert: ``slots [n·k]``
+    (positions in the flat ``[n·k]`` routing, sorted by expert, stable), ``tokens [n·k]``
+    (their tokens), ``counts [E]`` (assignments per expert, laid end to end in that order) and
+    the all-to-all ``dispatch`` once made (``_Experts.exchange``). Backward rebuilds it from
+    the saved slots (``sorted``): no second sort, count or exchange of counts."""
 
-    def __init__(self, index: torch.Tensor, n_experts: int) -> None:
+    def __init__(self, slots: torch.Tensor, k: int, counts: list[int], dispatch=None) -> None:
+        self.slots, self.tokens, self.k = slots, slots // k, k
+        self.counts, self.dispatch = counts, dispatch
+
+    @classmethod
+    def of(cls, index: torch.Tensor, n_experts: int) -> Routing:
+        """The routing of ``index [n, k]``, each token's experts."""
         flat = index.reshape(-1)
-        self.slots = torch.argsort(flat, stable=True)
-        self.tokens = self.slots // index.shape[1]
-        self.counts = torch.bincount(flat, minlength=n_experts).tolist()
+        counts = torch.bincount(flat, minlength=n_experts).tolist()
+        return cls(torch.argsort(flat, stable=True), index.shape[1], counts)
+
+    def rows_of(self, first: int, n: int) -> tuple[slice, list[int]]:
+        """The assignments (rows of ``slots``) to experts ``first .. first + n - 1``, and how
+        many each of them has."""
+        counts = self.counts[first : first + n]
+        start = sum(self.counts[:first])
+        return slice(start, start + sum(counts)), counts
 
 
 def _groups(counts: list[int]) -> list[tuple[int, slice]]:
@@ -126,12 +139,8 @@ class _Experts:
         self.acc = options.accum_for(x.dtype)
 
     def owned(self, routing: Routing, q: int) -> tuple[slice, list[int]]:
-        """The assignments (rows of ``routing.slots``) to rank q's experts, and how many each
-        of them has."""
-        first, n = self.first[q], self.sizes[q]
-        start = sum(routing.counts[:first])
-        counts = routing.counts[first : first + n]
-        return slice(start, start + sum(counts)), counts
+        """``routing.rows_of`` rank q's experts."""
+        return routing.rows_of(self.first[q], self.sizes[q])
 
     # --- ring: the experts travel ---
 
@@ -156,11 +165,15 @@ class _Experts:
     # --- all-to-all: the tokens travel ---
 
     def exchange(self, routing: Routing) -> _Exchange:
-        """The dispatch of this call's assignments (rows sorted by expert, hence by owner)."""
-        send = [sum(routing.counts[f : f + n]) for f, n in zip(self.first, self.sizes)]
-        counts = torch.tensor(routing.counts, dtype=torch.long, device=routing.slots.device)
-        got = comm.all_to_all(counts, self.sizes, [self.sizes[self.p]] * self.D, self.group)
-        return _Exchange(send, got.view(self.D, self.sizes[self.p]).tolist(), self.p, self.group)
+        """The dispatch of this call's assignments (rows sorted by expert, hence by owner),
+        made once (one all-to-all of the counts) and kept on ``routing``."""
+        if routing.dispatch is None:
+            send = [sum(routing.counts[f : f + n]) for f, n in zip(self.first, self.sizes)]
+            counts = torch.tensor(routing.counts, dtype=torch.long, device=routing.slots.device)
+            got = comm.all_to_all(counts, self.sizes, [self.sizes[self.p]] * self.D, self.group)
+            got = got.view(self.D, self.sizes[self.p]).tolist()
+            routing.dispatch = _Exchange(send, got, self.p, self.group)
+        return routing.dispatch
 
 
 class _Exchange:
@@ -276,26 +289,27 @@ _BACKWARD = {"ring": _ring_backward, "all_to_all": _all_to_all_backward}
 
 class _ExpertsFunction(torch.autograd.Function):
     """Autograd boundary of both schedules: saves X_p (as its RMSNorm's input when it is a
-    norm's output: ``pointwise.to_save``), the routing ``index, weight [n, k]`` and the rank's
-    own experts."""
+    norm's output: ``pointwise.to_save``), the routing (its sorted ``slots [n·k]``, and the
+    weights ``[n, k]``) and the rank's own experts."""
 
     @staticmethod
     def forward(ctx, group, options, n_experts, kind, schedule, x, index, weight, gate_up, down):
         lay = _Experts(group, options, x, down, n_experts, kind)
-        routing = Routing(index, n_experts)
+        routing = Routing.of(index, n_experts)
         scale = weight.reshape(-1)[routing.slots].to(lay.acc)
         y = _FORWARD[schedule](lay, x.reshape(-1, lay.h), gate_up, down, routing, scale)
         ctx.lay, ctx.schedule = lay, schedule
+        ctx.routing = (routing.k, routing.counts, routing.dispatch)  # python ints, no tensor
         saved, norm_weight, ctx.norm = to_save(x)
-        ctx.save_for_backward(saved, norm_weight, index, weight, gate_up, down)
+        ctx.save_for_backward(saved, norm_weight, routing.slots, weight, gate_up, down)
         return y.to(x.dtype).view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
-        x, norm_weight, index, weight, gate_up, down = ctx.saved_tensors
+        x, norm_weight, slots, weight, gate_up, down = ctx.saved_tensors
         lay = ctx.lay
         x = from_saved(x, norm_weight, ctx.norm)
-        routing = Routing(index, lay.n_experts)
+        routing = Routing(slots, *ctx.routing)
         scale = weight.reshape(-1)[routing.slots].to(lay.acc)
         weight_grads = any(ctx.needs_input_grad[8:10])
         dx, d_scale, grads = _BACKWARD[ctx.schedule](
@@ -374,11 +388,9 @@ def decode_experts(
     experts ``first`` on, of ``n_experts``), then one all-reduce; ``[B, Tq, h]`` in x's dtype,
     identical on every rank."""
     x2 = x.reshape(-1, x.shape[-1])
-    routing = Routing(index, n_experts)
+    routing = Routing.of(index, n_experts)
     scale = weight.reshape(-1)[routing.slots].to(acc)
-    start = sum(routing.counts[:first])
-    counts = routing.counts[first : first + gate_up.shape[0]]
-    rows = slice(start, start + sum(counts))
+    rows, counts = routing.rows_of(first, gate_up.shape[0])
     y = torch.zeros(x2.shape, dtype=acc, device=x.device)
     if rows.stop > rows.start:
         tokens = routing.tokens[rows]

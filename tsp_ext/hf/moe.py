@@ -154,6 +154,12 @@ class TSPSparseMoe(nn.Module):
             shared_expert_gate=getattr(block, "shared_expert_gate", None),
         )
 
+    def routers(self) -> list[nn.Parameter]:
+        """The replicated weights that pick and weigh experts: the router's and, in
+        Qwen2-MoE, the shared expert's gate."""
+        gates = (self.gate, self.shared_expert_gate)
+        return [g.weight for g in gates if g is not None]
+
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Hugging Face's top-k routing of ``logits [n, E]``: the weights ``[n, k]`` (softmax in
         float32, renormalized over the k if the model does; float32 or the logits' dtype) and
