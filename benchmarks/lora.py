@@ -2,8 +2,8 @@
 time, one run.
 
     python -m benchmarks.lora --devices 2 4 --seq-len 2048 --rounds 3 \\
-        --model '{"hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 8,
-                  "num_key_value_heads": 8}' --json docs/benchmarks/lora_cpu.json
+        --model '{"hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 16,
+                  "num_key_value_heads": 16}' --json docs/benchmarks/lora_cpu.json
 
 The layouts (``tsp``, ``tsp_lora``: r = 16 on all seven projections, ``layouts.LORA``, and
 ``tsp_qlora``: that with the frozen base NF4-packed) train the same model on the same batch, in
@@ -11,7 +11,7 @@ turn, ``--rounds`` times over (medians), so a drift of the machine touches them 
 count the table gives each one's bytes per rank (parameters and buffers, gradients, optimizer
 state, saved activations), the bytes it receives by head-group broadcast and on the ring (the
 weights' traffic: MLP and LM-head shards, gradient accumulators) and its step time as a ratio
-of full fine-tuning's.
+of full fine-tuning's, beside the ratio the multiply-adds alone would give (``flop_floor``).
 """
 
 from __future__ import annotations
@@ -28,6 +28,26 @@ from .run import combine_rounds
 LAYOUTS = {"tsp": "full fine-tuning", "tsp_lora": "LoRA r=16", "tsp_qlora": "QLoRA r=16 (NF4)"}
 MEMORY = ("params", "grads", "optimizer", "activations")
 TRAFFIC = ("broadcast", "send_recv")
+
+
+def flop_floor(model: dict, seq_len: int, devices: int) -> float:
+    """LoRA's step over full fine-tuning's counting multiply-adds only, as the engine runs them.
+    Per token and layer, full fine-tuning runs q/k/v and gate/up 4 times (forward, backward's
+    recompute, dX, dW) and o and down 3 times; causal attention costs ``3.5 · q_dim · S`` (the
+    forward's QKᵀ and PV over S/2 keys on average, the kernel's backward 2.5 times that); the LM
+    head runs ``2 + (D-1)/D`` times (the ring recomputes the logits of D-1 shards) plus dW. A
+    frozen weight skips its dW pass; the adapter's own rank-r products are left out."""
+    h, f, layers = model["hidden_size"], model["intermediate_size"], model["num_hidden_layers"]
+    heads = model["num_attention_heads"]
+    head_dim = model.get("head_dim") or h // heads
+    q_dim, kv_dim = heads * head_dim, model["num_key_value_heads"] * head_dim
+    recomputed = h * (q_dim + 2 * kv_dim) + 2 * h * f  # q/k/v, gate/up
+    once = q_dim * h + f * h  # o, down
+    head = h * model["vocab_size"] * (2 + (devices - 1) / devices)
+    attention = 3.5 * q_dim * seq_len
+    lora = layers * (3 * recomputed + 2 * once + attention) + head
+    full = lora + layers * (recomputed + once) + h * model["vocab_size"]
+    return lora / full
 
 
 def compare(
@@ -54,22 +74,27 @@ def compare(
 def markdown(result: dict) -> str:
     mib = 2**20
     head = " | ".join(f"{k} MiB" for k in (*MEMORY, "broadcast", "ring"))
-    lines = [f"| D | layout | {head} | step s | / full step |", "|---" * 10 + "|"]
+    lines = [f"| D | layout | {head} | step s | / full step | FLOP floor |", "|---" * 11 + "|"]
     for row in result["rows"]:
         for name, label in LAYOUTS.items():
             r = row.get(name)
             if r is None:
                 continue
             if r["status"] != "ok":
-                lines.append(f"| {row['devices']} | {label} | {r['status']} |" + " |" * 8)
+                lines.append(f"| {row['devices']} | {label} | {r['status']} |" + " |" * 9)
                 continue
             cells = [r["memory_bytes"][k] for k in MEMORY]
             cells += [r["comm_bytes"].get(k, 0) for k in TRAFFIC]
             cells = [f"{c / mib:.2f}" for c in cells]
             ratio = f"{r['step_ratio']:.2f}" if "step_ratio" in r else ""
+            floor = (
+                ""
+                if name == "tsp"
+                else f"{flop_floor(r['model'], row['seq_len'], row['devices']):.2f}"
+            )
             lines.append(
                 f"| {row['devices']} | {label} | {' | '.join(cells)} | {r['step_seconds']:.3f} "
-                f"| {ratio} |"
+                f"| {ratio} | {floor} |"
             )
     return "\n".join(lines)
 
