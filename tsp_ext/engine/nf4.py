@@ -47,12 +47,16 @@ def unpack(packed: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch
     """The ``dtype`` tensor of ``shape`` that ``packed`` (``pack``'s output) holds."""
     blocks = math.ceil(shape.numel() / BLOCK)
     absmax = packed[: 4 * blocks].view(torch.float32)
-    pairs = _byte_values(packed.device)[packed[4 * blocks :].long()]  # [blocks·BLOCK/2, 2]
-    values = pairs.view(blocks, BLOCK).mul_(absmax[:, None])
+    # one 8-byte gather per code byte (its two levels), int32 indices: ~6x faster on CPU than
+    # indexing a [256, 2] float table with int64 indices
+    pairs = _byte_values(packed.device).index_select(0, packed[4 * blocks :].int())
+    values = pairs.view(torch.float32).view(blocks, BLOCK).mul_(absmax[:, None])
     return values.view(-1)[: shape.numel()].view(shape).to(dtype)
 
 
 def _byte_values(device: torch.device) -> torch.Tensor:
-    """``[256, 2]``: the two levels each byte of codes stands for (high nibble first)."""
+    """``[256]`` int64: the two float32 levels each byte of codes stands for (high nibble
+    first), side by side in 8 bytes."""
     levels = torch.tensor(LEVELS, device=device)
-    return torch.stack([levels.repeat_interleave(16), levels.repeat(16)], dim=1)
+    pairs = torch.stack([levels.repeat_interleave(16), levels.repeat(16)], dim=1)
+    return pairs.view(torch.int64).view(-1)
