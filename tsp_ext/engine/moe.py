@@ -210,14 +210,19 @@ class _Exchange:
                 yield block[r], self.got[r], None
 
 
+def _add_experts(y, x2, routing: Routing, rows: slice, counts, gu, dn, scale, kind) -> None:
+    """``y[token] += scale · FFN_e(x2[token])`` (``y`` in the accumulation dtype) for the
+    assignments ``rows`` of ``routing``, ``counts`` of them for each expert of ``gu, dn``."""
+    if rows.stop > rows.start:
+        tokens = routing.tokens[rows]
+        out = _ffn(x2.index_select(0, tokens), gu, dn, counts, kind, y.dtype)
+        y.index_add_(0, tokens, out.mul_(scale[rows, None]))
+
+
 def _ring_forward(lay: _Experts, x2, gate_up, down, routing, scale):
     y = torch.zeros(x2.shape, dtype=lay.acc, device=x2.device)
     for _, q, gu, dn in lay.shards(gate_up, down):
-        rows, counts = lay.owned(routing, q)
-        if rows.stop > rows.start:
-            tokens = routing.tokens[rows]
-            out = _ffn(x2.index_select(0, tokens), gu, dn, counts, lay.kind, lay.acc)
-            y.index_add_(0, tokens, out.mul_(scale[rows, None]))
+        _add_experts(y, x2, routing, *lay.owned(routing, q), gu, dn, scale, lay.kind)
     return y
 
 
@@ -390,11 +395,8 @@ def decode_experts(
     x2 = x.reshape(-1, x.shape[-1])
     routing = Routing.of(index, n_experts)
     scale = weight.reshape(-1)[routing.slots].to(acc)
-    rows, counts = routing.rows_of(first, gate_up.shape[0])
     y = torch.zeros(x2.shape, dtype=acc, device=x.device)
-    if rows.stop > rows.start:
-        tokens = routing.tokens[rows]
-        out = _ffn(x2.index_select(0, tokens), gate_up, down, counts, activation, acc)
-        y.index_add_(0, tokens, out.mul_(scale[rows, None]))
+    rows, counts = routing.rows_of(first, gate_up.shape[0])
+    _add_experts(y, x2, routing, rows, counts, gate_up, down, scale, activation)
     comm.all_reduce(y, group)
     return y.to(x.dtype).view(x.shape)

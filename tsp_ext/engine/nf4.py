@@ -9,6 +9,7 @@ levels are bitsandbytes' ``nf4`` code; blocks are not double-quantized.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -54,9 +55,11 @@ def unpack(packed: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch
     return values.view(-1)[: shape.numel()].view(shape).to(dtype)
 
 
+@functools.cache
 def _byte_values(device: torch.device) -> torch.Tensor:
     """``[256]`` int64: the two float32 levels each byte of codes stands for (high nibble
-    first), side by side in 8 bytes."""
+    first), side by side in 8 bytes. Made once per device: ``unpack`` runs for every shard a
+    rank receives, and a fresh table would be a host-to-device copy each time."""
     levels = torch.tensor(LEVELS, device=device)
     pairs = torch.stack([levels.repeat_interleave(16), levels.repeat(16)], dim=1)
     return pairs.view(torch.int64).view(-1)
