@@ -38,7 +38,7 @@ from tsp_ext.engine.layout import ZigzagLayout
 log = logging.getLogger("benchmarks.attention_kernels")
 
 
-def _median_ms(fn: Callable[[], object], repeats: int, warmup: int, sync: Callable[[], None]):
+def median_ms(fn: Callable[[], object], repeats: int, warmup: int, sync: Callable[[], None]):
     for _ in range(warmup):
         fn()
     times = []
@@ -66,7 +66,7 @@ def _sdpa_row(label: str, q, k, v, dout, share: int, timer, backend=None) -> dic
         with torch.set_grad_enabled(grad), only():
             return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
 
-    fwd = _median_ms(lambda: sdpa(False), repeats, warmup, sync)
+    fwd = median_ms(lambda: sdpa(False), repeats, warmup, sync)
     for x in (qs, ks, vs):
         x.requires_grad_()
     bwd_times = []
@@ -131,10 +131,10 @@ def bench(
             log.info("%s: %s", name, str(e).splitlines()[0])
             continue
         ref = ref or {"out": out, "grads": grads}
-        fwd = _median_ms(
+        fwd = median_ms(
             lambda kern=kern: chunked_attention_forward(kern, q, spans, k, v, scale), *timer
         )
-        bwd = _median_ms(
+        bwd = median_ms(
             lambda kern=kern, out=out, lse=lse: chunked_attention_backward(
                 kern, dout, q, spans, k, v, out, lse, scale
             ),
@@ -188,7 +188,7 @@ def bench(
     return rows
 
 
-def _fmt(x: float | None, spec: str = ".1e") -> str:
+def fmt(x: float | None, spec: str = ".1e") -> str:
     return "-" if x is None else format(x, spec)
 
 
@@ -204,8 +204,8 @@ def markdown_table(rows: list[dict]) -> str:
     )
     lines = [
         f"| {r['kernel']} | {r['fwd_ms']:.1f} | {r['bwd_ms']:.1f} | {r['fwd_vs_blockwise']:.3f} "
-        f"| {r['bwd_vs_blockwise']:.3f} | {_fmt(r.get('first_ms'), '.1f')} "
-        f"| {_fmt(r['max_abs_diff'])} | {_fmt(r['grad_max_abs_diff'])} |\n"
+        f"| {r['bwd_vs_blockwise']:.3f} | {fmt(r.get('first_ms'), '.1f')} "
+        f"| {fmt(r['max_abs_diff'])} | {fmt(r['grad_max_abs_diff'])} |\n"
         for r in rows
     ]
     return head + "".join(lines)

@@ -32,11 +32,10 @@ from torch.utils.checkpoint import checkpoint
 from .layouts import (
     IGNORE_INDEX,
     Prepared,
-    _contiguous_shard,
-    _long_context,
-    _sp_inputs,
+    contiguous_shard,
     register_ulysses,
     shifted_labels,
+    sp_inputs,
     tile_mlps,
     zero3_engine,
 )
@@ -141,8 +140,8 @@ def build_dpo_alst(model, ids, world, device) -> Prepared:
     ref_engine = zero3_engine(reference, B, mpu, train=False)
     group = mpu.get_sequence_parallel_group()
     rank = dist.get_rank(group)
-    inputs, _ = _sp_inputs(pair["input_ids"], world, rank)
-    labels = _contiguous_shard(shifted_labels(pair["labels"]), world, rank)
+    inputs, _ = sp_inputs(pair["input_ids"], world, rank)
+    labels = contiguous_shard(shifted_labels(pair["labels"]), world, rank)
 
     def loss():
         with torch.no_grad():
@@ -156,13 +155,3 @@ def build_dpo_alst(model, ids, world, device) -> Prepared:
 
     models = nn.ModuleDict({"policy": engine.module, "reference": ref_engine.module})
     return Prepared(models, loss, engine=engine, host_store=store)
-
-
-BUILDERS = {
-    "dpo_single": build_dpo_single,
-    "dpo_tsp_long": lambda m, i, w, d: build_dpo_tsp(
-        m, i, w, d, **_long_context(m), offload_checkpoints=True, overlap=False
-    ),
-    "dpo_alst": build_dpo_alst,
-}
-PROCESS_WIDE = frozenset({"dpo_alst"})  # Ulysses, as ``alst``

@@ -7,9 +7,9 @@ saved-activation bytes and per-collective byte counts are real at scales no test
 not meaningful (no data arrives, no transfer time is paid).
 
 Data-dependent collectives need plausible contents, or the code that reads them fails:
-``Mirror`` fills every all-to-all and all-gather output as if all ranks held this rank's data
-(from every source, the chunk this rank sends to itself), which is what TSP's vocabulary-sharded
-embedding exchanges (row counts, then row ids) need to stay in range.
+``mirror.Mirror`` fills every all-to-all and all-gather output as if all ranks held this rank's
+data, which is what TSP's vocabulary-sharded embedding exchanges (row counts, then row ids) need
+to stay in range.
 
     python -m benchmarks.emulate                                   # paper 7B, 1 layer, CPU
     python -m benchmarks.emulate --devices 8 --seq-len 131072 --layers 32 --device cuda
@@ -24,15 +24,11 @@ import json
 import logging
 import sys
 
-import torch
-import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from tsp_ext.planner import PRESETS
 from tsp_ext.testing.launch import run_processes
 
-from .harness import MODEL_KEYS, _train_rank
-from .layouts import tp_sp_split
+from .harness import row_header, train_rank
+from .mirror import Mirror
 
 log = logging.getLogger("benchmarks.emulate")
 
@@ -40,55 +36,9 @@ log = logging.getLogger("benchmarks.emulate")
 PAPER_7B = PRESETS["paper-7b"].hf_config_kwargs()
 
 
-def _group(pg) -> dist.ProcessGroup:
-    if isinstance(pg, str):
-        return dist.distributed_c10d._resolve_process_group(pg)
-    return pg if isinstance(pg, dist.ProcessGroup) else dist.ProcessGroup.unbox(pg)
-
-
-def _fill(out_chunks: list[torch.Tensor], mine: torch.Tensor) -> None:
-    """Every output chunk gets ``mine`` where the shapes agree, zeros (valid ids) elsewhere."""
-    with torch.no_grad():
-        for chunk in out_chunks:
-            if chunk.shape == mine.shape:
-                chunk.copy_(mine)
-            else:
-                chunk.zero_()
-
-
-def mirror(func, args: tuple, out):
-    """``func``'s output with every all-to-all / all-gather output filled as if every rank held
-    this rank's data (from every source, the chunk this rank sends to itself); ``out`` as is for
-    other ops. ``func`` has run already (on the fake process group: the outputs are unfilled)."""
-    name = f"{func.namespace}.{func._schema.name.split('::')[-1]}"
-    if name == "c10d.alltoall_base_":
-        output, x, pg, out_splits, in_splits = args[:5]
-        p, G = _group(pg).rank(), _group(pg).size()
-        mine = x.split(in_splits or x.shape[0] // G)[p]
-        _fill(list(output.split(out_splits or output.shape[0] // G)), mine)
-    elif name == "_c10d_functional.all_to_all_single":
-        x, out_splits, in_splits, pg = args[:4]
-        p, G = _group(pg).rank(), _group(pg).size()
-        mine = x.split(list(in_splits) or x.shape[0] // G)[p]
-        _fill(list(out.split(list(out_splits) or out.shape[0] // G)), mine)
-    elif name in ("c10d._allgather_base_", "_c10d_functional.all_gather_into_tensor"):
-        output, x = (args[0], args[1]) if func.namespace == "c10d" else (out, args[0])
-        _fill(list(output.flatten().split(x.numel())), x.flatten())
-    elif name == "c10d.allgather_":
-        _fill(list(args[0][0]), args[1][0])
-    return out
-
-
-class Mirror(TorchDispatchMode):
-    """Fill fake all-to-all / all-gather outputs as if every rank held this rank's data."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return mirror(func, args, func(*args, **(kwargs or {})))
-
-
 def _emulated_rank(rank: int, world: int, spec: dict) -> dict:
     with Mirror():
-        return _train_rank(rank, world, spec)
+        return train_rank(rank, world, spec)
 
 
 def emulate(
@@ -131,24 +81,8 @@ def emulate(
     )
     result.pop("times", None)
     result.update(loss=None, final_loss=None)  # JSON has no NaN
-    return {**row_header(layout, devices, seq_len, micro_batch, dtype, model, rank), **result}
-
-
-def row_header(layout, devices, seq_len, micro_batch, dtype, model, rank, emulated=True) -> dict:
-    """What identifies an emulated row: the layout and its split, the shape, the rank."""
-    tp, sp = tp_sp_split(layout, devices)
-    return {
-        "layout": layout,
-        "tp": tp,
-        "sp": sp,
-        "devices": devices,
-        "seq_len": seq_len,
-        "micro_batch": micro_batch,
-        "dtype": dtype,
-        "model": {k: model[k] for k in MODEL_KEYS},
-        "emulated": emulated,
-        "rank": rank,
-    }
+    header = row_header(layout, devices, seq_len, micro_batch, dtype, model)
+    return {**header, "emulated": True, "rank": rank, **result}
 
 
 def _model_arg(text: str) -> dict:

@@ -14,12 +14,12 @@ Fake tensors have no values, but TSP's bookkeeping reads some: the token ids (th
 sharded embedding exchanges row counts and row ids), the positions and labels (input checks,
 per-rank agreement). ``Emulation`` therefore keeps integer data real: the batch is real, every op
 whose tensor inputs are all real runs for real (on the fake group's collectives, filled by
-``emulate.mirror``), and a factory op (no tensor inputs) runs for real when its result is not a
+``mirror.mirror``), and a factory op (no tensor inputs) runs for real when its result is not a
 floating-point tensor of more than one element (integers, masks, optimizer step counts); all
 else is fake. ``torch.equal`` of fake tensors (``rope_phases``' check of the RoPE tables, the one
 check of float values on the path) answers True.
 
-``real=True`` runs the identical code with real tensors (``emulate.Mirror`` instead of
+``real=True`` runs the identical code with real tensors (``mirror.Mirror`` instead of
 ``Emulation``): the cross-check of the fake peak at small scale (``tests/test_emulate_fake.py``).
 
     python -m benchmarks.emulate --fake --model llama3-8b --devices 8 --layers 32 \\
@@ -38,15 +38,17 @@ from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 from torch.utils._pytree import tree_leaves
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from .emulate import Mirror, mirror, row_header
 from .harness import (
     DEFAULT_MODEL,
-    _backward_and_update,
-    _local_bytes,
-    _optimizer_bytes,
+    backward_and_update,
+    local_bytes,
     make_batch,
+    optimizer_bytes,
+    row_header,
 )
-from .layouts import BUILDERS, LR
+from .layouts import LR
+from .mirror import Mirror, mirror
+from .registry import REGISTRY
 
 _DEVICE = torch.ops.prim.device.default
 
@@ -151,7 +153,7 @@ def measure_rank(
     *,
     real: bool = False,
 ) -> dict:
-    """Rank ``rank`` of a ``devices``-rank TSP ``layout`` (a name of ``layouts.BUILDERS``): one
+    """Rank ``rank`` of a ``devices``-rank TSP ``layout`` (a name of ``registry.REGISTRY``): one
     steady-state training step under ``MemTracker``, in this process (which must have no process
     group). ``real``: real tensors (small scales only). Returns the row (bytes)."""
     if not layout.startswith("tsp"):
@@ -161,7 +163,7 @@ def measure_rank(
     with fake_group(rank, devices), Mirror() if real else Emulation():
         net = build_model(model, getattr(torch, dtype), seq_len)
         ids = make_batch(net.config.vocab_size, micro_batch, seq_len)
-        prep = BUILDERS[layout](net, ids, devices, torch.device("cpu"))
+        prep = REGISTRY[layout].build(net, ids, devices, torch.device("cpu"))
         del net
         opt = torch.optim.AdamW(prep.model.parameters(), lr=LR)
         _init_optimizer_state(opt)
@@ -171,20 +173,22 @@ def measure_rank(
         tracker.track_external(prep.model, opt, ids)
         with tracker:
             local, _ = prep.loss()
-            grads = _backward_and_update(prep, opt, local)
+            grads = backward_and_update(prep, opt, local)
             del local
         peak = tracker.get_tracker_snapshot("peak")
         memory = {
             "peak": sum(s[_TOTAL_KEY] for s in peak.values()),
-            "params": _local_bytes(prep.model.parameters()),
+            "params": local_bytes(prep.model.parameters()),
             "grads": grads,
-            "optimizer": _optimizer_bytes(opt),
+            "optimizer": optimizer_bytes(opt),
             "host": 0 if prep.host_store is None else prep.host_store.peak,
             "peak_breakdown": _breakdown(peak),
         }
     emulated = "real" if real else "fake"
     return {
-        **row_header(layout, devices, seq_len, micro_batch, dtype, model, rank, emulated),
+        **row_header(layout, devices, seq_len, micro_batch, dtype, model),
+        "emulated": emulated,
+        "rank": rank,
         "status": "ok",
         "memory_bytes": memory,
         "seconds": round(time.perf_counter() - t0, 1),

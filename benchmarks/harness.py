@@ -43,14 +43,9 @@ from tsp_ext.memory import SavedTensorBytes
 from tsp_ext.planner import PRESETS
 from tsp_ext.testing.launch import run_processes
 
-from . import dpo_layouts, layouts
 from .comm_counter import CommCounter
-from .layouts import LR, Prepared, tp_sp_split
-
-# the layouts measured: training (``layouts``) and preference training (``dpo_layouts``)
-BUILDERS = {**layouts.BUILDERS, **dpo_layouts.BUILDERS}
-LAYOUTS = tuple(BUILDERS)
-PROCESS_WIDE = layouts.PROCESS_WIDE | dpo_layouts.PROCESS_WIDE
+from .layouts import LR, Prepared
+from .registry import REGISTRY, lookup, tp_sp_split
 
 # a small Llama every layout divides at D in {2, 4}: heads 8 / D, KV heads 4 / D, MLP 704 / D
 DEFAULT_MODEL = PRESETS["tiny"].hf_config_kwargs()
@@ -82,7 +77,7 @@ def make_batch(vocab: int, micro_batch: int, seq_len: int, seed: int = 1) -> tor
     return torch.randint(vocab, (micro_batch, seq_len), generator=g)
 
 
-def _local_bytes(tensors) -> int:
+def local_bytes(tensors) -> int:
     total = 0
     for t in tensors:
         t = t.to_local() if isinstance(t, DTensor) else t
@@ -90,8 +85,8 @@ def _local_bytes(tensors) -> int:
     return total
 
 
-def _optimizer_bytes(opt: torch.optim.Optimizer) -> int:
-    return _local_bytes(v for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
+def optimizer_bytes(opt: torch.optim.Optimizer) -> int:
+    return local_bytes(v for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
 
 
 def _rss_bytes(field: str) -> int:
@@ -102,11 +97,11 @@ def _rss_bytes(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def _memory_now(device: torch.device) -> int:
+def memory_now(device: torch.device) -> int:
     return torch.cuda.memory_allocated(device) if device.type == "cuda" else _rss_bytes("VmRSS")
 
 
-def _reset_peak(device: torch.device) -> None:
+def reset_peak(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     else:
@@ -114,13 +109,13 @@ def _reset_peak(device: torch.device) -> None:
             f.write("5")  # resets VmHWM to the current resident set
 
 
-def _peak(device: torch.device) -> int:
+def peak_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return _rss_bytes("VmHWM")
 
 
-def _mmap_large_allocations() -> None:
+def mmap_large_allocations() -> None:
     """glibc: from now on serve every allocation over 64 KiB by mmap, and return cached free
     memory to the system (CPU peak-RSS measurements only; no effect elsewhere)."""
     try:
@@ -132,7 +127,7 @@ def _mmap_large_allocations() -> None:
     libc.malloc_trim(0)
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -147,35 +142,35 @@ def _state_bytes(prep: Prepared, opt) -> tuple[int, int]:
     """(parameters, optimizer state) this rank stores: under a ZeRO-3 engine its partitions
     (``ds_tensor``) and the engine's fp32 partitions and moments."""
     if prep.engine is None:
-        return _local_bytes(_weights(prep.model)), _optimizer_bytes(opt)
-    params = _local_bytes(getattr(p, "ds_tensor", p) for p in prep.model.parameters())
+        return local_bytes(_weights(prep.model)), optimizer_bytes(opt)
+    params = local_bytes(getattr(p, "ds_tensor", p) for p in prep.model.parameters())
     zero = prep.engine.optimizer
     masters = getattr(zero, "fp32_partitioned_groups_flat", [])
-    return params, _optimizer_bytes(zero.optimizer) + _local_bytes(masters)
+    return params, optimizer_bytes(zero.optimizer) + local_bytes(masters)
 
 
-def _backward_and_update(prep: Prepared, opt, local: torch.Tensor) -> int:
+def backward_and_update(prep: Prepared, opt, local: torch.Tensor) -> int:
     """Backward of ``local``, the layout's gradient sums, the update; returns gradient bytes."""
     if prep.engine is not None:
         prep.engine.backward(local)
         flat = getattr(prep.engine.optimizer, "grad_partitions_flat_buffer", None)
-        grads = 0 if flat is None else _local_bytes([flat])  # ZeRO-3's gradient partitions
+        grads = 0 if flat is None else local_bytes([flat])  # ZeRO-3's gradient partitions
         prep.engine.step()
         return grads
     local.backward()
     prep.reduce_grads()
-    grads = _local_bytes(p.grad for p in prep.model.parameters() if p.grad is not None)
+    grads = local_bytes(p.grad for p in prep.model.parameters() if p.grad is not None)
     opt.step()
     return grads
 
 
-def _step(prep: Prepared, opt) -> float:
+def train_step(prep: Prepared, opt) -> float:
     """One training step; returns the global loss."""
     if opt is not None:
         opt.zero_grad(set_to_none=True)
     with prep.context():
         local, total = prep.loss()
-        _backward_and_update(prep, opt, local)
+        backward_and_update(prep, opt, local)
     return float(total)
 
 
@@ -183,18 +178,18 @@ def _instrumented_step(prep: Prepared, opt, device) -> dict:
     if opt is not None:
         opt.zero_grad(set_to_none=True)
     gc.collect()
-    base = _memory_now(device)
-    _reset_peak(device)
+    base = memory_now(device)
+    reset_peak(device)
     if prep.host_store is not None:
         prep.host_store.reset_peak()
     with CommCounter() as comm:
         with prep.context():
             with SavedTensorBytes(ignore=_weights(prep.model)) as saved:
                 local, _ = prep.loss()
-            grads = _backward_and_update(prep, opt, local)
+            grads = backward_and_update(prep, opt, local)
             del local
-    _sync(device)
-    peak = _peak(device)
+    synchronize(device)
+    peak = peak_memory(device)
     params, optimizer = _state_bytes(prep, opt)
     return {
         "memory_bytes": {
@@ -218,7 +213,7 @@ def _is_oom(e: BaseException) -> bool:
     )
 
 
-def _train_rank(rank: int, world: int, spec: dict) -> dict:
+def train_rank(rank: int, world: int, spec: dict) -> dict:
     """Worker: build the layout on this rank and measure it (``spec``: measure's arguments)."""
     cuda = spec["device"] == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -227,22 +222,22 @@ def _train_rank(rank: int, world: int, spec: dict) -> dict:
         model = build_model(spec["model"], dtype, spec["seq_len"]).to(device)
         ids = make_batch(model.config.vocab_size, spec["micro_batch"], spec["seq_len"]).to(device)
         if spec["release_from_start"] and device.type == "cpu":
-            _mmap_large_allocations()
-        prep = BUILDERS[spec["layout"]](model, ids, world, device)
+            mmap_large_allocations()
+        prep = REGISTRY[spec["layout"]].build(model, ids, world, device)
         del model
         opt = None if prep.engine else torch.optim.AdamW(prep.model.parameters(), lr=LR)
-        first = _step(prep, opt)
+        first = train_step(prep, opt)
         for _ in range(spec["warmup"] - 1):
-            _step(prep, opt)
+            train_step(prep, opt)
         times = []
         for _ in range(spec["steps"]):
             dist.barrier()
             t0 = time.perf_counter()
-            last = _step(prep, opt)
-            _sync(device)
+            last = train_step(prep, opt)
+            synchronize(device)
             times.append(time.perf_counter() - t0)
         if device.type == "cpu":
-            _mmap_large_allocations()
+            mmap_large_allocations()
         row = _instrumented_step(prep, opt, device)
     except NotImplementedError as e:  # the layout's library refuses this device or model
         return {"status": f"unsupported: {type(e).__name__}: {e}"}
@@ -270,6 +265,23 @@ def _merge(results: list[dict]) -> dict:
     }
 
 
+def row_header(
+    layout: str, devices: int, seq_len: int, micro_batch: int, dtype: str, model: dict
+) -> dict:
+    """What identifies a row: the layout and its (tp, sp) split, the shape, the model's sizes."""
+    tp, sp = tp_sp_split(layout, devices)
+    return {
+        "layout": layout,
+        "tp": tp,
+        "sp": sp,
+        "devices": devices,
+        "seq_len": seq_len,
+        "micro_batch": micro_batch,
+        "dtype": dtype,
+        "model": {k: model[k] for k in MODEL_KEYS},
+    }
+
+
 def measure(
     layout: str,
     devices: int,
@@ -292,7 +304,7 @@ def measure(
     ``device="cuda"`` runs NCCL with one GPU per rank. A run that dies for memory gives
     ``status="oom"``; a layout that cannot be built here, ``status="unsupported: <reason>"``.
     ``launch(fn, world, *args, timeout=...)`` runs the ranks (default: fresh gloo / NCCL
-    processes, ``run_processes``, which the layouts in ``PROCESS_WIDE`` always get; the tests
+    processes, ``run_processes``, which a ``process_wide`` layout always gets; the tests
     pass their kept pool, whose ranks' peak resident set is not their own: use its rows' tensor
     byte counts, not ``peak``). ``release_from_start``: glibc returns freed memory from process
     start, not only in the instrumented step (memory searches: memory freed by the first steps
@@ -301,18 +313,9 @@ def measure(
     if warmup < 1 or steps < 1:
         raise ValueError(f"need warmup >= 1 and steps >= 1, got warmup={warmup}, steps={steps}")
     model = {**DEFAULT_MODEL, **(model_cfg or {})}
-    world = 1 if layout.removeprefix("dpo_") == "single" else devices
-    tp, sp = tp_sp_split(layout, world)
-    row = {
-        "layout": layout,
-        "tp": tp,
-        "sp": sp,
-        "devices": world,
-        "seq_len": seq_len,
-        "micro_batch": micro_batch,
-        "dtype": dtype,
-        "model": {k: model[k] for k in MODEL_KEYS},
-    }
+    entry = lookup(layout)
+    world = entry.ranks(devices)
+    row = row_header(layout, world, seq_len, micro_batch, dtype, model)
     reason = unsupported_reason(layout, device)
     if reason:
         return {**row, "status": f"unsupported: {reason}"}
@@ -328,10 +331,10 @@ def measure(
         release_from_start=release_from_start,
     )
     backend = "nccl" if device == "cuda" else "gloo"
-    if launch is None or layout in PROCESS_WIDE:  # those need processes of their own
+    if launch is None or entry.process_wide:  # those need processes of their own
         launch = functools.partial(run_processes, backend=backend)
     try:
-        results = launch(_train_rank, world, spec, timeout=timeout)
+        results = launch(train_rank, world, spec, timeout=timeout)
     except RuntimeError as e:
         if "exit code -9" in str(e):  # the kernel's OOM killer
             return {**row, "status": "oom"}

@@ -5,26 +5,7 @@ size, and returns a ``Prepared``: the parallelised model and the two calls of a 
 ``loss()`` (forward; returns the tensor to differentiate and the global loss, detached) and
 ``reduce_grads()`` (gradient sums a layout leaves to the trainer, e.g. over sequence shards).
 
-| layout | library | weights per rank | tokens per rank |
-|---|---|---|---|
-| single | transformers | all | all |
-| tsp | tsp_ext.apply_tsp | 1/D | 1/D (zigzag) |
-| tp | torch ``parallelize_module`` with the model's HF tp plan | 1/D | all |
-| tp_sp | torch TP + ``SequenceParallel`` norms (Megatron TP+SP) | 1/D | 1/D between blocks |
-| ulysses | DeepSpeed ``UlyssesSPAttentionHF.register_with_transformers`` | all | 1/D |
-| tpxsp | torch TP on ``tp`` (inside) × DeepSpeed Ulysses on ``sp`` (across) | 1/tp | 1/sp |
-| ring | torch ``context_parallel`` (ring attention) | all | 1/D |
-| ulysses_zero3 | DeepSpeed ZeRO-3 over the SP ranks + Ulysses + HF checkpointing | 1/D | 1/D |
-| alst | ``ulysses_zero3`` + ``TiledMLP`` + ``TiledFusedLogitsLoss`` + offload | 1/D | 1/D |
-
-``ulysses`` and ``tpxsp`` keep every weight and checkpoint nothing (replicated weights); ``alst``
-is Arctic Long Sequence Training as DeepSpeed ships it (arXiv 2506.13996). ``tsp_no_overlap``,
-``tsp_keep_mlp``, ``tsp_layers`` and ``tsp_offload`` are ``tsp`` with ``TSPConfig(overlap=False)``,
-``TSPConfig(recompute_mlp=False)``, ``TSPConfig(checkpoint_layers=True, mlp_tile=h)``, that with
-``offload_checkpoints=True``; ``tsp_long`` (the longest context) is ``tsp_offload`` with
-``overlap=False`` (one head group's buffers at a time). ``tsp_lora`` is ``tsp`` on a PEFT LoRA
-model (``LORA``: r = 16 on all seven projections, the base frozen), ``tsp_qlora`` that with the
-base NF4-packed (``TSPConfig(quantize_base="nf4")``).
+Which layouts exist, and with which options each builder runs: ``registry.REGISTRY``.
 """
 
 from __future__ import annotations
@@ -69,24 +50,11 @@ class Prepared:
     host_store: Any = None
 
 
-def tp_sp_split(layout: str, devices: int) -> tuple[int, int]:
-    """(tp, sp) sizes of a layout on ``devices`` ranks; TSP folds both onto one axis (D, D). A
-    DPO layout (``dpo_layouts``) is split as the layout it is named after."""
-    layout = layout.removeprefix("dpo_")
-    if layout == "single":
-        return 1, 1
-    if layout.startswith("tsp"):
-        return devices, devices
-    if layout in ("tp", "tp_sp"):
-        return devices, 1
-    if layout in ("ulysses", "ring", "ulysses_zero3", "alst"):
-        return 1, devices
-    if layout == "tpxsp":
-        tp = 2 if devices % 2 == 0 and devices > 2 else 1
-        if tp == 1:
-            raise ValueError(f"tpxsp needs an even device count of at least 4, got {devices}")
-        return tp, devices // tp
-    raise ValueError(f"unknown layout {layout!r}; choose from {', '.join(LAYOUTS)}")
+def tpxsp_split(devices: int) -> tuple[int, int]:
+    """(tp, sp) of ``tpxsp`` on ``devices`` ranks: TP inside pairs, Ulysses across them."""
+    if devices % 2 or devices <= 2:
+        raise ValueError(f"tpxsp needs an even device count of at least 4, got {devices}")
+    return 2, devices // 2
 
 
 def shifted_labels(ids: torch.Tensor) -> torch.Tensor:
@@ -216,22 +184,17 @@ def build_tp_sp(model, ids, world, device) -> Prepared:
     return Prepared(model, loss)
 
 
-def _contiguous_shard(t: torch.Tensor, size: int, rank: int) -> torch.Tensor:
+def contiguous_shard(t: torch.Tensor, size: int, rank: int) -> torch.Tensor:
     return t.chunk(size, dim=1)[rank].contiguous()
 
 
-def _sp_inputs(ids: torch.Tensor, size: int, rank: int):
+def sp_inputs(ids: torch.Tensor, size: int, rank: int):
     positions = torch.arange(ids.shape[1], device=ids.device)[None].expand_as(ids)
     inputs = {
-        "input_ids": _contiguous_shard(ids, size, rank),
-        "position_ids": _contiguous_shard(positions, size, rank),
+        "input_ids": contiguous_shard(ids, size, rank),
+        "position_ids": contiguous_shard(positions, size, rank),
     }
-    return inputs, _contiguous_shard(shifted_labels(ids), size, rank)
-
-
-# layouts that install their attention in transformers' registry for the whole process
-# (DeepSpeed's Ulysses replaces the "sdpa" function): never run two in one process
-PROCESS_WIDE = frozenset({"ulysses", "tpxsp", "ulysses_zero3", "alst"})
+    return inputs, contiguous_shard(shifted_labels(ids), size, rank)
 
 
 def build_ulysses(model, ids, world, device) -> Prepared:
@@ -244,7 +207,7 @@ def build_ulysses(model, ids, world, device) -> Prepared:
         model, "sdpa", world, B, seq_length=S, seq_length_is_variable=False
     )
     group = mpu.get_sequence_parallel_group()
-    inputs, labels = _sp_inputs(ids, world, dist.get_rank(group))
+    inputs, labels = sp_inputs(ids, world, dist.get_rank(group))
     count = B * (S - 1)
     return Prepared(
         model, _sharded_loss(model, inputs, labels, count, group), _grad_all_reduce(model, group)
@@ -285,13 +248,13 @@ def build_tpxsp(model, ids, world, device) -> Prepared:
     import deepspeed.comm
 
     deepspeed.comm.init_distributed(dist_backend=dist.get_backend())
-    tp, sp = tp_sp_split("tpxsp", world)
+    tp, sp = tpxsp_split(world)
     mesh = init_device_mesh(device.type, (sp, tp), mesh_dim_names=("sp", "tp"))
     parallelize_module(model, mesh["tp"], hf_tp_plan(model))
     group = mesh["sp"].get_group()
     B, S = ids.shape
     _install_ulysses(model.config, tp, B, S, group)
-    inputs, labels = _sp_inputs(ids, sp, mesh["sp"].get_local_rank())
+    inputs, labels = sp_inputs(ids, sp, mesh["sp"].get_local_rank())
     count = B * (S - 1)
     return Prepared(
         model, _sharded_loss(model, inputs, labels, count, group), _grad_all_reduce(model, group)
@@ -323,7 +286,7 @@ def build_ring(model, ids, world, device) -> Prepared:
     return Prepared(model, loss, _grad_all_reduce(model, group), context)
 
 
-def _long_context(model) -> dict:
+def long_context(model) -> dict:
     """TSP's long-context options: layers checkpointed, MLP tiles of ``h`` tokens (as ALST's)."""
     return {"checkpoint_layers": True, "mlp_tile": model.config.hidden_size}
 
@@ -386,7 +349,7 @@ def build_ulysses_zero3(model, ids, world, device, *, tiled: bool = False) -> Pr
         tile_mlps(model, S // world)
     engine = zero3_engine(model, B, mpu, train=True)
     group = mpu.get_sequence_parallel_group()
-    inputs, labels = _sp_inputs(ids, world, dist.get_rank(group))
+    inputs, labels = sp_inputs(ids, world, dist.get_rank(group))
     # ZeRO averages the gradients over the SP ranks: each rank's share of the global mean, x D
     scale = world / (B * (S - 1))
 
@@ -424,35 +387,3 @@ def with_lora(model: nn.Module) -> nn.Module:
 
     torch.manual_seed(0)
     return get_peft_model(model, LoraConfig(**LORA))
-
-
-BUILDERS: dict[str, Callable[..., Prepared]] = {
-    "single": build_single,
-    "tsp": build_tsp,
-    "tsp_no_overlap": lambda m, i, w, d: build_tsp(m, i, w, d, overlap=False),
-    "tsp_keep_mlp": lambda m, i, w, d: build_tsp(m, i, w, d, recompute_mlp=False),
-    "tsp_layers": lambda m, i, w, d: build_tsp(m, i, w, d, **_long_context(m)),
-    "tsp_offload": lambda m, i, w, d: build_tsp(
-        m, i, w, d, **_long_context(m), offload_checkpoints=True
-    ),
-    "tsp_long": lambda m, i, w, d: build_tsp(
-        m, i, w, d, **_long_context(m), offload_checkpoints=True, overlap=False
-    ),
-    "tsp_lora": lambda m, i, w, d: build_tsp(with_lora(m), i, w, d),
-    "tsp_qlora": lambda m, i, w, d: build_tsp(with_lora(m), i, w, d, quantize_base="nf4"),
-    "tp": build_tp,
-    "tp_sp": build_tp_sp,
-    "ulysses": build_ulysses,
-    "tpxsp": build_tpxsp,
-    "ring": build_ring,
-    "ulysses_zero3": build_ulysses_zero3,
-    "alst": lambda m, i, w, d: build_ulysses_zero3(m, i, w, d, tiled=True),
-}
-LAYOUTS = tuple(BUILDERS)
-# what a sweep runs unless told: every layout but the steps between TSP's defaults and tsp_long
-# and between Ulysses and ALST (select those by name)
-SWEEP_LAYOUTS = tuple(
-    n
-    for n in LAYOUTS
-    if n not in ("tsp_layers", "tsp_offload", "ulysses_zero3", "tsp_lora", "tsp_qlora")
-)

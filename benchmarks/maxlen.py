@@ -24,7 +24,8 @@ import argparse
 import json
 from collections.abc import Callable
 
-from .harness import LAYOUTS, measure
+from .harness import measure
+from .registry import LAYOUTS
 
 MIB = 2**20
 

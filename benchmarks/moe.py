@@ -34,7 +34,7 @@ from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from benchmarks.comm_counter import CommCounter
-from benchmarks.harness import _memory_now, _mmap_large_allocations, _peak, _reset_peak
+from benchmarks.harness import memory_now, mmap_large_allocations, peak_memory, reset_peak
 from tsp_ext import TSPConfig
 from tsp_ext.engine.layout import ZigzagLayout
 from tsp_ext.engine.moe_traffic import traffic
@@ -74,13 +74,13 @@ def _instrumented(module, x: torch.Tensor, dy: torch.Tensor) -> dict:
     """One step's saved bytes, bytes received in forward and backward, and peak resident-set
     growth over the step's start (CPU), plus the expert bytes the module holds."""
     fwd, bwd = CommCounter(), CommCounter()
-    base = _memory_now(x.device)
-    _reset_peak(x.device)
+    base = memory_now(x.device)
+    reset_peak(x.device)
     with fwd, SavedTensorBytes(module.parameters()) as saved:
         y = module(x)
     with bwd:
         y.backward(dy)
-    peak = _peak(x.device) - base
+    peak = peak_memory(x.device) - base
     module.zero_grad()
     x.grad = None
     return {
@@ -109,7 +109,7 @@ def _worker(rank, world, model, tokens, schedules, steps, single):
         runs[schedule] = (TSPSparseMoe.from_hf(hf, dist.group.WORLD, config, QWEN_MOE), xl)
     dys = {name: torch.randn(x.shape, generator=g) for name, (_, x) in runs.items()}
     out = {name: {"step_s": _time(m, x, dys[name], steps)} for name, (m, x) in runs.items()}
-    _mmap_large_allocations()
+    mmap_large_allocations()
     for name, (m, x) in runs.items():
         out[name].update(_instrumented(m, x, dys[name]))
     return out

@@ -29,7 +29,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from benchmarks.attention_kernels import _fmt, _median_ms
+from benchmarks.attention_kernels import fmt, median_ms
 from tsp_ext.engine.attention import heads_major
 from tsp_ext.engine.attention_backends import select_backend
 from tsp_ext.engine.chunked_attention import chunked_attention_backward, chunked_attention_forward
@@ -102,10 +102,10 @@ def bench(
 
     def timed_chunked(spans) -> tuple[float, float, torch.Tensor]:
         out, lse = chunked_attention_forward(kern, q, spans, k, v, scale)
-        fwd = _median_ms(
+        fwd = median_ms(
             lambda: chunked_attention_forward(kern, q, spans, k, v, scale), repeats, warmup, sync
         )
-        bwd = _median_ms(
+        bwd = median_ms(
             lambda: chunked_attention_backward(kern, dout, q, spans, k, v, out, lse, scale),
             repeats,
             warmup,
@@ -114,7 +114,7 @@ def bench(
         return fwd, bwd, out
 
     def timed_masked(run) -> tuple[float, float, torch.Tensor]:
-        fwd = _median_ms(lambda: run(False), repeats, warmup, sync)
+        fwd = median_ms(lambda: run(False), repeats, warmup, sync)
         for x in (q, k, v):
             x.requires_grad_()
         times = []
@@ -172,7 +172,7 @@ def markdown_table(rows: list[dict]) -> str:
     )
     lines = [
         f"| {r['docs']} | {r['method']} | {r['calls']} | {r['fwd_ms']:.1f} | {r['bwd_ms']:.1f} "
-        f"| {r['fwd_vs_stream']:.3f} | {r['bwd_vs_stream']:.3f} | {_fmt(r['max_abs_diff'])} |\n"
+        f"| {r['fwd_vs_stream']:.3f} | {r['bwd_vs_stream']:.3f} | {fmt(r['max_abs_diff'])} |\n"
         for r in rows
     ]
     return head + "".join(lines)

@@ -23,8 +23,8 @@ from torch.autograd.profiler import record_function
 
 from tsp_ext.testing.launch import run_processes
 
-from .harness import _step, _sync, build_model, make_batch
-from .layouts import BUILDERS, LAYOUTS
+from .harness import build_model, make_batch, synchronize, train_step
+from .registry import REGISTRY, TRAINING_LAYOUTS
 
 
 def _named_forwards(model: torch.nn.Module) -> list:
@@ -59,16 +59,16 @@ def _profile_rank(rank: int, world: int, spec: dict) -> dict:
     dtype = getattr(torch, spec["dtype"])
     model = build_model(spec["model"], dtype, spec["seq_len"]).to(device)
     ids = make_batch(model.config.vocab_size, 1, spec["seq_len"]).to(device)
-    prep = BUILDERS[spec["layout"]](model, ids, 1, device)
+    prep = REGISTRY[spec["layout"]].build(model, ids, 1, device)
     opt = torch.optim.AdamW(prep.model.parameters(), lr=1e-4)
     for _ in range(2):
-        _step(prep, opt)
+        train_step(prep, opt)
     times = []
     for _ in range(spec["steps"]):
-        _sync(device)
+        synchronize(device)
         t0 = time.perf_counter()
-        _step(prep, opt)
-        _sync(device)
+        train_step(prep, opt)
+        synchronize(device)
         times.append(time.perf_counter() - t0)
 
     acts = [torch.profiler.ProfilerActivity.CPU]
@@ -77,8 +77,8 @@ def _profile_rank(rank: int, world: int, spec: dict) -> dict:
     handles = _named_forwards(prep.model)
     with torch.profiler.profile(activities=acts) as prof:
         t0 = time.perf_counter()
-        _step(prep, opt)
-        _sync(device)
+        train_step(prep, opt)
+        synchronize(device)
         profiled = time.perf_counter() - t0
     for h in handles:
         h.remove()
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m benchmarks.profile_step", description=__doc__.split("\n")[0]
     )
-    ap.add_argument("--layout", nargs="+", default=["single", "tsp"], choices=LAYOUTS)
+    ap.add_argument("--layout", nargs="+", default=["single", "tsp"], choices=TRAINING_LAYOUTS)
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--model", type=json.loads, default={}, help="config overrides, JSON")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])

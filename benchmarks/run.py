@@ -22,8 +22,8 @@ import sys
 import time
 
 from .harness import measure
-from .layouts import LAYOUTS, SWEEP_LAYOUTS, tp_sp_split
 from .plots import write_plots
+from .registry import SWEEP_LAYOUTS, TRAINING_LAYOUTS, layouts_help, tp_sp_split
 from .report import add_loss_check, add_ulysses_ratio, markdown_table
 
 log = logging.getLogger("benchmarks")
@@ -96,11 +96,14 @@ def combine_rounds(rows: list[dict]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m benchmarks.run", description=__doc__.split("\n")[0]
+        prog="python -m benchmarks.run",
+        description=__doc__.split("\n")[0],
+        epilog=layouts_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--devices", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--seq-lens", type=int, nargs="+", default=None)
-    ap.add_argument("--layouts", nargs="+", default=list(SWEEP_LAYOUTS), choices=LAYOUTS)
+    ap.add_argument("--layouts", nargs="+", default=list(SWEEP_LAYOUTS), choices=TRAINING_LAYOUTS)
     ap.add_argument("--steps", type=int, default=5, help="timed steps (median)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument(

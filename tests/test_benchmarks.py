@@ -46,6 +46,70 @@ def _collectives(rank: int, world: int) -> dict:
     return dict(c.received)
 
 
+def test_registry_derives_the_splits_sweep_and_process_wide_layouts():
+    """One ``registry.REGISTRY`` entry per layout gives its (tp, sp) split, whether it needs
+    processes of its own and whether the default sweep runs it."""
+    from benchmarks.registry import LAYOUTS, REGISTRY, SWEEP_LAYOUTS, TRAINING_LAYOUTS, tp_sp_split
+
+    splits = {n: tp_sp_split(n, 4) for n in LAYOUTS}
+    assert splits["single"] == splits["dpo_single"] == (1, 1)
+    assert {splits[n] for n in LAYOUTS if n.startswith(("tsp", "dpo_tsp"))} == {(4, 4)}
+    assert splits["tp"] == splits["tp_sp"] == (4, 1) and splits["tpxsp"] == (2, 2)
+    assert {splits[n] for n in ("ulysses", "ring", "ulysses_zero3", "alst", "dpo_alst")} == {(1, 4)}
+    with pytest.raises(ValueError, match="at least 4"):
+        tp_sp_split("tpxsp", 2)
+    with pytest.raises(ValueError, match="unknown layout"):
+        tp_sp_split("nope", 2)
+    assert {n for n, e in REGISTRY.items() if e.process_wide} == {
+        "ulysses",
+        "tpxsp",
+        "ulysses_zero3",
+        "alst",
+        "dpo_alst",
+    }
+    assert SWEEP_LAYOUTS == (
+        "single", "tsp", "tsp_no_overlap", "tsp_keep_mlp", "tsp_long", "tp", "tp_sp", "ulysses",
+        "tpxsp", "ring", "alst",
+    )  # fmt: skip
+    assert TRAINING_LAYOUTS == tuple(n for n in LAYOUTS if not n.startswith("dpo_"))
+    assert REGISTRY["dpo_single"].ranks(4) == REGISTRY["single"].ranks(4) == 1
+
+
+def test_benchmarks_have_no_import_cycle():
+    """The modules of ``benchmarks/`` import each other (at module level or inside a function)
+    without a cycle."""
+    import ast
+    from pathlib import Path
+
+    folder = Path(__file__).parents[1] / "benchmarks"
+    names = {p.stem for p in folder.glob("*.py")}
+    edges = {}
+    for path in folder.glob("*.py"):
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+                found.add(node.module)
+            elif isinstance(node, ast.ImportFrom) and node.level == 1:
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("benchmarks."):
+                found.add(node.module.split(".")[1])
+        edges[path.stem] = found & names
+    done, active = set(), []
+
+    def visit(mod):
+        assert mod not in active, f"import cycle: {' -> '.join([*active, mod])}"
+        if mod not in done:
+            active.append(mod)
+            for dep in sorted(edges[mod]):
+                visit(dep)
+            active.pop()
+            done.add(mod)
+
+    for mod in sorted(edges):
+        visit(mod)
+    assert edges["emulate"] >= {"mirror"} and "emulate" not in edges["emulate_fake"]
+
+
 def test_comm_counter_bytes_received(workers):
     r0, r1 = workers.run(_collectives, 2, timeout=120)
     # fp32, G = 2: all-reduce 2·(G-1)/G·400, gathers/scatters (G-1)/G of the full tensor
@@ -95,7 +159,7 @@ def _alst_gradient_errors(rank: int, world: int) -> dict[str, float]:
     from deepspeed.utils import safe_get_full_grad
 
     from benchmarks.harness import build_model, make_batch
-    from benchmarks.layouts import BUILDERS
+    from benchmarks.registry import REGISTRY
 
     seq = 256  # 4 MLP tiles of h = 32 tokens per rank
     model = build_model(TINY, torch.float32, seq)
@@ -103,7 +167,7 @@ def _alst_gradient_errors(rank: int, world: int) -> dict[str, float]:
     ids = make_batch(model.config.vocab_size, 1, seq)
     ref_loss = ref(input_ids=ids, labels=ids).loss
     ref_loss.backward()
-    prep = BUILDERS["alst"](model, ids, world, torch.device("cpu"))
+    prep = REGISTRY["alst"].build(model, ids, world, torch.device("cpu"))
     local, total = prep.loss()
     prep.engine.backward(local)
     errs = {"loss": abs(float(total) - ref_loss.item()) / ref_loss.item()}
@@ -134,7 +198,8 @@ def _dpo_gradient_errors(rank: int, world: int) -> dict[str, float]:
 
     from deepspeed.utils import safe_get_full_grad
 
-    from benchmarks.harness import BUILDERS, build_model, make_batch
+    from benchmarks.harness import build_model, make_batch
+    from benchmarks.registry import REGISTRY
     from tsp_ext import full_grads
 
     seq = 256  # 2 MLP tiles of h = 32 tokens per rank; a log-probability tile each
@@ -143,7 +208,7 @@ def _dpo_gradient_errors(rank: int, world: int) -> dict[str, float]:
     cpu = torch.device("cpu")
 
     def run(layout: str, policy: torch.nn.Module):
-        prep = BUILDERS[layout](policy, ids, world if layout != "dpo_single" else 1, cpu)
+        prep = REGISTRY[layout].build(policy, ids, world if layout != "dpo_single" else 1, cpu)
         local, total = prep.loss()
         prep.engine.backward(local) if prep.engine else local.backward()
         return prep, float(total)
