@@ -4,9 +4,7 @@ The schedules in ``attention.py`` and ``mlp.py`` call the plain helpers from ins
 ``backward`` methods. The autograd Functions at the bottom wrap the same helpers for code that
 composes with ordinary autograd; each Function's backward is the exact adjoint of its forward:
 
-    broadcast from owner   <->  reduce to owner
     sequence all-gather    <->  sequence reduce-scatter
-    ring pass (p -> p+1)   <->  reverse ring pass (p -> p-1)
     replicated use         <->  gradient all-reduce (one per step for a bucket of them)
     partial sums -> total  <->  identity (the total is one replicated value)
 
@@ -174,8 +172,8 @@ def all_to_all(
 class Ring:
     """Neighbour exchange on the TSP ring.
 
-    ``shift(send, recv)`` posts ``send -> p+1`` and ``recv <- p-1`` (``reverse=True``: the other
-    way) as one batched async operation and returns its handle. Buffers must stay untouched until
+    ``shift(send, recv)`` posts ``send -> p+1`` and ``recv <- p-1`` as one batched async
+    operation and returns its handle. Buffers must stay untouched until
     the handle is waited on, which is why callers double-buffer.
     """
 
@@ -183,12 +181,11 @@ class Ring:
         self.group = group
         self.size, self.rank = size_and_rank(group)
 
-    def shift(self, send: torch.Tensor, recv: torch.Tensor, reverse: bool = False) -> Pending:
+    def shift(self, send: torch.Tensor, recv: torch.Tensor) -> Pending:
         if self.size == 1:
             recv.copy_(send)
             return Pending([])
-        step = -1 if reverse else 1
-        dst, src = (self.rank + step) % self.size, (self.rank - step) % self.size
+        dst, src = (self.rank + 1) % self.size, (self.rank - 1) % self.size
         ops = [
             dist.P2POp(dist.isend, send, group=self.group, group_peer=dst),
             dist.P2POp(dist.irecv, recv, group=self.group, group_peer=src),
@@ -197,26 +194,6 @@ class Ring:
 
 
 # --- autograd Functions: forward collective, exact dual in backward --------------------------
-
-
-class _BroadcastFromOwner(torch.autograd.Function):
-    """forward: every rank gets ``owner``'s ``x`` (each rank passes a tensor of the same shape).
-    backward: gradients are summed into ``owner``; other ranks' inputs get zero gradient."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, owner: int, group: ProcessGroup) -> torch.Tensor:
-        ctx.owner, ctx.group = owner, group
-        out = x.detach().clone().contiguous()
-        broadcast(out, owner, group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        g = grad.contiguous().clone()
-        reduce(g, ctx.owner, ctx.group)
-        if dist.get_rank(ctx.group) != ctx.owner:
-            g.zero_()
-        return g, None, None
 
 
 class _AllGatherSeq(torch.autograd.Function):
@@ -246,26 +223,6 @@ class _GatherSeqReplicated(_AllGatherSeq):
     def backward(ctx, grad: torch.Tensor):
         D, p = size_and_rank(ctx.group)
         return grad.chunk(D, dim=1)[p], None
-
-
-class _RingPass(torch.autograd.Function):
-    """forward: send ``x`` to rank p+1, return what rank p-1 sent.
-    backward: send the gradient to rank p-1, return what rank p+1 sent."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        ctx.ring = Ring(group)
-        x = x.detach().contiguous()
-        out = torch.empty_like(x)
-        ctx.ring.shift(x, out).wait()
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
-        out = torch.empty_like(grad)
-        ctx.ring.shift(grad, out, reverse=True).wait()
-        return out, None
 
 
 class _ReplicatedUse(torch.autograd.Function):
@@ -301,11 +258,6 @@ class _SumOverRanks(torch.autograd.Function):
         return grad, None
 
 
-def broadcast_from_owner(x: torch.Tensor, owner: int, group: ProcessGroup) -> torch.Tensor:
-    """Differentiable broadcast from group rank ``owner`` (dual: reduce to owner)."""
-    return _BroadcastFromOwner.apply(x, owner, group)
-
-
 def gather_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Differentiable all-gather ``[B, T, ...] -> [B, D*T, ...]`` (dual: reduce-scatter)."""
     return _AllGatherSeq.apply(x, group)
@@ -315,11 +267,6 @@ def gather_seq_replicated(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Differentiable all-gather ``[B, T, ...] -> [B, D*T, ...]`` whose result every rank uses
     the same way (a replicated loss): backward keeps this rank's slice of the gradient."""
     return _GatherSeqReplicated.apply(x, group)
-
-
-def ring_pass(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """Differentiable ring step p -> p+1 (dual: p -> p-1)."""
-    return _RingPass.apply(x, group)
 
 
 class _BucketedUse(torch.autograd.Function):

@@ -98,12 +98,6 @@ class AttentionSpec:
             return None
         return local
 
-    @property
-    def kv_shared(self) -> bool:
-        """Whether some KV head is used by more than one group (its copies' gradients are then
-        summed over all its users)."""
-        return any(self.first_kv_copied(p) for p in range(1, self.tsp_size))
-
     def first_kv_copied(self, p: int) -> bool:
         """Whether group ``p``'s first KV head is also used by group p-1 (a copy)."""
         return p > 0 and self.kv_heads(p - 1).stop > self.kv_heads(p).start
