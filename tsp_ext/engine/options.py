@@ -11,21 +11,39 @@ from .attention_backends import BACKENDS
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """Options of the attention, MLP and vocabulary schedules (``TSPConfig.engine_options()``
-    builds them from the user-facing config, which documents each field).
+    """Options of the attention, MLP and vocabulary schedules; ``TSPConfig`` adds the model-level
+    ones (it is an ``EngineOptions``, and ``TSPConfig.engine_options()`` takes these fields).
 
     Args:
-        accum_dtype: dtype of partial-output and gradient accumulation (float64 inputs always
+        accum_dtype: dtype of partial-output and gradient accumulation across head groups and
+            ring steps (float32 keeps bf16 models exact to fp32 rounding; float64 inputs always
             accumulate in float64).
-        overlap: prefetch the next weight shard / K/V while computing the current one.
-        attn_backend: ``"auto"`` or a name in ``BACKENDS``.
-        attn_block: query and key block size of the ``blockwise`` kernel.
-        window_exchange: under a sliding window, exchange only the keys each rank's queries
-            see (``engine.window``) where that pays; off: all-gather every key.
-        recompute_mlp: recompute the MLP's gate/up projections in backward.
-        mlp_tile: tokens per tile of an MLP ring step (None: all of the rank's at once).
-        loss_chunk: tokens per block of the fused LM-head loss.
-        moe_schedule: ``"ring"``, ``"all_to_all"`` or ``"auto"`` (``engine.moe``).
+        overlap: prefetch the next weight shard (broadcast / ring) while computing the current
+            one, and post the next head group's K/V all-gather before the current group
+            attends. Off makes every transfer synchronous and keeps one head group's buffers
+            (projections, gathered K/V, their gradients) alive at a time: less memory at long
+            context (debugging, profiling, the longest sequences).
+        attn_backend: attention kernel: ``"auto"`` (fused where the device and dtype allow:
+            ``cpu_flash`` on CPU; for bf16/fp16 on CUDA ``cuda_cudnn`` on Hopper and newer when
+            the shapes repeat every step, else ``flash_attn`` / ``cuda_flash``; ``cuda_efficient``
+            for fp32 on CUDA; else ``blockwise``) or one of those names (``BACKENDS``).
+        attn_block: query and key block size of the ``blockwise`` attention kernel; bounds its
+            transient score block to ``B x heads/D x attn_block^2``.
+        window_exchange: in sliding-window layers, send each rank only the keys its queries
+            see (point to point, ``engine.window``) where that saves at least half of the K/V
+            all-gather's traffic; off: all-gather every key as in full-attention layers.
+        recompute_mlp: recompute the MLP's gate/up projections shard by shard in backward (saves
+            only X_p). Off keeps them: ``2 x B x S/D x F`` more saved elements per layer, two
+            fewer matmuls per ring step in backward.
+        mlp_tile: tokens per tile of an MLP ring step: a step's intermediates (gate/up
+            pre-activations, their gradients) are ``mlp_tile x 2F/D`` instead of
+            ``B·S/D x 2F/D``; the weight gradients accumulate over the tiles. None: no tiling.
+        loss_chunk: tokens per block of the fused LM-head loss; bounds its transient logits
+            block to ``loss_chunk x ⌈V/D⌉`` (float32).
+        moe_schedule: how a mixture-of-experts layer's tokens meet its experts (each rank owns
+            E/D whole experts): ``"ring"`` (the experts travel the ring, tokens stay),
+            ``"all_to_all"`` (tokens go to their experts' owners and back) or ``"auto"``: per
+            call, the one that moves fewer bytes (``engine.moe_traffic``).
     """
 
     accum_dtype: torch.dtype = torch.float32
