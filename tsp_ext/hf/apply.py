@@ -1,19 +1,22 @@
-"""``apply_tsp``: turn a Hugging Face Llama-family causal LM into a TSP model, in place.
+"""``apply_tsp``: turn a Hugging Face causal LM of a supported family (``hf.families``) into a
+TSP model, in place.
 
-Steps, in order:
-  1. check the model is supported (structure and config), before anything is touched;
-  2. resolve the mesh and build each TSP module from the one it replaces: per decoder layer the
-     attention (head group p) and the gated MLP (slice p), and the embedding and LM head
-     (vocabulary row block p; groups, slices and blocks differ by at most one head / row;
-     ``TSPConfig(shard_vocab=False)`` keeps them replicated) — the full
-     weights are dropped; the norms keep their (tiny) replicated weights;
-  3. switch the model to TSP-aware behaviour: no attention masks (causal by global position), no
+Steps, in order (numbered as in ``apply_tsp``):
+  1. check the model (structure and config), the mesh and the split of heads, MLP rows and
+     experts over it, before anything is touched;
+  2. replace each decoder layer's attention (head group p), MLP (slice p; a mixture-of-experts
+     block: E/D whole experts) and norms, then the embedding and LM head (vocabulary row block p;
+     ``TSPConfig(shard_vocab=False)`` keeps them replicated), by TSP modules built from them;
+     groups, slices and blocks differ by at most one head / row; the full weights are dropped,
+     the norms keep their (tiny) replicated weights, and parameters frozen before stay frozen;
+  3. QLoRA (``TSPConfig(quantize_base="nf4")``): the frozen base's shards in 4-bit NormalFloat;
+  4. switch the model to TSP-aware behaviour: no attention masks (causal by global position), no
      KV cache in training calls, a loss that is the global token mean over the TSP group (with a
      sharded vocabulary: the fused ring LM head + cross-entropy, no full logits), an input check
      that rejects batches not made by ``shard_batch``, and ``generate`` with a sharded KV cache
-     (calls that carry a ``TSPCache`` take the inference path, ``hf.inference``);
-  4. with ``TSPConfig(checkpoint_layers=True)``, checkpoint every decoder layer (its input
-     offloaded to host memory with ``offload_checkpoints``: ``hf.checkpointing``).
+     (calls that carry a ``TSPCache`` take the inference path, ``hf.inference``); then, with
+     ``TSPConfig(checkpoint_layers=True)``, checkpoint every decoder layer (its input offloaded
+     to host memory with ``offload_checkpoints``: ``hf.checkpointing``).
 
 A ``peft.PeftModel`` with a LoRA adapter is folded too (``hf.lora``): the adapters follow their
 base weights' shards and the PEFT model is returned, still a PEFT model.
@@ -89,8 +92,9 @@ def apply_tsp(
     """Make ``model`` a TSP model on the mesh's ``"tsp"`` axis, in place; returns it.
 
     Args:
-        model: a Hugging Face ``*ForCausalLM`` of the Llama family (Llama, Mistral, Qwen2, Qwen3 or
-            any model with the same structure), with the same weights on every rank; or a
+        model: a Hugging Face ``*ForCausalLM`` of a supported family (``hf.families``: Llama,
+            Mistral, Qwen2 / 3, Gemma, Gemma-3, Phi-3, OLMo-2, Qwen-MoE, Mixtral, or any model
+            with one's structure), with the same weights on every rank; or a
             ``peft.PeftModel`` of one with a LoRA adapter on some of q/k/v/o/gate/up/down
             (``get_peft_model`` first, then ``apply_tsp``; the same adapter on every rank).
         mesh: a mesh with a ``"tsp"`` dimension; built with ``init_tsp_mesh(tsp_size)`` if None.
@@ -103,22 +107,62 @@ def apply_tsp(
     """
     config = config or TSPConfig()
     if getattr(model, "tsp", None) is not None:
-        if peft_base(model) is None:
-            raise ValueError("apply_tsp was already applied to this model")
-        fold_on_shards(model)  # get_peft_model on a TSP model: fold the adapters it added
-        base = peft_base(model)
-        if config.quantize_base == "nf4":
-            quantize_projections(base)
-        base.tsp = replace(base.tsp, bucketed=replicated_vectors(base))
-        _patch_peft(model)
-        return model
+        return _fold_new_adapters(model, config)
     peft_model, adapter = model, None
-    base = peft_base(model)
-    if base is not None:
+    if peft_base(model) is not None:
         adapter = check_peft_model(model)
-        model = base
+        model = peft_base(model)
+    # 1. check the model, the mesh and the split, before anything is touched
     family = check_supported(model)
-    size = tsp_size or config.tsp_size
+    mesh, group = _resolve_mesh(mesh, tsp_size or config.tsp_size)
+    moe = any(family.is_moe(getattr(x, family.mlp)) for x in family.layers_of(model))
+    _check_split(model.config, dist.get_world_size(group), moe)
+    if adapter is not None:
+        check_adapters_agree(peft_model, group)
+    # 2. replace the decoder layers' parts, the embedding and the LM head by their shards; the
+    # parameters frozen before stay frozen (the TSP modules' shards start trainable)
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    _shard_layers(model, family, group, config, adapter)
+    _shard_vocabulary(model, family, group, config)
+    for name, param in model.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
+    # 3. QLoRA: the frozen base's shards in NF4
+    if config.quantize_base == "nf4":
+        if adapter is None:
+            raise ValueError(
+                "quantize_base='nf4' (QLoRA) quantizes a frozen base: apply TSP to a PEFT LoRA "
+                "model (get_peft_model first)"
+            )
+        quantize_projections(model)
+    # 4. TSP-aware behaviour (masks, cache, loss, inputs, generate), then layer checkpointing
+    _switch_behaviour(model, mesh, group, config, family)
+    if config.checkpoint_layers:
+        store = enable_layer_checkpointing(model, config.offload_checkpoints)
+        model.tsp = replace(model.tsp, host_store=store)
+    if adapter is not None:
+        _patch_peft(peft_model)
+    return peft_model
+
+
+def _fold_new_adapters(model: nn.Module, config: TSPConfig) -> nn.Module:
+    """``apply_tsp`` of a PEFT model made by ``get_peft_model`` on a TSP model: fold the adapters
+    it added onto the shards (and quantize the base for QLoRA)."""
+    if peft_base(model) is None:
+        raise ValueError("apply_tsp was already applied to this model")
+    fold_on_shards(model)
+    base = peft_base(model)
+    if config.quantize_base == "nf4":
+        quantize_projections(base)
+    base.tsp = replace(base.tsp, bucketed=replicated_vectors(base))
+    _patch_peft(model)
+    return model
+
+
+def _resolve_mesh(
+    mesh: DeviceMesh | None, size: int | None
+) -> tuple[DeviceMesh, dist.ProcessGroup]:
+    """The mesh (``init_tsp_mesh(size)`` if None) and its TSP group, checked against ``size``."""
     if mesh is None:
         if size is None:
             raise ValueError("apply_tsp needs a mesh or a tsp_size (argument or TSPConfig)")
@@ -127,28 +171,32 @@ def apply_tsp(
     D = dist.get_world_size(group)
     if size is not None and size != D:
         raise ValueError(f"tsp_size={size} but the mesh's 'tsp' dimension has {D} ranks")
-    moe = any(family.is_moe(getattr(x, family.mlp)) for x in family.layers_of(model))
-    _check_layout(model.config, D, moe)
+    return mesh, group
 
-    if adapter is not None:
-        check_adapters_agree(peft_model, group)
-    f = family
+
+def _shard_layers(model: nn.Module, f: Family, group, config: TSPConfig, adapter) -> None:
+    """Each decoder layer's attention (head group p), MLP (slice p, or E/D experts) and norms as
+    TSP modules; LoRA adapters move onto the new modules' shards."""
     for layer in f.layers_of(model):
         f.unfuse(layer)  # Phi-3's qkv_proj / gate_up_proj: their parts, as TSP shards them
-    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     for layer in f.layers_of(model):
         mlp_class = TSPSparseMoe if f.is_moe(getattr(layer, f.mlp)) else TSPGatedMLP
-        for name, projections, tsp_class, extra in (
-            (f.attention, f.attention_projections, TSPAttention, {"family": f}),
-            (f.mlp, f.mlp_projections, mlp_class, {"family": f}),
+        for name, projections, tsp_class in (
+            (f.attention, f.attention_projections, TSPAttention),
+            (f.mlp, f.mlp_projections, mlp_class),
         ):
             taken = detach_adapters(getattr(layer, name), projections)
-            setattr(layer, name, tsp_class.from_hf(getattr(layer, name), group, config, **extra))
+            setattr(layer, name, tsp_class.from_hf(getattr(layer, name), group, config, family=f))
             attach_adapters(getattr(layer, name), taken, adapter)
         for name in f.layer_norms:
             setattr(layer, name, _norm(f, getattr(layer, name), group))
     base = f.base_of(model)
     setattr(base, f.final_norm, _norm(f, getattr(base, f.final_norm), group))
+
+
+def _shard_vocabulary(model: nn.Module, f: Family, group, config: TSPConfig) -> None:
+    """The embedding and LM head by vocabulary row block p (``shard_vocab``), else replicated."""
+    base = f.base_of(model)
     embedding, head = getattr(base, f.embedding), getattr(model, f.lm_head)
     if config.shard_vocab:
         tied = head.weight is embedding.weight
@@ -159,16 +207,10 @@ def apply_tsp(
     setattr(base, f.embedding, embedding)
     setattr(model, f.lm_head, head)
 
-    for name, param in model.named_parameters():  # the TSP modules' shards start trainable
-        if name in frozen:
-            param.requires_grad_(False)
-    if config.quantize_base == "nf4":
-        if adapter is None:
-            raise ValueError(
-                "quantize_base='nf4' (QLoRA) quantizes a frozen base: apply TSP to a PEFT LoRA "
-                "model (get_peft_model first)"
-            )
-        quantize_projections(model)
+
+def _switch_behaviour(model: nn.Module, mesh, group, config: TSPConfig, family: Family) -> None:
+    """No masks (causal by global position), no cache in training calls, the global-mean loss,
+    the input check, TSP's forward and ``generate``; records ``model.tsp``."""
     changed = {
         "_attn_implementation": model.config._attn_implementation,
         "use_cache": model.config.use_cache,
@@ -176,17 +218,12 @@ def apply_tsp(
     model.config._attn_implementation = ATTN_IMPLEMENTATION
     model.config.use_cache = False  # training calls keep no cache; generate passes a TSPCache
     model.loss_function = TSPCausalLMLoss(group)
+    D = dist.get_world_size(group)
     model.tsp = TSPState(mesh, group, replace(config, tsp_size=D), family, changed)
     model.tsp = replace(model.tsp, bucketed=replicated_vectors(model))
-    if config.checkpoint_layers:
-        store = enable_layer_checkpointing(model, config.offload_checkpoints)
-        model.tsp = replace(model.tsp, host_store=store)
     model.forward = types.MethodType(tsp_forward, model)
     model.generate = types.MethodType(tsp_generate, model)
     model.register_forward_pre_hook(check_inputs, with_kwargs=True)
-    if adapter is not None:
-        _patch_peft(peft_model)
-    return peft_model
 
 
 def _patch_peft(peft_model) -> None:
@@ -288,7 +325,7 @@ def check_supported(model: nn.Module) -> Family:
     return family
 
 
-def _check_layout(cfg, D: int, moe: bool) -> None:
+def _check_split(cfg, D: int, moe: bool) -> None:
     """Every rank gets at least one query head (and MLP row, of every expert where ``moe``),
     checked before any weight is sliced; head counts, MLP widths and vocabularies need not be
     multiples of D."""
