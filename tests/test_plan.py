@@ -162,6 +162,20 @@ def test_hf_config_kwargs_inverts_from_hf_config():
     assert extra == {"head_dim": 96, "tie_word_embeddings": True}
 
 
+def test_model_types_name_each_family_of_hf_families():
+    """``hf.model_types`` (the config facts the torch-free planner reads) gives each
+    ``model_type`` the ``hf.families`` family whose classes hold that type's causal LM."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from tsp_ext.hf.families import FAMILIES
+    from tsp_ext.hf.model_types import MODEL_TYPES
+
+    families = {f.name: f for f in FAMILIES}
+    assert {t.family for t in MODEL_TYPES.values()} == set(families)
+    for model_type, facts in MODEL_TYPES.items():
+        assert MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type] in families[facts.family].classes
+
+
 def test_plot_needs_matplotlib_or_writes_png(tmp_path, capsys):
     png = tmp_path / "mem.png"
     argv = ["--model", "tiny", "--seq-len", "4096", "--devices", "4", "--plot", str(png)]

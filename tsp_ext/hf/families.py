@@ -25,6 +25,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+# each expert's F, read from the config (``hf.moe`` imports it from here)
+from .model_types import expert_intermediate_size as expert_intermediate_size
+
 
 @dataclass(frozen=True)
 class Family:
@@ -215,12 +218,6 @@ OLMO2 = Family(
 QWEN_MOE = Family("Qwen-MoE", ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"), moe=True)
 MIXTRAL = Family("Mixtral", ("MixtralForCausalLM",), moe=True, router_float32=True)
 FAMILIES = (LLAMA, GEMMA, GEMMA3, PHI3, OLMO2, QWEN_MOE, MIXTRAL)
-
-
-def expert_intermediate_size(config) -> int:
-    """Each expert's intermediate size ``F`` (Qwen-MoE's ``moe_intermediate_size``, Mixtral's
-    ``intermediate_size``)."""
-    return getattr(config, "moe_intermediate_size", None) or config.intermediate_size
 
 
 def _part_rows(parts: tuple[str, ...], config) -> list[int]:

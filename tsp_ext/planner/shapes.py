@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..engine.heads import AttentionSpec
+from ..hf.model_types import expert_intermediate_size, model_type_of, num_experts
 
 
 @dataclass(frozen=True)
@@ -57,8 +58,8 @@ class ModelShape:
                 f"config {name!r} lacks {', '.join(missing)}: not a Llama-family config"
             )
         h, nh = cfg["hidden_size"], cfg["num_attention_heads"]
-        experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
-        width = cfg.get("moe_intermediate_size") if experts else None
+        experts, facts = num_experts(cfg), model_type_of(cfg)
+        width = expert_intermediate_size(cfg) if experts else cfg["intermediate_size"]
         return cls(
             name=name,
             hidden_size=h,
@@ -66,12 +67,11 @@ class ModelShape:
             num_heads=nh,
             num_kv_heads=cfg.get("num_key_value_heads") or nh,
             head_dim=cfg.get("head_dim") or h // nh,
-            intermediate_size=width or cfg["intermediate_size"],
+            intermediate_size=width,
             vocab_size=cfg["vocab_size"],
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=cfg.get("model_type") in ("qwen2", "qwen2_moe")
-            or bool(cfg.get("attention_bias", False)),
-            qk_norm=cfg.get("model_type") in ("qwen3", "qwen3_moe"),
+            qkv_bias=facts.qkv_bias or bool(cfg.get("attention_bias", False)),
+            qk_norm=facts.qk_norm,
             num_experts=experts,
             experts_per_token=cfg.get("num_experts_per_tok", 0) if experts else 0,
         )
