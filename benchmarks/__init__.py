@@ -3,11 +3,13 @@
 - ``harness.measure(layout, devices, seq_len, model_cfg, ...)``: one layout, one length, one row
   of measured per-rank bytes (model state, saved activations, peak memory, communication per
   collective), step time and loss;
-- ``layouts``: one builder per layout, each using the real library (tsp_ext, torch DTensor
-  parallel styles and context parallel, DeepSpeed Ulysses);
+- ``registry``: the layouts, one entry each (builder, (tp, sp) split, process-wide, in the
+  default sweep); everything that lists or splits layouts reads it;
+- ``layouts``, ``dpo_layouts``: the builders, each using the real library (tsp_ext, torch DTensor
+  parallel styles and context parallel, DeepSpeed Ulysses and ZeRO-3), for training and DPO;
 - ``run``: the sweep CLI (``python -m benchmarks.run``) writing JSON, markdown and PNG plots;
 - ``emulate``: one rank of a D-rank layout alone on the fake process group (real memory at
-  full scale on one device);
+  full scale on one device), its data-dependent collectives filled by ``mirror``;
 - ``emulate_fake``: the same rank's TSP training step under fake tensors (``emulate --fake``):
   MemTracker's per-rank peak of an 8B model at millions of tokens, in minutes of one CPU core;
 - ``comm_counter``, ``report``, ``plots``: the pieces they share.

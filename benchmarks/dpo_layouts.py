@@ -154,4 +154,4 @@ def build_dpo_alst(model, ids, world, device) -> Prepared:
         return out, out.detach()
 
     models = nn.ModuleDict({"policy": engine.module, "reference": ref_engine.module})
-    return Prepared(models, loss, engine=engine, host_store=store)
+    return Prepared(models, loss, deepspeed_engine=engine, host_store=store)

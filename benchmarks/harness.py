@@ -141,21 +141,21 @@ def _weights(model) -> list[torch.Tensor]:
 def _state_bytes(prep: Prepared, opt) -> tuple[int, int]:
     """(parameters, optimizer state) this rank stores: under a ZeRO-3 engine its partitions
     (``ds_tensor``) and the engine's fp32 partitions and moments."""
-    if prep.engine is None:
+    if prep.deepspeed_engine is None:
         return local_bytes(_weights(prep.model)), optimizer_bytes(opt)
     params = local_bytes(getattr(p, "ds_tensor", p) for p in prep.model.parameters())
-    zero = prep.engine.optimizer
+    zero = prep.deepspeed_engine.optimizer
     masters = getattr(zero, "fp32_partitioned_groups_flat", [])
     return params, optimizer_bytes(zero.optimizer) + local_bytes(masters)
 
 
 def backward_and_update(prep: Prepared, opt, local: torch.Tensor) -> int:
     """Backward of ``local``, the layout's gradient sums, the update; returns gradient bytes."""
-    if prep.engine is not None:
-        prep.engine.backward(local)
-        flat = getattr(prep.engine.optimizer, "grad_partitions_flat_buffer", None)
+    if prep.deepspeed_engine is not None:
+        prep.deepspeed_engine.backward(local)
+        flat = getattr(prep.deepspeed_engine.optimizer, "grad_partitions_flat_buffer", None)
         grads = 0 if flat is None else local_bytes([flat])  # ZeRO-3's gradient partitions
-        prep.engine.step()
+        prep.deepspeed_engine.step()
         return grads
     local.backward()
     prep.reduce_grads()
@@ -200,7 +200,7 @@ def _instrumented_step(prep: Prepared, opt, device) -> dict:
             "peak": peak,
             "peak_delta": peak - base,
             "host": 0 if prep.host_store is None else prep.host_store.peak,
-            "resident_grads": grads if prep.engine is not None else 0,
+            "resident_grads": grads if prep.deepspeed_engine is not None else 0,
         },
         "comm_bytes": dict(comm.received),
     }
@@ -225,7 +225,7 @@ def train_rank(rank: int, world: int, spec: dict) -> dict:
             mmap_large_allocations()
         prep = REGISTRY[spec["layout"]].build(model, ids, world, device)
         del model
-        opt = None if prep.engine else torch.optim.AdamW(prep.model.parameters(), lr=LR)
+        opt = None if prep.deepspeed_engine else torch.optim.AdamW(prep.model.parameters(), lr=LR)
         first = train_step(prep, opt)
         for _ in range(spec["warmup"] - 1):
             train_step(prep, opt)

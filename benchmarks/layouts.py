@@ -45,7 +45,7 @@ class Prepared:
     # entered around forward and backward (ring attention's sequence sharding)
     context: Callable[[], AbstractContextManager] = field(default=nullcontext)
     # a DeepSpeed engine that runs backward and the optimizer step itself (None: torch AdamW)
-    engine: Any = None
+    deepspeed_engine: Any = None
     # host memory holding offloaded layer checkpoints (``tsp_ext.hf.checkpointing.HostStore``)
     host_store: Any = None
 
@@ -374,7 +374,7 @@ def build_ulysses_zero3(model, ids, world, device, *, tiled: bool = False) -> Pr
         dist.all_reduce(total, group=group)
         return local, total
 
-    return Prepared(engine.module, loss, engine=engine, host_store=store)
+    return Prepared(engine.module, loss, deepspeed_engine=engine, host_store=store)
 
 
 # the adapter of the LoRA layouts: what long-context LoRA recipes commonly use

@@ -25,7 +25,7 @@ import json
 from collections.abc import Callable
 
 from .harness import measure
-from .registry import LAYOUTS
+from .registry import LAYOUTS, REGISTRY, layouts_help
 
 MIB = 2**20
 
@@ -136,11 +136,15 @@ def markdown(rows: list[dict], versus: str = "alst") -> str:
 
 def baseline(layouts: list[str]) -> str:
     """The layout the table's ratios are to: ALST, or DPO on the ALST path for DPO layouts."""
-    return "dpo_alst" if any(name.startswith("dpo_") for name in layouts) else "alst"
+    return "dpo_alst" if any(REGISTRY[name].preference for name in layouts) else "alst"
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog=layouts_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--devices", type=int, nargs="+", default=[2])
     p.add_argument("--budget-mib", type=float, required=True, help="per-rank memory budget")
     p.add_argument("--layouts", nargs="+", default=["tsp", "ulysses", "tp"], choices=LAYOUTS)

@@ -169,7 +169,7 @@ def _alst_gradient_errors(rank: int, world: int) -> dict[str, float]:
     ref_loss.backward()
     prep = REGISTRY["alst"].build(model, ids, world, torch.device("cpu"))
     local, total = prep.loss()
-    prep.engine.backward(local)
+    prep.deepspeed_engine.backward(local)
     errs = {"loss": abs(float(total) - ref_loss.item()) / ref_loss.item()}
     for (name, p), q in zip(prep.model.named_parameters(), ref.parameters()):
         errs[name] = ((safe_get_full_grad(p) - q.grad).abs().max() / q.grad.abs().max()).item()
@@ -210,7 +210,7 @@ def _dpo_gradient_errors(rank: int, world: int) -> dict[str, float]:
     def run(layout: str, policy: torch.nn.Module):
         prep = REGISTRY[layout].build(policy, ids, world if layout != "dpo_single" else 1, cpu)
         local, total = prep.loss()
-        prep.engine.backward(local) if prep.engine else local.backward()
+        prep.deepspeed_engine.backward(local) if prep.deepspeed_engine else local.backward()
         return prep, float(total)
 
     single, expect = run("dpo_single", copy.deepcopy(model))
