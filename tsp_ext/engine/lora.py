@@ -28,7 +28,7 @@ what a full fine-tuning step saves.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import itertools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -225,21 +225,34 @@ class MlpRingAdapters:
 
     Gate/up's B rows (block-diagonal ``[2 f_q, r_g + r_u]``) and down's A columns ``[r_d, f_q]``
     ride a second ring beside the base shards (``circulate``; they may be kept in a wider
-    dtype). Without active dropout they are merged into the shards (``merge``) and add no terms;
-    otherwise ``U·Bᵀ`` joins the pre-activations (``add_input``; ``U`` made once per pass from
-    the replicated A's), ``drop(act)·Aᵀ`` joins ``Z`` (``add_output``) and ``s·Z·B_downᵀ`` the
-    output (``finish_forward``). Backward: ``start_backward`` (``U``, ``dZ = s·dY·B_down``), per
+    dtype). Without active dropout they are merged into the shards (``merge``: by the owner,
+    ``premerged``, or on arrival) and add no terms; otherwise ``U·Bᵀ`` joins the pre-activations
+    (``add_input``; ``U`` made once per pass from the replicated A's: ``start_forward``),
+    ``drop(act)·Aᵀ`` joins ``Z`` (``add_output``) and ``s·Z·B_downᵀ`` the output
+    (``finish_forward``). Backward: ``start_backward`` (``U``, ``dZ = s·dY·B_down``), per
     tile ``add_d_act``, ``add_grads`` (rebuilding ``Z``) and ``add_d_input`` (``dU``), then
     ``finish_backward``. The gradient ring carries the B rows' and A columns' gradients
     (``grad_views``) when ``trainable``."""
 
-    def __init__(self, plan, drop, lora: MlpLora, f_p: int, acc, trainable: bool) -> None:
+    def __init__(
+        self,
+        plan: LoraPlan,
+        drop: SeededDropout,
+        lora: MlpLora,
+        f_p: int,
+        acc: torch.dtype,
+        trainable: bool,
+        packed: bool,
+    ) -> None:
         self.plan, self.drop, self.lora, self.acc, self.trainable = plan, drop, lora, acc, trainable
-        self.merged = not drop.active
         b_in = block_diagonal([lora.b_gate, lora.b_up], [f_p, f_p])
         self.own = MlpStepAdapters(b_in, lora.a_down)  # this rank's pieces, as they travel
         self.r_in = self.own.b_in.shape[1] if self.own.b_in is not None else 0
         self.r_out = lora.a_down.shape[0] if lora.a_down is not None else 0
+        self.merged = not drop.active
+        # merged by each shard's owner before it travels (once per pass, not once per step on
+        # every rank), unless the base travels NF4-``packed``: then by every receiver
+        self.premerged = self.merged and not packed and self.active
         self.a_stack = scaled_stack(list(lora.a_in), plan) if self.merged and lora.a_in else None
         self.x2 = self.u = self.du = self.z = self.dz = None
 
@@ -258,12 +271,15 @@ class MlpRingAdapters:
         a_out = buf[2 * f * self.r_in : self.numel(f)].view(self.r_out, f) if self.r_out else None
         return MlpStepAdapters(b_in, a_out)
 
-    def circulate(self, ring, sizes: list[int], overlap: bool) -> Iterator[MlpStepAdapters]:
-        """The pieces of owner ``p - t`` at each step t of the ring (``sizes``: every owner's
-        width), arriving while the caller works."""
+    def circulate(self, ring, sizes: list[int], overlap: bool, backward: bool):
+        """Iterator of the pieces of owner ``p - t`` at each step t of the ring (``sizes``: every
+        owner's width), arriving while the caller works; Nones when they do not travel (none,
+        or ``premerged`` and not ``backward``, where they are read)."""
+        if not self.active or (self.premerged and not backward):
+            return itertools.repeat(MlpStepAdapters())
         own = comm.pack([t for t in self.own if t is not None], numel=self.numel(max(sizes)))
-        for t, cur in circulate(ring, own, overlap, reuse=True):
-            yield self.views(cur, sizes[(ring.rank - t) % ring.size])
+        steps = circulate(ring, own, overlap, reuse=True)
+        return (self.views(cur, sizes[(ring.rank - t) % ring.size]) for t, cur in steps)
 
     def merge(self, gu, dn, step: MlpStepAdapters, in_place: bool = False):
         """``[G; U] + B_in·a_stack`` and ``Dn + s·B_down·A_out`` (each unchanged without its
@@ -276,6 +292,10 @@ class MlpRingAdapters:
             b_out, a_out = self.lora.b_down.to(dn.dtype), step.a_out.to(dn.dtype)
             dn = (dn.addmm_ if in_place else dn.addmm)(b_out, a_out, alpha=self.plan.output)
         return gu, dn
+
+    def on_arrival(self, gu, dn, step: MlpStepAdapters):
+        """What a step computes with: ``merge`` of a received shard, unless ``premerged``."""
+        return self.merge(gu, dn, step) if self.merged and not self.premerged else (gu, dn)
 
     def grad_numel(self, f: int) -> int:
         """Gradient-ring elements of the pieces of a width-``f`` shard."""

@@ -165,7 +165,8 @@ class _RingSchedule:
     def adapters(self, lora: MlpLora) -> MlpRingAdapters:
         """The adapter hook of one pass with this rank's adapter tensors ``lora``."""
         f_p = self.sizes[self.p]
-        return MlpRingAdapters(self.plan, self.drop, lora, f_p, self.acc, self.lora_trainable)
+        trainable, packed = self.lora_trainable, self.codec.packed
+        return MlpRingAdapters(self.plan, self.drop, lora, f_p, self.acc, trainable, packed)
 
     def tiles(self) -> list[slice]:
         """The token rows of each tile, in order."""
@@ -184,24 +185,20 @@ class _RingSchedule:
 
     def shards(self, weights, ad: MlpRingAdapters, backward: bool):
         """Yield ``(t, _Shard)`` of owner q = p - t, views of the ring buffers; the next one
-        arrives while the caller works. The adapter pieces ride their own ring where they are
-        read: in ``backward``, or to be merged on arrival. Merged adapters are merged into the
-        owner's shard before it travels, once per pass instead of once per step on every rank,
-        unless the shard travels NF4-packed: then each step merges on arrival."""
-        packed = comm.pack(weights, numel=self.numel)  # a copy: it may serve as a receive buffer
-        premerged = ad.merged and not self.codec.packed
-        if premerged and ad.active:
-            ad.merge(*self.codec.decode(packed, self.shapes(self.sizes[self.p])), ad.own, True)
-        base = circulate(self.ring, packed, self.options.overlap, reuse=True)
-        steps = None
-        if ad.active and (backward or not premerged):
-            steps = ad.circulate(self.ring, self.sizes, self.options.overlap)
+        arrives while the caller works. The adapter pieces ride their own ring beside it
+        (``ad.circulate``); merged adapters are merged by the owner before its shard travels
+        (``ad.premerged``) or by each receiver."""
+        buf = comm.pack(weights, numel=self.numel)  # a copy: it may serve as a receive buffer
+        if ad.premerged:
+            gu, dn = self.codec.decode(buf, self.shapes(self.sizes[self.p]))
+            ad.merge(gu, dn, ad.own, in_place=True)
+        base = circulate(self.ring, buf, self.options.overlap, reuse=True)
+        steps = ad.circulate(self.ring, self.sizes, self.options.overlap, backward)
         for t, cur in base:
             q = (self.p - t) % self.D
             gu, dn = self.codec.decode(cur, self.shapes(self.sizes[q]))
-            shard = _Shard(q, gu, dn, next(steps) if steps is not None else MlpStepAdapters())
-            if ad.merged and not premerged:
-                shard.gu_use, shard.dn_use = ad.merge(gu, dn, shard.lora)
+            shard = _Shard(q, gu, dn, next(steps))
+            shard.gu_use, shard.dn_use = ad.on_arrival(gu, dn, shard.lora)
             yield t, shard
 
 

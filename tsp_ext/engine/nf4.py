@@ -85,10 +85,9 @@ class StackedShard:
         out, i = [], 0
         for group in groups:
             shapes = [torch.Size(s) for s in group]
-            stacked = (sum(s[0] for s in shapes), *shapes[0][1:])
-            if not self.packed:
+            if not self.packed:  # the group's tensors lie one after the other: one view
                 n = sum(s.numel() for s in shapes)
-                out.append(buf[i : i + n].view(stacked))
+                out.append(buf[i : i + n].view(sum(s[0] for s in shapes), *shapes[0][1:]))
                 i += n
                 continue
             parts = []
