@@ -63,3 +63,36 @@ def _byte_values(device: torch.device) -> torch.Tensor:
     levels = torch.tensor(LEVELS, device=device)
     pairs = torch.stack([levels.repeat_interleave(16), levels.repeat(16)], dim=1)
     return pairs.view(torch.int64).view(-1)
+
+
+class StackedShard:
+    """A ring buffer's form of one weight shard: tensors in ``groups``, each group one tensor
+    stacked along dim 0 (e.g. ``[G; U]``, one GEMM), held as they are (views of the buffer) or,
+    ``packed``, as NF4 bytes (QLoRA's frozen base) dequantized to ``dtype`` on arrival."""
+
+    def __init__(self, packed: bool, dtype: torch.dtype) -> None:
+        self.packed, self.dtype = packed, dtype
+
+    def _numel(self, shape: torch.Size) -> int:
+        return packed_bytes(shape) if self.packed else shape.numel()
+
+    def numel(self, groups: list[list[tuple[int, ...]]]) -> int:
+        """Buffer elements (bytes if packed) of a shard whose tensors have the shapes ``groups``."""
+        return sum(self._numel(torch.Size(s)) for group in groups for s in group)
+
+    def decode(self, buf: torch.Tensor, groups: list[list[tuple[int, ...]]]) -> list[torch.Tensor]:
+        """One tensor per group from the buffer ``buf`` (views; dequantized copies if packed)."""
+        out, i = [], 0
+        for group in groups:
+            shapes = [torch.Size(s) for s in group]
+            if not self.packed:  # the group's tensors lie one after the other: one view
+                n = sum(s.numel() for s in shapes)
+                out.append(buf[i : i + n].view(sum(s[0] for s in shapes), *shapes[0][1:]))
+                i += n
+                continue
+            parts = []
+            for s in shapes:
+                parts.append(unpack(buf[i : i + packed_bytes(s)], s, self.dtype))
+                i += packed_bytes(s)
+            out.append(torch.cat(parts) if len(parts) > 1 else parts[0])
+        return out

@@ -36,6 +36,15 @@ def add_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         out.addmm_(a.to(out.dtype), b.to(out.dtype))
 
 
+def matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, add: bool) -> None:
+    """``out = a @ b`` (``add``: ``out += a @ b``) at ``out``'s precision: a sum over tiles whose
+    first tile writes instead of adding to zeros."""
+    if add:
+        add_matmul(out, a, b)
+    else:
+        matmul(a, b, out.dtype, out=out)
+
+
 def inv_rms(xf: torch.Tensor, eps: float) -> torch.Tensor:
     """The float32 reciprocal RMS ``[..., 1]`` of ``xf`` (``x.float()``) over its last dim."""
     return torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
