@@ -165,3 +165,184 @@ def input_projection_backward(
         else:
             dx2 += matmul(du_j, s * aj, dx2.dtype).mul_(mask)
     return grads
+
+
+# --- the attention schedule's adapters ---
+
+
+class AttentionAdapters:
+    """The attention schedule's LoRA hook (``engine.attention``; ``plan.inputs`` a subset of q/k/v,
+    ``plan.output`` o's). The B rows ``lq, lk, lv [rows, r]`` of the adapted q/k/v travel with
+    their head group's shards and add ``U · B_rᵀ`` to its projection (``U`` made once per pass
+    from the replicated A's); o's A columns ``lo [r, n_q·d]`` travel too and add ``drop(A_r) ·
+    Ao_rᵀ`` into ``Z [B·T, r]``, which the replicated ``B_o`` maps into the output. Frozen base
+    shards still travel but get no gradient GEMMs and no reduction (the schedule's ``trainable``).
+
+    Per call: ``begin`` (dropout, whether merged). The schedule then asks for the shards as their
+    owner sends them (``travelling``) and as a receiver uses them (``qkv_merge``, ``out_weight``),
+    the adapter pieces' sizes (``shapes``), and per pass for the state that adds the adapters'
+    terms: ``forward`` (``AttentionAdaptersForward``), ``backward``
+    (``AttentionAdaptersBackward``); nothing of it outlives its pass."""
+
+    def __init__(self, plan: LoraPlan | None = None) -> None:
+        self.plan = plan or LoraPlan()
+        self.drop = SeededDropout(self.plan.dropout, None)
+        self.merged = False  # adapters merged into the travelling shards
+        self.premerged = False  # ... by their owner, before they travel
+        self.a_stack = self.b_out = None
+
+    def begin(self, drop: SeededDropout, lora_a: list, b_out, packed: bool) -> None:
+        """This call's dropout, o's replicated B ``b_out`` and whether the adapters are merged
+        into each group's shards (without active dropout): by each shard's owner before it
+        travels (``travelling``), or, when the base travels NF4-``packed``, by every receiver."""
+        self.drop, self.b_out = drop, b_out
+        self.merged = not drop.active
+        self.premerged = self.merged and not packed
+        if self.merged and lora_a:
+            self.a_stack = scaled_stack(lora_a, self.plan)
+
+    def travelling(self, own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's shards as they travel: with ``premerged`` adapters, ``W + B·(s·A)`` for
+        the adapted q/k/v and ``Wo + s·B_o·Ao`` for o (new tensors; once per pass here instead
+        of once per group on every rank), else ``own`` itself."""
+        if not self.premerged:
+            return own
+        out = dict(own)
+        ranks = [own[f"l{n}"].shape[1] for n in self.plan.inputs]
+        a_scaled = self.a_stack.split(ranks) if ranks else ()
+        for n, a in zip(self.plan.inputs, a_scaled):
+            w = own[f"w{n}"]
+            out[f"w{n}"] = torch.addmm(w, own[f"l{n}"].to(w.dtype), a.to(w.dtype))
+        if "lo" in own:
+            out["wo"] = self._merged_out(own)
+        return out
+
+    def _merged_out(self, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        wo, s = w["wo"], self.plan.output
+        return torch.addmm(wo, self.b_out.to(wo.dtype), w["lo"].to(wo.dtype), alpha=s)
+
+    @property
+    def qkv_merge(self) -> torch.Tensor | None:
+        """What a receiver merges the q/k/v adapters of a group with (``merge`` of
+        ``qkv.stacked_weights``): the scaled A's when merged and not by their owner, else None."""
+        return self.a_stack if self.merged and not self.premerged else None
+
+    def out_weight(self, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Group's o shard, merged with o's adapter (``Wo_r + s·B_o·Ao_r``) if so (and not done
+        by its owner)."""
+        if not self.merged or self.premerged or "lo" not in w:
+            return w["wo"]
+        return self._merged_out(w)
+
+    @staticmethod
+    def shapes(own: dict[str, torch.Tensor], names, rows: dict[str, int]) -> dict[str, tuple]:
+        """Sizes of the adapter pieces among ``names`` for a group whose q/k/v/o widths are
+        ``rows`` (their ranks: those of this rank's own pieces)."""
+        out = {}
+        for n in names:
+            if n == "lo":
+                out[n] = (own[n].shape[0], rows["o"])
+            elif n[0] == "l":
+                out[n] = (rows[n[1]], own[n].shape[1])
+        return out
+
+    def forward(self, x, lora_a, own, acc) -> AttentionAdaptersForward:
+        """The adapters' state for a forward pass over the tokens ``x [B, T, h]``."""
+        return AttentionAdaptersForward(self, x, lora_a, own, acc)
+
+    def backward(self, dy2, x_p, lora_a, acc) -> AttentionAdaptersBackward:
+        """The adapters' state for a backward pass given ``dY [B·T, h]`` (``x_p()``: the tokens
+        ``[B·T, h]``, rebuilt when asked)."""
+        return AttentionAdaptersBackward(self, dy2, x_p, lora_a, acc)
+
+
+class AttentionAdaptersForward:
+    """One forward pass's adapter terms apart from the base's (not merged): ``u``, the input
+    projection ``U`` for every group's Q/K/V, and ``Z``, which each group's A adds to."""
+
+    def __init__(self, hook: AttentionAdapters, x, lora_a, own, acc) -> None:
+        self.hook = hook
+        self.u = self.z = None
+        if not hook.merged:
+            n = x.shape[0] * x.shape[1]
+            if lora_a:
+                self.u = input_projection(x.reshape(n, -1), lora_a, hook.plan, hook.drop)
+            if "lo" in own:
+                self.z = x.new_zeros(n, own["lo"].shape[0], dtype=acc)
+
+    def add_group(self, r: int, a: torch.Tensor, w: dict[str, torch.Tensor]) -> None:
+        """``Z += drop(A_r) · Ao_rᵀ`` of group ``r``'s attention output ``a [B, T, n_q, d]``."""
+        if self.z is not None:
+            a2 = a.reshape(-1, w["lo"].shape[1])
+            add_matmul(self.z, self.hook.drop.apply(a2, (3, r)), w["lo"].t())
+
+    def add_output(self, y2: torch.Tensor) -> None:
+        """``Y += s · Z · B_oᵀ`` into ``y2 [B·T, h]``, once every group added to ``Z``."""
+        if self.z is not None:
+            add_matmul(y2, self.z, (self.hook.plan.output * self.hook.b_out).t())
+
+
+class AttentionAdaptersBackward:
+    """One backward pass's adapter state: ``dZ = s·dY·B_o`` (known before the groups) and ``Z``
+    rebuilt group by group for ``dB_o``; ``U`` rebuilt from X_p (not saved) and ``dU`` summed
+    over the groups for the A's gradients."""
+
+    def __init__(self, hook: AttentionAdapters, dy2, x_p, lora_a, acc) -> None:
+        self.hook, self.lora_a, self.acc = hook, lora_a, acc
+        self.u = self.du = self.dz = self.z = None
+        if hook.b_out is not None:
+            self.dz = matmul(dy2, hook.plan.output * hook.b_out, acc)
+            self.z = torch.zeros_like(self.dz)
+        if lora_a:
+            self.u = input_projection(x_p(), lora_a, hook.plan, hook.drop)
+            self.du = torch.zeros_like(self.u, dtype=acc)
+
+    @property
+    def u_term(self) -> torch.Tensor | None:
+        """``U`` for the recomputed projection: None when merged (W has the adapter)."""
+        return None if self.hook.merged else self.u
+
+    def output_backward(self, r: int, lo, a: torch.Tensor, da: torch.Tensor):
+        """Group ``r``'s ``Z += drop(A)·Ao_rᵀ`` backward, from the heads-major ``a [B, n_q, T,
+        d]``: ``da [B, n_q, T, d] += drop⁻(dZ · Ao_r)`` (unless merged: the merged ``Wo``'s
+        ``dA`` has it), adds the group's term into ``Z`` and returns ``dAo_r = dZᵀ · drop(A)`` in
+        ``acc`` (None without o's adapter)."""
+        if self.dz is None:
+            return None
+        B, nq, T, d = a.shape
+        rank = lo.shape[0]
+        mask = self.hook.drop.mask((3, r), self.dz.new_empty(B * T, nq * d, dtype=a.dtype))
+        a_in = a.transpose(1, 2).reshape(B * T, nq * d)  # token-major copy: the adapter's input
+        if mask is not None:
+            a_in.mul_(mask)
+        if not self.hook.merged:
+            ao_heads = lo.to(da.dtype).view(rank, nq, d).transpose(0, 1)  # [n_q, r, d]
+            d_in = torch.matmul(self.dz.view(B, T, rank).to(da.dtype).unsqueeze(1), ao_heads)
+            if mask is not None:
+                d_in.mul_(mask.view(B, T, nq, d).transpose(1, 2))
+            da += d_in
+        d_ao = matmul(self.dz.t(), a_in, self.acc)
+        add_matmul(self.z, a_in, lo.t())
+        return d_ao
+
+    def projection_backward(self, d_lin: torch.Tensor, lora: torch.Tensor | None) -> None:
+        """``dU += dL · B_r`` of a group's projection gradient ``d_lin [B·T, rows]`` (``lora``:
+        its block-diagonal B rows, ``qkv.stacked_weights``)."""
+        if lora is not None:
+            add_matmul(self.du, d_lin, lora)
+
+    def finish(self, dx2: torch.Tensor, dy2: torch.Tensor, x_p):
+        """``(dA's, dB_o)``: this rank's partial gradients of the replicated A's (None without)
+        and of o's B (None without), after every group; adds the A's share of dX into ``dx2``
+        (unless merged: dX through the merged weights has it)."""
+        hook, d_lora, d_b_out = self.hook, None, None
+        if self.du is not None:
+            dx = None if hook.merged else dx2
+            d_lora = input_projection_backward(
+                self.du, x_p(), self.lora_a, hook.plan, hook.drop, dx
+            )
+            d_lora = [g.to(a.dtype) for g, a in zip(d_lora, self.lora_a)]
+        if hook.b_out is not None:
+            d_b_out = matmul(dy2.t(), self.z, self.acc).mul_(hook.plan.output)
+            d_b_out = d_b_out.to(hook.b_out.dtype)
+        return d_lora, d_b_out
