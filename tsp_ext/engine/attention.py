@@ -18,283 +18,37 @@ dK/dV and reduces dW_r to its owner r. Saved per rank: X_p (as its RMSNorm's inp
 norm keeps anyway, when it is one: ``pointwise.to_save``), A_r and lse_r of every group, cos/sin
 and the rank's own shards — O(S/D) activations, O(1/D) weights.
 
-LoRA adapters (``engine.lora``): B rows of q/k/v travel with their group's shards and add
-``U · B_rᵀ`` to its projection (``U`` made once per call from the replicated A's); o's A columns
-travel too and add ``A_r · Ao_rᵀ`` into ``Z [B, T, r]``, which the replicated ``B_o`` maps into
-the output. Frozen base shards still travel but get no gradient GEMMs and no reduction.
-
 A KV head used by several groups (D > n_kv_heads, or a group boundary inside a KV head's query
 heads) is replicated on those ranks; its gradient is the sum over all of its users, summed among
 those ranks only (point to point) so the copies stay equal.
+
+The pieces: one call's head groups (``head_groups``: the weights' broadcast,
+``weight_ring.broadcast_stream``; the K/V exchange and its dual, ``kv_exchange``), a group's
+projection (``qkv``). LoRA adapters are a hook, ``adapters.AttentionAdapters``: the schedule asks it
+for the shards as they travel and as they are used, and for the adapters' terms of the projection
+and the output and their backward.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
-from . import comm, nf4
-from .attention_backends import select_backend
+from . import comm
 from .chunked_attention import chunked_attention_backward, chunked_attention_forward
+from .head_groups import AttentionCall, HeadGroup
 from .heads import AttentionSpec
-from .layout import RowSpans, Span, ZigzagLayout
-from .lora import (
-    LoraPlan,
-    SeededDropout,
-    input_projection,
-    input_projection_backward,
-    scaled_stack,
-)
+from .kv_exchange import expand_kv, fold_kv, share_kv
+from .kv_exchange import heads_major as heads_major  # noqa: F401  (re-exported)
+from .layout import RowSpans, Span
+from .lora import LoraPlan, SeededDropout
 from .masked_attention import masked_chunked_attention
+from .nf4 import ShardCodec
 from .options import EngineOptions
 from .pointwise import add_matmul, from_saved, matmul, rope_phases, to_save
-from .qkv import project_qkv, project_qkv_backward, split_kv, stacked_weights
-from .window import WindowExchange
-
-# Names of the k/v part of one head group's shards (summed among the users of a shared KV head).
-_KV = ("wk", "wv", "bk", "bv", "lk", "lv")
-
-
-class _Schedule:
-    """One call's fixed context: group, layout, query spans (default: the zigzag chunks; packed
-    documents: ``engine.documents.query_spans``), spec, options, LoRA plan, the shards that
-    get gradients (``trainable``, set by the autograd function) and how K/V travel: the
-    all-gather, or under a sliding window the ``WindowExchange`` of the keys each rank's queries
-    see (unless ``options.window_exchange`` is off or ``gather_all``: a prefill keeps every key
-    of its group as its KV cache)."""
-
-    def __init__(
-        self,
-        spec: AttentionSpec,
-        group,
-        options: EngineOptions,
-        x: torch.Tensor,
-        q_spans=None,
-        lora: LoraPlan | None = None,
-        gather_all: bool = False,
-    ):
-        self.spec, self.group, self.options = spec, group, options
-        self.lora = lora or LoraPlan()
-        self.drop = SeededDropout(self.lora.dropout, None)
-        self.trainable: frozenset[str] = frozenset()
-        self.merged = False  # adapters merged into the travelling shards (``set_adapters``)
-        self.premerged = False  # ... by their owner, before they travel
-        self.a_stack = self.b_out = None
-        self.D, self.p = comm.size_and_rank(group)
-        self.layout = ZigzagLayout.from_local(x.shape[1], self.D)
-        stream = self.layout.spans(self.p)
-        self.q_spans = stream if q_spans is None else q_spans
-        windowed = spec.window if options.window_exchange and not gather_all else None
-        self.exchange = WindowExchange.for_layout(self.layout, windowed)
-        self.acc = options.accum_for(x.dtype)
-        self.dtype = x.dtype  # what NF4-packed shards (QLoRA's base) are dequantized to
-        # packed documents and inference prefill change the kernels' shapes from call to call
-        repeating = self.q_spans == stream and torch.is_grad_enabled()
-        self.kernel = select_backend(
-            options.attn_backend, x.device, x.dtype, options.attn_block, spec.head_dim, repeating
-        )
-
-    def set_adapters(self, drop: SeededDropout, lora_a: list, b_out, packed: bool) -> None:
-        """This call's dropout and whether the adapters are merged into each group's shards
-        (without active dropout: ``engine.lora``): by each shard's owner before it travels
-        (``merged_own``), or, when the base travels NF4-``packed``, by every receiver."""
-        self.drop, self.b_out = drop, b_out
-        self.merged = not drop.active
-        self.premerged = self.merged and not packed
-        if self.merged and lora_a:
-            self.a_stack = scaled_stack(lora_a, self.lora)
-
-    def merged_own(self, own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This rank's shards as they travel: with ``premerged`` adapters, ``W + B·(s·A)`` for
-        the adapted q/k/v and ``Wo + s·B_o·Ao`` for o (new tensors; once per pass here instead
-        of once per group on every rank), else ``own`` itself."""
-        if not self.premerged:
-            return own
-        out = dict(own)
-        ranks = [own[f"l{n}"].shape[1] for n in self.lora.inputs]
-        a_scaled = self.a_stack.split(ranks) if ranks else ()
-        for n, a in zip(self.lora.inputs, a_scaled):
-            w = own[f"w{n}"]
-            out[f"w{n}"] = torch.addmm(w, own[f"l{n}"].to(w.dtype), a.to(w.dtype))
-        if "lo" in own:
-            wo = own["wo"]
-            out["wo"] = torch.addmm(
-                wo, self.b_out.to(wo.dtype), own["lo"].to(wo.dtype), alpha=self.lora.output
-            )
-        return out
-
-    def stacked(self, w: dict[str, torch.Tensor]):
-        """``stacked_weights`` of group shards ``w``, merged with the q/k/v adapters if so (and
-        not done by their owner)."""
-        late = self.merged and not self.premerged
-        return stacked_weights(w, self.spec.head_dim, self.a_stack if late else None)
-
-    def out_weight(self, w: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Group's o shard, merged with o's adapter (``Wo_r + s·B_o·Ao_r``) if so (and not done
-        by its owner)."""
-        if not self.merged or self.premerged or "lo" not in w:
-            return w["wo"]
-        wo = w["wo"]
-        return torch.addmm(
-            wo, self.b_out.to(wo.dtype), w["lo"].to(wo.dtype), alpha=self.lora.output
-        )
-
-    def shapes(self, r: int, own: dict[str, torch.Tensor], names) -> list[torch.Size]:
-        """Shapes of group ``r``'s shards ``names`` (every rank computes them from the spec and
-        its own shards' LoRA ranks)."""
-        h = self.spec.hidden_size
-        nq = self.spec.n_q(r) * self.spec.head_dim
-        nk = self.spec.n_kv(r) * self.spec.head_dim
-        rows = {"q": nq, "k": nk, "v": nk}
-        shapes = {"wo": (h, nq)}
-        if "lo" in own:
-            shapes["lo"] = (own["lo"].shape[0], nq)
-        for n in names:
-            if n[0] == "w" and n != "wo":
-                shapes[n] = (rows[n[1]], h)
-            elif n[0] == "b":
-                shapes[n] = (rows[n[1]],)
-            elif n != "lo" and n[0] == "l":
-                shapes[n] = (rows[n[1]], own[n].shape[1])
-        return [torch.Size(shapes[n]) for n in names]
-
-    def weight_stream(self, own: dict[str, torch.Tensor]):
-        """Yield ``(r, W_r)`` for r = 0..D-1; W_{r+1} is broadcast while the caller works on W_r.
-        Each broadcast carries group r's own sizes (groups differ by at most one head); shards of
-        different dtypes (adapters kept wider than a half-precision base, NF4-packed bytes) travel
-        in one buffer per dtype; packed ones are dequantized on arrival."""
-        by_dtype: dict[torch.dtype, list[str]] = {}
-        for n, t in own.items():
-            by_dtype.setdefault(t.dtype, []).append(n)
-        parts = list(by_dtype.values())
-        packed = [n for n, t in own.items() if t.dtype == torch.uint8]
-
-        def sent(r: int, names: list[str]) -> list[torch.Size]:
-            real = self.shapes(r, own, names)
-            return [
-                torch.Size([nf4.packed_bytes(s)]) if n in packed else s for n, s in zip(names, real)
-            ]
-
-        shapes = [[sent(r, names) for names in parts] for r in range(self.D)]
-
-        def post(r: int):
-            posted = []
-            sending = self.merged_own(own) if r == self.p else None
-            for names, shape in zip(parts, shapes[r]):
-                if sending is not None:
-                    buf = comm.pack([sending[n] for n in names])
-                else:
-                    buf = own[names[0]].new_empty(sum(s.numel() for s in shape))
-                posted.append((buf, comm.broadcast(buf, r, self.group, async_op=True)))
-            return posted
-
-        def wait(posted) -> None:
-            for _, handle in posted:
-                handle.wait()
-
-        nxt = post(0)
-        for r in range(self.D):
-            cur = nxt
-            wait(cur)
-            if r + 1 < self.D:
-                nxt = post(r + 1)
-                if not self.options.overlap:
-                    wait(nxt)
-            w = {}
-            for names, shape, (buf, _) in zip(parts, shapes[r], cur):
-                w.update(zip(names, comm.unpack(buf, shape)))
-            for n, s in zip(packed, self.shapes(r, own, packed)):
-                w[n] = nf4.unpack(w[n], s, self.dtype)
-            yield r, w
-
-    def projected_groups(self, own: dict[str, torch.Tensor], project: Callable):
-        """Yield ``_Group``s r = 0..D-1: W_r, ``project(r, W_r)`` (a tuple starting ``q, k, v``) and
-        the K/V all-gather of group r in flight. With ``overlap``, group r+1 is projected and its
-        gather posted before group r is yielded, so the caller's attention of group r hides it."""
-
-        def start(item: tuple[int, dict[str, torch.Tensor]]) -> _Group:
-            r, w = item
-            projected = project(r, w)
-            if self.exchange is None:
-                kv_all, handle = comm.all_gather_seq(projected[1], self.group, async_op=True)
-            else:
-                kv_all, handle = self.exchange.gather(projected[1], self.group)
-            return _Group(self, r, w, projected, kv_all, handle)
-
-        stream = self.weight_stream(own)
-        nxt = start(next(stream))
-        for r in range(self.D):
-            cur, nxt = nxt, None
-            if r + 1 < self.D and self.options.overlap:
-                nxt = start(next(stream))
-            yield cur
-            del cur  # without overlap, group r's buffers go before group r+1's are made
-            if r + 1 < self.D and not self.options.overlap:
-                nxt = start(next(stream))
-
-    def segments(self, gathered) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-        """K/V segments ``(base, K, V [B, L, hk, d])`` of what arrived (heads-major): one of
-        all S keys from the all-gather (``natural_kv``), or the window's key ranges."""
-        if self.exchange is None:
-            return [(0, *self.natural_kv(gathered))]
-        return [(base, *split_kv(kv)) for base, kv in gathered.segments()]
-
-    def scatter_kv(self, grads: list[tuple[torch.Tensor, torch.Tensor]]):
-        """Dual of the K/V exchange: dK, dV per segment -> ``(dkv [B, 2hk, T, d] in acc,
-        handle)``, this rank's rows summed over every rank that read them."""
-        if self.exchange is None:
-            return comm.reduce_scatter_seq(self.rank_major(*grads[0]), self.group, True)
-        heads_major = [torch.cat([dk, dv], dim=2).transpose(1, 2) for dk, dv in grads]
-        return self.exchange.scatter(heads_major, self.acc, self.group)
-
-    def norms_of(self, r: int, q_norm, k_norm):
-        """The q/k norm weights group ``r`` uses: the per-head ones, or its slices of full-width
-        ones (``spec.qk_norm_full``)."""
-        if q_norm is None or not self.spec.qk_norm_full:
-            return q_norm, k_norm
-        return q_norm[self.spec.q_rows(r)], k_norm[self.spec.kv_rows(r)]
-
-    def natural_kv(self, kv_all: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gathered ``kv_all [D, B, 2hk, T, d]`` (rank-major, heads-major) -> K, V ``[B, S, hk,
-        d]`` in token order (one copy of contiguous blocks: rank q's chunks q and 2D-1-q go to
-        their global positions), stored heads-major (see ``heads_major``)."""
-        D, B, two_hk, T, d = kv_all.shape
-        kv = kv_all.new_empty(B, two_hk, D * T, d)
-        for q in range(D):
-            for s in self.layout.spans(q):
-                kv[:, :, s.start : s.stop] = kv_all[q, :, :, s.offset : s.offset + s.length]
-        return split_kv(kv)
-
-    def rank_major(self, dk: torch.Tensor, dv: torch.Tensor) -> torch.Tensor:
-        """Inverse of ``natural_kv`` for gradients: dK, dV ``[B, S, hk, d]`` -> ``[D, B, 2hk, T,
-        d]`` in the accumulation dtype, ready to reduce-scatter."""
-        B, S, hk, d = dk.shape
-        out = dk.new_empty(self.D, B, 2 * hk, S // self.D, d, dtype=self.acc)
-        for q in range(self.D):
-            for s in self.layout.spans(q):
-                rows = out[q, :, :, s.offset : s.offset + s.length]
-                rows[:, :hk] = dk[:, s.start : s.stop].transpose(1, 2)
-                rows[:, hk:] = dv[:, s.start : s.stop].transpose(1, 2)
-        return out
-
-
-class _Group:
-    """One head group in flight: ``r``, its weights ``w``, the caller's ``projected`` tuple and
-    its K/V all-gather (``kv()`` waits for it)."""
-
-    def __init__(self, sched: _Schedule, r: int, w, projected: tuple, kv_all, handle) -> None:
-        self.sched, self.r, self.w, self.projected = sched, r, w, projected
-        self._kv_all, self._handle = kv_all, handle
-
-    def kv(self) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-        """Wait for the exchange; ``(base, K, V [B, L, n_kv(r), d])`` segments in token order
-        (heads-major; all-gathered: one, base 0, L = S). The local K/V it sent
-        (``projected[1]``) is dropped: nothing reads it after the exchange."""
-        self._handle.wait()
-        kv_all, self._kv_all = self._kv_all, None
-        self.projected = (self.projected[0], None, *self.projected[2:])
-        return self.sched.segments(kv_all)
+from .qkv import project_qkv, project_qkv_backward, split_kv
 
 
 def _in_segment(q_spans, base: int, stop: int):
@@ -337,73 +91,25 @@ def segments_backward(kernel, da, q, q_spans, segments, a, lse, scale, window):
 
 
 def output_backward(
-    dy: torch.Tensor,
-    wo: torch.Tensor,
-    a: torch.Tensor,
-    acc: torch.dtype,
-    weight_grad: bool = True,
-    lora: tuple | None = None,
+    dy: torch.Tensor, wo: torch.Tensor, a: torch.Tensor, acc: torch.dtype, weight_grad: bool = True
 ):
     """Backward of ``Y += A · Woᵀ`` for one group, both straight from the heads-major layout
-    (no copy of A or of dA): ``dA = dY · Wo`` as a ``[B, T, n_q, d]`` view of heads-major
-    storage, and ``dWo = dYᵀ · A [h, n_q·d]`` in ``acc`` (None unless ``weight_grad``). ``a``: the
-    group's ``A [B, n_q, T, d]`` (a slice of the saved heads-major A).
-
-    ``lora = (dZ [B, T, r], Ao_r [r, n_q·d], mask, Z, merged)`` for the adapter's ``Z +=
-    drop(A)·Ao_rᵀ``: ``dA += drop⁻(dZ · Ao_r)`` (unless ``merged``: ``wo`` is the merged weight,
-    whose ``dA`` has it), returns ``dAo_r = dZᵀ · drop(A)`` in ``acc`` third (else None) and adds
-    this group's term into ``Z [B·T, r]`` (rebuilt for B's gradient); ``mask``: the dropout mask
-    ``[B, T, n_q·d]`` or None."""
+    (no copy of A or of dA): ``dA = dY · Wo`` ``[B, n_q, T, d]`` (heads-major storage; the
+    adapters' hook may add to it) and ``dWo = dYᵀ · A [h, n_q·d]`` in ``acc`` (None unless
+    ``weight_grad``). ``a``: the group's ``A [B, n_q, T, d]`` (a slice of the saved heads-major
+    A)."""
     B, nq, T, d = a.shape
     h = dy.shape[-1]
     da = torch.matmul(dy.unsqueeze(1), wo.view(h, nq, d).transpose(0, 1))  # [B, n_q, T, d]
-    dwo = d_ao = None
+    dwo = None
     if weight_grad:
         dy_t = dy.flatten(0, 1).t()
         dwo = torch.cat([matmul(dy_t, a[:, j].reshape(B * T, d), acc) for j in range(nq)], dim=1)
-    if lora is not None:
-        dz, ao, mask, z, merged = lora
-        r = ao.shape[0]
-        a_in = a.transpose(1, 2).reshape(B * T, nq * d)  # token-major copy: the adapter's input
-        if mask is not None:
-            a_in.mul_(mask.view(B * T, -1))
-        if not merged:
-            ao_heads = ao.to(da.dtype).view(r, nq, d).transpose(0, 1)  # [n_q, r, d]
-            d_in = torch.matmul(dz.to(da.dtype).unsqueeze(1), ao_heads)  # [B, n_q, T, d]
-            if mask is not None:
-                d_in.mul_(mask.view(B, T, nq, d).transpose(1, 2))
-            da += d_in
-        d_ao = matmul(dz.reshape(B * T, r).t(), a_in, acc)
-        add_matmul(z, a_in, ao.t())
-    return da.transpose(1, 2), dwo, d_ao
-
-
-def heads_major(t: torch.Tensor) -> torch.Tensor:
-    """The same ``[B, L, H, d]`` values stored as ``[B, H, L, d]`` (returned as a ``[B, L, H, d]``
-    view): the fused kernels run up to 2x faster on that layout, GQA backward most of all."""
-    return t.transpose(1, 2).contiguous().transpose(1, 2)
-
-
-def expand_kv(k: torch.Tensor, v: torch.Tensor, kv_map: list[int] | None):
-    """K, V ``[B, S, hk, d]`` -> ``[B, S, hq, d]`` with query head j's KV head at position j
-    (heads-major), when the group's map is not the kernels' GQA map; unchanged otherwise."""
-    if kv_map is None:
-        return k, v
-    index = torch.tensor(kv_map, device=k.device)
-    return heads_major(k.index_select(2, index)), heads_major(v.index_select(2, index))
-
-
-def fold_kv(dk: torch.Tensor, kv_map: list[int] | None, hk: int) -> torch.Tensor:
-    """Dual of ``expand_kv`` for a gradient: ``[B, S, hq, d]`` -> ``[B, S, hk, d]``, summed over
-    the query heads sharing each KV head."""
-    if kv_map is None:
-        return dk
-    index = torch.tensor(kv_map, device=dk.device)
-    return dk.new_zeros(*dk.shape[:2], hk, dk.shape[3]).index_add_(2, index, dk)
+    return da, dwo
 
 
 def tsp_attention_forward(
-    sched: _Schedule,
+    sched: AttentionCall,
     x,
     phases,
     own,
@@ -420,7 +126,7 @@ def tsp_attention_forward(
     ``spec.qk_norm_full``).
     Returns ``Y_p [B, T, h]`` plus, if ``keep``, ``A [B, n_h, T, d]`` and ``lse [B, n_h, T]`` of
     every group's heads (what backward needs), else None for both. LoRA: ``lora_a`` the
-    replicated A's of ``sched.lora.inputs`` (o's replicated B: ``sched.set_adapters``).
+    replicated A's of the adapted q/k/v (the rest: ``sched.adapters.begin``).
 
     Inference only (training passes neither): ``kv_sink(r, K_r, V_r)`` receives each group's
     all-gathered K/V ``[B, S, n_kv(r), d]`` in token order (a prefill keeps its own group's as its
@@ -432,18 +138,11 @@ def tsp_attention_forward(
     # A of every group, heads-major: [B, n_h, T, d]; group r fills its heads q_heads(r)
     a_all = x.new_empty(B, spec.n_heads, T, spec.head_dim) if keep else None
     lse_all = None
-    u = z = None
-    if not sched.merged:  # the adapters' terms apart from the base's (dropout)
-        u = (
-            input_projection(x.reshape(B * T, -1), lora_a, sched.lora, sched.drop)
-            if lora_a
-            else None
-        )
-        z = x.new_zeros(B * T, own["lo"].shape[0], dtype=sched.acc) if "lo" in own else None
+    adapters = sched.adapters.forward(x, lora_a, own, sched.acc)  # their terms apart from W's
 
     def project(r, w):
         norms = sched.norms_of(r, q_norm, k_norm)
-        return project_qkv(x, w, phases, *norms, spec, sched.stacked(w), u, rms)
+        return project_qkv(x, w, phases, *norms, spec, sched.stacked(w), adapters.u, rms)
 
     for group in sched.projected_groups(own, project):
         r, w = group.r, group.w
@@ -467,30 +166,181 @@ def tsp_attention_forward(
                 lse_all = lse.new_empty(B, spec.n_heads, T)
             heads = spec.q_heads(r)
             a_all[:, heads], lse_all[:, heads] = a.transpose(1, 2), lse
-        add_matmul(y.view(-1, y.shape[-1]), a.reshape(B * T, -1), sched.out_weight(w).t())
-        if z is not None:
-            add_matmul(z, sched.drop.apply(a.reshape(B * T, -1), (3, r)), w["lo"].t())
+        wo = sched.adapters.out_weight(w)
+        add_matmul(y.view(-1, y.shape[-1]), a.reshape(B * T, -1), wo.t())
+        adapters.add_group(r, a, w)
         del q, segments, a, lse  # before the next group's are made (without overlap)
-    if z is not None:
-        add_matmul(y.view(B * T, -1), z, (sched.lora.output * sched.b_out).t())
+    adapters.add_output(y.view(B * T, -1))
     return y.to(x.dtype), a_all, lse_all
 
 
-def share_kv(grads: dict[str, torch.Tensor], spec: AttentionSpec, p: int, group) -> None:
-    """Sum, in place, the K/V gradient rows (``wk, wv, bk, bv`` in ``grads``) of each of group
-    ``p``'s shared KV heads over the groups using it; each rank sends at most its own rows."""
-    d = spec.head_dim
-    kv = [n for n in grads if n in _KV]
-    for i, users in spec.shared_kv(p):  # in head order: every user visits them alike
-        rows = [grads[n][i * d : (i + 1) * d] for n in kv]
-        buf = comm.pack(rows)
-        comm.sum_among(buf, users, group)
-        for row, total in zip(rows, comm.unpack(buf, [r.shape for r in rows])):
-            row.copy_(total)
+class AttentionGrads(NamedTuple):
+    """What ``tsp_attention_backward`` returns: ``dX_p``, the fully reduced gradients of this
+    rank's own shards in ``sched.trainable``, and this rank's partial gradients of the
+    replicated ones (None where absent): the q/k norm weights, the LoRA A's, o's LoRA B and the
+    full-width norms' ``rq, rk`` (``engine.qk_rms``)."""
+
+    dx: torch.Tensor
+    d_own: dict[str, torch.Tensor]
+    d_norm: list[torch.Tensor] | None
+    d_lora: list[torch.Tensor] | None
+    d_b_out: torch.Tensor | None
+    d_rms: list[torch.Tensor] | None
+
+
+class _Attended(NamedTuple):
+    """A group whose attention backward is done and whose projection backward is not: what
+    ``_Backward.finish`` takes once the dK/dV exchange ``handle`` has landed in ``dkv``."""
+
+    r: int
+    w: dict[str, torch.Tensor]
+    weight: tuple  # ``qkv.stacked_weights`` of ``w``, as recomputed
+    lin: torch.Tensor | None  # the recomputed projection (kept only for q/k norms)
+    dq: torch.Tensor
+    dkv: torch.Tensor  # this rank's dK/dV rows [B, 2hk, T, d], complete after handle.wait()
+    handle: comm.Pending
+    d_out: dict[str, torch.Tensor]  # o's shards' gradients (``wo``, ``lo``: the trainable ones)
+
+
+class _Backward:
+    """The backward schedule's state (``tsp_attention_backward``): dX, the norms' gradients, the
+    reductions of the groups' weight gradients in flight, the adapters' pass."""
+
+    def __init__(self, sched, dy, saved_x, phases, own, norms, a_all, lse_all, lora_a, rms):
+        B, T, h = saved_x[0].shape
+        self.sched, self.own, self.norms, self.rms = sched, own, norms, rms
+        self.a_all, self.lse_all, self.saved_x, self.phases = a_all, lse_all, saved_x, phases
+        self.names = [n for n in own if n in sched.trainable]  # the gradients reduced to owners
+        self.dy = dy.contiguous()
+        self.dx = torch.zeros(B, T, h, dtype=sched.acc, device=dy.device)
+        self.inverse = phases.conj().resolve_conj()  # RoPE's adjoint, for every group
+        self.d_norm = None
+        self.d_own: dict[str, torch.Tensor] = {}
+        self.reductions: list[tuple[int, torch.Tensor, comm.Pending]] = []
+        self.kept_x = from_saved(*saved_x) if sched.options.overlap else None
+        self.adapters = sched.adapters.backward(
+            self.dy.view(B * T, h), lambda: self.x_p().reshape(B * T, h), lora_a, sched.acc
+        )
+
+    def x_p(self) -> torch.Tensor:
+        """X_p: kept with ``overlap``, else rebuilt for each use."""
+        return self.kept_x if self.kept_x is not None else from_saved(*self.saved_x)
+
+    def recompute(self, r, w):
+        """Q, K, V of group r from the saved X_p, its projection (only q/k norms read it: None
+        without them, so that it is not kept) and its stacked weights."""
+        sched = self.sched
+        weight = sched.stacked(w)
+        norms = sched.norms_of(r, *self.norms)
+        q, kv, lin = project_qkv(
+            self.x_p(), w, self.phases, *norms, sched.spec, weight, self.adapters.u_term, self.rms
+        )
+        return q, kv, lin if self.norms[0] is not None else None, weight
+
+    def attend(self, group: HeadGroup) -> _Attended:
+        """Group r's attention backward, its dK/dV exchange posted."""
+        sched, spec, r, w = self.sched, self.sched.spec, group.r, group.w
+        # while K/V travel: dA = dY_p · Wo_r ;  dWo_r (partial) = dY_pᵀ · A_r
+        heads = spec.q_heads(r)
+        a = self.a_all[:, heads]  # [B, n_q(r), T, d]
+        wo, weight_grad = sched.adapters.out_weight(w), "wo" in sched.trainable
+        da, dwo = output_backward(self.dy, wo, a, sched.acc, weight_grad)
+        d_lo = self.adapters.output_backward(r, w.get("lo"), a, da)
+        d_out = {n: t for n, t in (("wo", dwo), ("lo", d_lo)) if n in sched.trainable}
+        segments = [(b, *expand_kv(k, v, spec.kv_map(r))) for b, k, v in group.kv()]
+        q, _, lin, weight = group.projected
+        del group
+        dq, grads = segments_backward(
+            sched.kernel, da.transpose(1, 2), q, sched.q_spans, segments, a.transpose(1, 2),
+            self.lse_all[:, heads], spec.scaling, spec.window,
+        )  # fmt: skip
+        del segments
+        hk = spec.n_kv(r)
+        grads = [tuple(fold_kv(t, spec.kv_map(r), hk) for t in pair) for pair in grads]
+        dkv, handle = sched.kv.scatter(grads)
+        return _Attended(r, w, weight, lin, dq, dkv, handle, d_out)
+
+    def finish(self, g: _Attended) -> None:
+        """Group r's projection backward once its dK/dV arrived: dW_r, whose reduction to r is
+        posted before the dX GEMM so that it flies behind it."""
+        sched = self.sched
+        g.handle.wait()
+        dk, dv = split_kv(g.dkv.to(self.dy.dtype))
+        grads, gn, d_lin = project_qkv_backward(
+            g.dq, dk, dv, self.x_p(), g.w, g.weight, g.lin, self.inverse,
+            *sched.norms_of(g.r, *self.norms), sched.spec, sched.acc, sched.trainable,
+            self.adapters.u, self.rms,
+        )  # fmt: skip
+        self.add_norms(g.r, gn)
+        grads.update(g.d_out)
+        if self.names:
+            buf = comm.pack([grads[n] for n in self.names], sched.acc)
+            self.reductions.append((g.r, buf, comm.reduce(buf, g.r, sched.group, async_op=True)))
+        stacked, _, lora = g.weight
+        add_matmul(self.dx.view(-1, self.dx.shape[-1]), d_lin, stacked)  # while dW_r travels
+        self.adapters.projection_backward(d_lin, lora)
+
+    def add_norms(self, r: int, gn) -> None:
+        """Add group r's q/k norm gradients: per-head ones, or its slices of full-width ones
+        followed by ``d(rq), d(rk)``."""
+        if gn is None:
+            return
+        if not self.sched.spec.qk_norm_full:
+            self.d_norm = gn if self.d_norm is None else [a + b for a, b in zip(self.d_norm, gn)]
+            return
+        spec = self.sched.spec
+        if self.d_norm is None:
+            self.d_norm = [torch.zeros_like(t, dtype=self.sched.acc) for t in self.norms] + [0, 0]
+        self.d_norm[0][spec.q_rows(r)] += gn[0]
+        self.d_norm[1][spec.kv_rows(r)] += gn[1]
+        self.d_norm[2:] = [a + b for a, b in zip(self.d_norm[2:], gn[2:])]
+
+    def collect(self, keep: int) -> None:
+        """Wait for all but the last ``keep`` reductions; keep this rank's own sum."""
+        while len(self.reductions) > keep:
+            r, buf, handle = self.reductions.pop(0)
+            handle.wait()
+            if r == self.sched.p:
+                shapes = [self.own[n].shape for n in self.names]
+                self.d_own.update(zip(self.names, comm.unpack(buf, shapes)))
+
+    def run(self) -> AttentionGrads:
+        sched = self.sched
+        waiting = None  # the previous group's projection backward, run after this group's attention
+        for group in sched.projected_groups(self.own, self.recompute):
+            pending = self.attend(group)
+            del group
+            if not sched.options.overlap:  # one group at a time: finished before the next starts
+                self.finish(pending)
+                self.collect(keep=0)
+                del pending  # group r's buffers go before group r+1's are made
+                continue
+            if waiting is not None:
+                self.finish(waiting)
+                self.collect(keep=1)
+            waiting = pending
+        if waiting is not None:
+            self.finish(waiting)
+        self.collect(keep=0)
+        return self.result()
+
+    def result(self) -> AttentionGrads:
+        own, spec = self.own, self.sched.spec
+        share_kv(self.d_own, spec, self.sched.p, self.sched.group)
+        d_own = {n: self.d_own[n].to(own[n].dtype) for n in self.names}
+        d_norm = d_rms = None
+        if self.d_norm is not None:
+            d_norm, d_rms = self.d_norm[:2], self.d_norm[2:] or None
+            d_norm = [t.to(n.dtype) for t, n in zip(d_norm, self.norms)]
+        B, T, h = self.dx.shape
+        d_lora, d_b_out = self.adapters.finish(
+            self.dx.view(B * T, h), self.dy.view(B * T, h), lambda: self.x_p().reshape(B * T, h)
+        )
+        return AttentionGrads(self.dx.to(self.dy.dtype), d_own, d_norm, d_lora, d_b_out, d_rms)
 
 
 def tsp_attention_backward(
-    sched: _Schedule,
+    sched: AttentionCall,
     dy,
     saved_x,
     phases,
@@ -501,11 +351,8 @@ def tsp_attention_backward(
     lse_all,
     lora_a=None,
     rms=None,
-):
-    """Backward schedule. Returns ``dX_p``, the fully reduced gradients of this rank's own shards
-    in ``sched.trainable`` (dict), this rank's partial gradients of the replicated q/k norm
-    weights, of the LoRA A's ``lora_a``, of o's LoRA B (``sched.set_adapters``) and of ``rms``
-    (the full-width norms' ``rq, rk``) (each None without).""
+) -> AttentionGrads:
+    """Backward schedule (``AttentionGrads``; ``rms``: the full-width norms' ``rq, rk``).
     ``saved_x``: what ``pointwise.to_save`` made of X_p. With ``overlap`` X_p is rebuilt once;
     without, for each use (a group's projection, then its weight gradients), so that it is not
     alive during the kernels (memory before speed).
@@ -517,147 +364,9 @@ def tsp_attention_backward(
     reduced to their owner; then the rows of each KV head shared by several groups
     (``spec.shared_kv``) are summed among its users only (``comm.sum_among``), so every copy gets
     the sum over all of its users and no buffer exceeds a group's own rows."""
-    B, T, h = saved_x[0].shape
-    p, spec, acc = sched.p, sched.spec, sched.acc
-    names = [n for n in own if n in sched.trainable]  # the gradients reduced to their owner
-    dy = dy.contiguous()
-    dx = torch.zeros(B, T, h, dtype=acc, device=dy.device)
-    u = du = dz = z = None
-    b_out = sched.b_out
-    if b_out is not None:  # dZ needs only dY; Z is rebuilt group by group for B's gradient
-        dz = matmul(dy.reshape(B * T, h), sched.lora.output * b_out, acc)
-        z = torch.zeros_like(dz)
-    inverse = phases.conj().resolve_conj()  # RoPE's adjoint, for every group's projection
-    d_norm = None
-    d_own: dict[str, torch.Tensor] = {}
-    reductions: list[tuple[int, torch.Tensor, comm.Pending]] = []
-    kept_x = from_saved(*saved_x) if sched.options.overlap else None
-
-    def x_p() -> torch.Tensor:
-        return kept_x if kept_x is not None else from_saved(*saved_x)
-
-    if lora_a:  # the adapters' input projection, rebuilt (not saved)
-        u = input_projection(x_p().reshape(B * T, h), lora_a, sched.lora, sched.drop)
-        du = torch.zeros_like(u, dtype=acc)
-
-    def recompute(r, w):
-        """Q, K, V of group r from the saved X_p, its projection (only q/k norms read it: None
-        without them, so that it is not kept) and its stacked weights."""
-        weight = sched.stacked(w)
-        u_term = None if sched.merged else u
-        norms = sched.norms_of(r, q_norm, k_norm)
-        q, kv, lin = project_qkv(x_p(), w, phases, *norms, spec, weight, u_term, rms)
-        return q, kv, lin if q_norm is not None else None, weight
-
-    def finish(r, w, weight, lin, dq, dkv, handle, d_out):
-        """Group r's projection backward once its dK/dV arrived: dW_r, whose reduction to r is
-        posted before the dX GEMM so that it flies behind it. ``d_out``: o's ``{wo, lo}``
-        gradients (those trainable)."""
-        nonlocal d_norm
-        handle.wait()
-        dk, dv = split_kv(dkv.to(dy.dtype))
-        g, gn, d_lin = project_qkv_backward(
-            dq,
-            dk,
-            dv,
-            x_p(),
-            w,
-            weight,
-            lin,
-            inverse,
-            *sched.norms_of(r, q_norm, k_norm),
-            spec,
-            acc,
-            sched.trainable,
-            u,
-            rms,
-        )
-        if gn is not None and spec.qk_norm_full:  # group r's slices, then d(rq), d(rk)
-            if d_norm is None:
-                d_norm = [torch.zeros_like(t, dtype=acc) for t in (q_norm, k_norm)] + [0, 0]
-            d_norm[0][spec.q_rows(r)] += gn[0]
-            d_norm[1][spec.kv_rows(r)] += gn[1]
-            d_norm[2:] = [a + b for a, b in zip(d_norm[2:], gn[2:])]
-        elif gn is not None:
-            d_norm = gn if d_norm is None else [a + b for a, b in zip(d_norm, gn)]
-        g.update(d_out)
-        if names:
-            buf = comm.pack([g[n] for n in names], acc)
-            reductions.append((r, buf, comm.reduce(buf, r, sched.group, async_op=True)))
-        stacked, _, lora = weight
-        add_matmul(dx.view(-1, dx.shape[-1]), d_lin, stacked)  # while dW_r travels
-        if lora is not None:
-            add_matmul(du, d_lin, lora)
-
-    def collect(keep: int) -> None:
-        """Wait for all but the last ``keep`` reductions; keep this rank's own sum."""
-        while len(reductions) > keep:
-            r0, buf0, handle = reductions.pop(0)
-            handle.wait()
-            if r0 == p:
-                d_own.update(zip(names, comm.unpack(buf0, [own[n].shape for n in names])))
-
-    def attend(group: _Group) -> tuple:
-        """Group r's attention backward, its dK/dV reduce-scatter posted: ``finish``'s
-        arguments."""
-        r, w = group.r, group.w
-        # while K/V travel: dA = dY_p · Wo_r ;  dWo_r (partial) = dY_pᵀ · A_r
-        heads = spec.q_heads(r)
-        lora = None
-        if dz is not None:
-            like = dy.new_empty(B * T, w["lo"].shape[1], dtype=a_all.dtype)
-            mask = sched.drop.mask((3, r), like)  # the forward's, drawn again
-            lora = (dz.view(B, T, -1), w["lo"], mask, z, sched.merged)
-        da, dwo, d_lo = output_backward(
-            dy, sched.out_weight(w), a_all[:, heads], acc, "wo" in sched.trainable, lora
-        )
-        d_out = {n: t for n, t in (("wo", dwo), ("lo", d_lo)) if n in sched.trainable}
-        segments = [(b, *expand_kv(k, v, spec.kv_map(r))) for b, k, v in group.kv()]
-        q, _, lin, weight = group.projected
-        del group
-        a = a_all[:, heads].transpose(1, 2)  # [B, T, n_q(r), d]
-        dq, grads = segments_backward(
-            sched.kernel, da, q, sched.q_spans, segments, a, lse_all[:, heads], spec.scaling,
-            spec.window,
-        )  # fmt: skip
-        del segments
-        hk = spec.n_kv(r)
-        grads = [tuple(fold_kv(t, spec.kv_map(r), hk) for t in pair) for pair in grads]
-        dkv, handle = sched.scatter_kv(grads)
-        return r, w, weight, lin, dq, dkv, handle, d_out
-
-    waiting = None  # the previous group's projection backward, run after this group's attention
-    for group in sched.projected_groups(own, recompute):
-        pending = attend(group)
-        del group
-        if not sched.options.overlap:  # one group at a time: finished before the next starts
-            finish(*pending)
-            collect(keep=0)
-            del pending  # group r's buffers go before group r+1's are made
-            continue
-        if waiting is not None:
-            finish(*waiting)
-            collect(keep=1)
-        waiting = pending
-    if waiting is not None:
-        finish(*waiting)
-    collect(keep=0)
-    share_kv(d_own, spec, p, sched.group)
-    d_own = {n: d_own[n].to(own[n].dtype) for n in names}
-    d_rms = None
-    if d_norm is not None:
-        d_norm, d_rms = d_norm[:2], d_norm[2:] or None
-        d_norm = [t.to(n.dtype) for t, n in zip(d_norm, (q_norm, k_norm))]
-    d_lora = None
-    if du is not None:
-        x2 = x_p().reshape(B * T, h)
-        dx2 = None if sched.merged else dx.view(B * T, h)  # merged: dX has it already
-        d_lora = input_projection_backward(du, x2, lora_a, sched.lora, sched.drop, dx2)
-        d_lora = [g.to(a.dtype) for g, a in zip(d_lora, lora_a)]
-    d_b_out = None
-    if b_out is not None:
-        d_b_out = matmul(dy.reshape(B * T, h).t(), z, acc).mul_(sched.lora.output).to(b_out.dtype)
-    return dx.to(dy.dtype), d_own, d_norm, d_lora, d_b_out, d_rms
+    norms = (q_norm, k_norm)
+    state = _Backward(sched, dy, saved_x, phases, own, norms, a_all, lse_all, lora_a, rms)
+    return state.run()
 
 
 def tsp_attention_prefill(
@@ -677,16 +386,20 @@ def tsp_attention_prefill(
     causal stream) with nothing kept for backward; ``Y_p [B, S'/D, h]`` (no o bias).
     ``weights``: the head-group shards, adapters merged; ``kv_sink``, ``key_valid`` and ``rms``
     as in ``tsp_attention_forward``."""
-    sched = _Schedule(spec, group, options, x, gather_all=True)
+    sched = AttentionCall(spec, group, options, x, gather_all=True)
     y, *_ = tsp_attention_forward(
         sched, x, phases, weights, q_norm, k_norm, False, None, kv_sink, key_valid, rms
     )
     return y
 
 
+# The autograd function's inputs before the ``n_lora`` replicated LoRA A's and the shards.
+_INPUTS = ("sched", "names", "n_lora", "x", "cos", "sin", "q_norm", "k_norm", "rq", "rk", "b_out")
+
+
 class _TSPAttentionFunction(torch.autograd.Function):
     """Autograd boundary of the schedule: saves only local tensors, re-communicates in backward.
-    Inputs after the norms: the full-width norms' ``rq, rk`` (or None), o's replicated LoRA B (or
+    Inputs: ``_INPUTS`` (the full-width norms' ``rq, rk`` or None, o's replicated LoRA B or
     None), the ``n_lora`` replicated LoRA A's, then the shards ``names``."""
 
     @staticmethod
@@ -694,10 +407,11 @@ class _TSPAttentionFunction(torch.autograd.Function):
         lora_a, weights = list(tensors[:n_lora]), tensors[n_lora:]
         own = dict(zip(names, weights))
         keep = any(ctx.needs_input_grad)
-        needs = ctx.needs_input_grad[11 + n_lora :]
+        needs = ctx.needs_input_grad[len(_INPUTS) + n_lora :]
         sched.trainable = frozenset(n for n, need in zip(names, needs) if need)
-        packed = any(t.dtype == torch.uint8 for t in weights)  # NF4 bytes (QLoRA's base)
-        sched.set_adapters(SeededDropout.for_call(sched.lora.dropout), lora_a, b_out, packed)
+        packed = bool(ShardCodec(own, x.dtype).packed)  # NF4 bytes (QLoRA's base)
+        drop = SeededDropout.for_call(sched.adapters.plan.dropout)
+        sched.adapters.begin(drop, lora_a, b_out, packed)
         phases = rope_phases(cos, sin, x.dtype)
         rms = None if rq is None else (rq, rk)
         y, a_all, lse_all = tsp_attention_forward(
@@ -719,17 +433,18 @@ class _TSPAttentionFunction(torch.autograd.Function):
         own = dict(zip(ctx.names, weights))
         phases = rope_phases(cos, sin, x.dtype)
         rms = None if rq is None else (rq, rk)
-        dx, d_own, d_norm, d_lora, d_b_out, d_rms = tsp_attention_backward(
+        g = tsp_attention_backward(
             ctx.sched, dy, (x, norm_weight, ctx.norm), phases, own, q_norm, k_norm, a_all,
             lse_all, lora_a, rms,
         )  # fmt: skip
-        d_qn, d_kn = d_norm if d_norm is not None else (None, None)
-        d_rq, d_rk = d_rms if d_rms is not None else (None, None)
+        grads = {"x": g.dx, "b_out": g.d_b_out}
+        grads.update(zip(("q_norm", "k_norm"), g.d_norm or ()))
+        grads.update(zip(("rq", "rk"), g.d_rms or ()))
         return (
-            None, None, None, dx, None, None, d_qn, d_kn, d_rq, d_rk, d_b_out,
-            *(d_lora or ()),
-            *(d_own.get(n) for n in ctx.names),
-        )  # fmt: skip
+            *(grads.get(n) for n in _INPUTS),
+            *(g.d_lora or ()),
+            *(g.d_own.get(n) for n in ctx.names),
+        )
 
 
 def tsp_attention(
@@ -763,7 +478,7 @@ def tsp_attention(
     replicated B ``[h, r]`` (their gradients are this rank's part: wrap them in
     ``comm.replicated``).
     """
-    sched = _Schedule(spec, group, options, x, q_spans, lora)
+    sched = AttentionCall(spec, group, options, x, q_spans, lora)
     B, T, _ = x.shape
     if cos.shape[-2:] != (T, spec.head_dim) or cos.shape != sin.shape:
         raise ValueError(

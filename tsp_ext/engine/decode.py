@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from . import comm
-from .attention import AttentionSpec, expand_kv
+from .heads import AttentionSpec
+from .kv_exchange import expand_kv
 from .lse import merge_partials
 from .masked_attention import partial_attention
 from .pointwise import gate_activation

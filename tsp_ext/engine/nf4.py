@@ -65,6 +65,24 @@ def _byte_values(device: torch.device) -> torch.Tensor:
     return pairs.view(torch.int64).view(-1)
 
 
+class ShardCodec:
+    """How a schedule's shards travel: the NF4-packed ones (uint8, QLoRA's frozen base) as their
+    bytes, dequantized to ``dtype`` on arrival; the others as they are."""
+
+    def __init__(self, shards: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+        self.packed = tuple(n for n, t in shards.items() if t.dtype == torch.uint8)
+        self.dtype = dtype
+
+    def on_wire(self, name: str, shape: torch.Size) -> torch.Size:
+        """The size shard ``name`` of ``shape`` travels as."""
+        return torch.Size([packed_bytes(shape)]) if name in self.packed else shape
+
+    def arrived(self, w: dict[str, torch.Tensor], shapes: dict[str, torch.Size]) -> None:
+        """Dequantize, in ``w``, the packed shards just received (``shapes``: their own sizes)."""
+        for n in self.packed:
+            w[n] = unpack(w[n], shapes[n], self.dtype)
+
+
 class StackedShard:
     """A ring buffer's form of one weight shard: tensors in ``groups``, each group one tensor
     stacked along dim 0 (e.g. ``[G; U]``, one GEMM), held as they are (views of the buffer) or,

@@ -21,8 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from . import comm
-from .attention import _Schedule, share_kv
+from .head_groups import AttentionCall
 from .heads import AttentionSpec
+from .kv_exchange import share_kv
 from .options import EngineOptions
 from .pointwise import add_matmul, matmul
 
@@ -38,7 +39,7 @@ def _counted(t: torch.Tensor, spec: AttentionSpec, r: int) -> torch.Tensor:
     return t
 
 
-def _sums(sched: _Schedule, x: torch.Tensor, own: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def _sums(sched: AttentionCall, x: torch.Tensor, own: dict) -> tuple[torch.Tensor, torch.Tensor]:
     spec = sched.spec
     ss_q = ss_k = 0
     for r, w in sched.weight_stream(own):
@@ -56,7 +57,7 @@ def _rsqrt(ss: torch.Tensor, n: int, eps: float) -> torch.Tensor:
 class _QKRms(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec, group, options, x, wq, wk):
-        sched = _Schedule(spec, group, options, x, gather_all=True)
+        sched = AttentionCall(spec, group, options, x, gather_all=True)
         ss_q, ss_k = _sums(sched, x, {"wq": wq, "wk": wk})
         d = spec.head_dim
         rq = _rsqrt(ss_q, spec.n_heads * d, spec.qk_norm_eps)

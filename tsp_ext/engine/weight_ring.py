@@ -1,4 +1,5 @@
-"""Weight shards circulating on the TSP ring, and their gradients travelling back to the owners.
+"""Weight shards circulating on the TSP ring, and their gradients travelling back to the owners;
+or broadcast by their owners in turn (``broadcast_stream``, the attention's head groups).
 
 The gated MLP and the vocab-sharded LM head share this pattern::
 
@@ -14,11 +15,13 @@ so after the last hop every accumulator lands at its owner, who adds its own ste
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
+from . import comm
 from .comm import Ring
+from .nf4 import ShardCodec
 
 
 def circulate(
@@ -88,3 +91,59 @@ class GradientRing:
             self._own += received
             self._in_flight = None
         return self._own
+
+
+def broadcast_stream(
+    own: dict[str, torch.Tensor],
+    shapes: Callable[[int, list[str]], list[torch.Size]],
+    group,
+    overlap: bool = True,
+    outgoing: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+    codec: ShardCodec | None = None,
+) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+    """Yield ``(r, W_r)`` for r = 0..D-1, the shards of rank r broadcast by it; W_{r+1} is
+    broadcast while the caller works on W_r (``overlap=False``: it arrived before).
+
+    Every rank passes its own shards ``own`` (the same names everywhere); ``shapes(r, names)``
+    gives rank r's sizes of ``names`` (owners' shards may differ, e.g. head groups by one head).
+    Shards of different dtypes (adapters kept wider than a half-precision base, NF4-packed bytes)
+    travel in one buffer per dtype; ``codec`` says which travel packed (dequantized on arrival).
+    ``outgoing(own)``: this rank's shards as it sends them (default ``own``; e.g. merged with
+    their adapters), made when its turn comes."""
+    D, p = comm.size_and_rank(group)
+    codec = codec or ShardCodec({}, torch.float32)
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for n, t in own.items():
+        by_dtype.setdefault(t.dtype, []).append(n)
+    parts = list(by_dtype.values())
+    sizes = [dict(zip(own, shapes(r, list(own)))) for r in range(D)]
+    wire = [[[codec.on_wire(n, sizes[r][n]) for n in names] for names in parts] for r in range(D)]
+
+    def post(r: int):
+        posted = []
+        sending = (outgoing(own) if outgoing else own) if r == p else None
+        for names, shape in zip(parts, wire[r]):
+            if sending is not None:
+                buf = comm.pack([sending[n] for n in names])
+            else:
+                buf = own[names[0]].new_empty(sum(s.numel() for s in shape))
+            posted.append((buf, comm.broadcast(buf, r, group, async_op=True)))
+        return posted
+
+    def wait(posted) -> None:
+        for _, handle in posted:
+            handle.wait()
+
+    nxt = post(0)
+    for r in range(D):
+        cur = nxt
+        wait(cur)
+        if r + 1 < D:
+            nxt = post(r + 1)
+            if not overlap:
+                wait(nxt)
+        w = {}
+        for names, shape, (buf, _) in zip(parts, wire[r], cur):
+            w.update(zip(names, comm.unpack(buf, shape)))
+        codec.arrived(w, sizes[r])
+        yield r, w

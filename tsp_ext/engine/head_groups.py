@@ -1,0 +1,143 @@
+"""One TSP attention call's head groups: the context the attention schedule (``engine.attention``)
+and the full-width q/k RMS (``engine.qk_rms``) share.
+
+Rank p owns head group p's shards; a call streams every group's shards past every rank
+(``weight_ring.broadcast_stream``), projects the local tokens with each (``projected_groups``)
+and exchanges the group's K/V (``kv_exchange``). The adapters' hook
+(``adapters.AttentionAdapters``) decides how the shards travel and are merged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from . import comm
+from .adapters import AttentionAdapters
+from .attention_backends import select_backend
+from .heads import AttentionSpec
+from .kv_exchange import KVExchange
+from .layout import ZigzagLayout
+from .lora import LoraPlan
+from .nf4 import ShardCodec
+from .options import EngineOptions
+from .qkv import stacked_weights
+from .weight_ring import broadcast_stream
+from .window import WindowExchange
+
+
+class AttentionCall:
+    """One call's fixed context: group, layout, query spans (default: the zigzag chunks; packed
+    documents: ``engine.documents.query_spans``), spec, options, the adapters' hook, the shards
+    that get gradients (``trainable``, set by the autograd function) and how K/V travel
+    (``kv``): the all-gather, or under a sliding window the ``WindowExchange`` of the keys each
+    rank's queries see (unless ``options.window_exchange`` is off or ``gather_all``: a prefill
+    keeps every key of its group as its KV cache)."""
+
+    def __init__(
+        self,
+        spec: AttentionSpec,
+        group,
+        options: EngineOptions,
+        x: torch.Tensor,
+        q_spans=None,
+        lora: LoraPlan | None = None,
+        gather_all: bool = False,
+    ):
+        self.spec, self.group, self.options = spec, group, options
+        self.adapters = AttentionAdapters(lora)
+        self.trainable: frozenset[str] = frozenset()
+        self.D, self.p = comm.size_and_rank(group)
+        self.layout = ZigzagLayout.from_local(x.shape[1], self.D)
+        stream = self.layout.spans(self.p)
+        self.q_spans = stream if q_spans is None else q_spans
+        windowed = spec.window if options.window_exchange and not gather_all else None
+        self.acc = options.accum_for(x.dtype)
+        window = WindowExchange.for_layout(self.layout, windowed)
+        self.kv = KVExchange(self.layout, window, group, self.acc)
+        self.dtype = x.dtype  # what NF4-packed shards (QLoRA's base) are dequantized to
+        # packed documents and inference prefill change the kernels' shapes from call to call
+        repeating = self.q_spans == stream and torch.is_grad_enabled()
+        self.kernel = select_backend(
+            options.attn_backend, x.device, x.dtype, options.attn_block, spec.head_dim, repeating
+        )
+
+    def shapes(self, r: int, own: dict[str, torch.Tensor], names) -> list[torch.Size]:
+        """Shapes of group ``r``'s shards ``names`` (every rank computes them from the spec and
+        its own adapter pieces' ranks)."""
+        h, d = self.spec.hidden_size, self.spec.head_dim
+        nq, nk = self.spec.n_q(r) * d, self.spec.n_kv(r) * d
+        rows = {"q": nq, "k": nk, "v": nk, "o": nq}
+        sizes = {"wo": (h, nq), **self.adapters.shapes(own, names, rows)}
+        for n in names:
+            if n[0] == "w" and n != "wo":
+                sizes[n] = (rows[n[1]], h)
+            elif n[0] == "b":
+                sizes[n] = (rows[n[1]],)
+        return [torch.Size(sizes[n]) for n in names]
+
+    def weight_stream(self, own: dict[str, torch.Tensor]):
+        """Yield ``(r, W_r)`` for r = 0..D-1 (``weight_ring.broadcast_stream``): W_{r+1} is
+        broadcast while the caller works on W_r; this rank's shards travel as the adapters' hook
+        makes them (``travelling``), NF4-packed ones are dequantized on arrival."""
+        return broadcast_stream(
+            own,
+            lambda r, names: self.shapes(r, own, names),
+            self.group,
+            self.options.overlap,
+            self.adapters.travelling,
+            ShardCodec(own, self.dtype),
+        )
+
+    def stacked(self, w: dict[str, torch.Tensor]):
+        """``qkv.stacked_weights`` of group shards ``w`` (merged with their adapters where a
+        receiver merges them)."""
+        return stacked_weights(w, self.spec.head_dim, self.adapters.qkv_merge)
+
+    def projected_groups(self, own: dict[str, torch.Tensor], project: Callable):
+        """Yield ``HeadGroup``s r = 0..D-1: W_r, ``project(r, W_r)`` (a tuple starting ``q, k,
+        v``) and the K/V exchange of group r in flight. With ``overlap``, group r+1 is projected
+        and its exchange posted before group r is yielded, so the caller's attention of group r
+        hides it."""
+
+        def start(item: tuple[int, dict[str, torch.Tensor]]) -> HeadGroup:
+            r, w = item
+            projected = project(r, w)
+            return HeadGroup(self, r, w, projected, *self.kv.gather(projected[1]))
+
+        stream = self.weight_stream(own)
+        nxt = start(next(stream))
+        for r in range(self.D):
+            cur, nxt = nxt, None
+            if r + 1 < self.D and self.options.overlap:
+                nxt = start(next(stream))
+            yield cur
+            del cur  # without overlap, group r's buffers go before group r+1's are made
+            if r + 1 < self.D and not self.options.overlap:
+                nxt = start(next(stream))
+
+    def norms_of(self, r: int, q_norm, k_norm):
+        """The q/k norm weights group ``r`` uses: the per-head ones, or its slices of full-width
+        ones (``spec.qk_norm_full``)."""
+        if q_norm is None or not self.spec.qk_norm_full:
+            return q_norm, k_norm
+        return q_norm[self.spec.q_rows(r)], k_norm[self.spec.kv_rows(r)]
+
+
+class HeadGroup:
+    """One head group in flight: ``r``, its weights ``w``, the caller's ``projected`` tuple and
+    its K/V exchange (``kv()`` waits for it)."""
+
+    def __init__(self, sched: AttentionCall, r: int, w, projected: tuple, kv_all, handle) -> None:
+        self.sched, self.r, self.w, self.projected = sched, r, w, projected
+        self._kv_all, self._handle = kv_all, handle
+
+    def kv(self) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Wait for the exchange; ``(base, K, V [B, L, n_kv(r), d])`` segments in token order
+        (heads-major; all-gathered: one, base 0, L = S). The local K/V it sent
+        (``projected[1]``) is dropped: nothing reads it after the exchange."""
+        self._handle.wait()
+        kv_all, self._kv_all = self._kv_all, None
+        self.projected = (self.projected[0], None, *self.projected[2:])
+        return self.sched.kv.segments(kv_all)

@@ -1,0 +1,119 @@
+"""A head group's K/V on the move: the sequence all-gather (or, under a sliding window, the
+``WindowExchange`` of only the keys each rank's queries see), its dual for dK/dV, and the sum of a
+shared KV head's gradient over the groups using it.
+
+Each rank projects K/V for its local tokens (zigzag chunks p and 2D-1-p), heads-major ``[B, 2hk,
+T, d]`` (K's heads, then V's). The all-gather brings every rank's and ``natural_kv`` lays them out
+in token order; the backward turns dK/dV back into that rank-major layout (``rank_major``) and
+reduce-scatters it, so each rank gets its own rows summed over every rank that read them. A group
+whose query heads do not map onto its KV heads as the kernels' GQA does gets them expanded
+(``expand_kv``) and their gradients folded back (``fold_kv``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import comm
+from .heads import AttentionSpec
+from .layout import ZigzagLayout
+from .qkv import split_kv
+from .window import WindowExchange
+
+# Names of the k/v part of one head group's shards (summed among the users of a shared KV head).
+KV_SHARDS = ("wk", "wv", "bk", "bv", "lk", "lv")
+
+
+class KVExchange:
+    """How one call's K/V travel: the all-gather of the whole sequence (``window`` None), or the
+    window's exchange."""
+
+    def __init__(
+        self, layout: ZigzagLayout, window: WindowExchange | None, group, acc: torch.dtype
+    ) -> None:
+        self.layout, self.window, self.group, self.acc = layout, window, group, acc
+
+    def gather(self, kv: torch.Tensor):
+        """Post the exchange of this rank's ``kv [B, 2hk, T, d]``: ``(gathered, handle)``;
+        ``segments(gathered)`` once the handle has been waited for."""
+        if self.window is None:
+            return comm.all_gather_seq(kv, self.group, async_op=True)
+        return self.window.gather(kv, self.group)
+
+    def segments(self, gathered) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """K/V segments ``(base, K, V [B, L, hk, d])`` of what arrived (heads-major): one of
+        all S keys from the all-gather (``natural_kv``), or the window's key ranges."""
+        if self.window is None:
+            return [(0, *self.natural_kv(gathered))]
+        return [(base, *split_kv(kv)) for base, kv in gathered.segments()]
+
+    def scatter(self, grads: list[tuple[torch.Tensor, torch.Tensor]]):
+        """Dual of the exchange: dK, dV per segment -> ``(dkv [B, 2hk, T, d] in acc, handle)``,
+        this rank's rows summed over every rank that read them."""
+        if self.window is None:
+            return comm.reduce_scatter_seq(self.rank_major(*grads[0]), self.group, True)
+        heads_major = [torch.cat([dk, dv], dim=2).transpose(1, 2) for dk, dv in grads]
+        return self.window.scatter(heads_major, self.acc, self.group)
+
+    def natural_kv(self, kv_all: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gathered ``kv_all [D, B, 2hk, T, d]`` (rank-major, heads-major) -> K, V ``[B, S, hk,
+        d]`` in token order (one copy of contiguous blocks: rank q's chunks q and 2D-1-q go to
+        their global positions), stored heads-major (see ``heads_major``)."""
+        D, B, two_hk, T, d = kv_all.shape
+        kv = kv_all.new_empty(B, two_hk, D * T, d)
+        for q in range(D):
+            for s in self.layout.spans(q):
+                kv[:, :, s.start : s.stop] = kv_all[q, :, :, s.offset : s.offset + s.length]
+        return split_kv(kv)
+
+    def rank_major(self, dk: torch.Tensor, dv: torch.Tensor) -> torch.Tensor:
+        """Inverse of ``natural_kv`` for gradients: dK, dV ``[B, S, hk, d]`` -> ``[D, B, 2hk, T,
+        d]`` in the accumulation dtype, ready to reduce-scatter."""
+        B, S, hk, d = dk.shape
+        D = self.layout.size
+        out = dk.new_empty(D, B, 2 * hk, S // D, d, dtype=self.acc)
+        for q in range(D):
+            for s in self.layout.spans(q):
+                rows = out[q, :, :, s.offset : s.offset + s.length]
+                rows[:, :hk] = dk[:, s.start : s.stop].transpose(1, 2)
+                rows[:, hk:] = dv[:, s.start : s.stop].transpose(1, 2)
+        return out
+
+
+def share_kv(grads: dict[str, torch.Tensor], spec: AttentionSpec, p: int, group) -> None:
+    """Sum, in place, the K/V gradient rows (``KV_SHARDS`` in ``grads``) of each of group ``p``'s
+    shared KV heads over the groups using it (``spec.shared_kv``: D > n_kv_heads, or a group
+    boundary inside a KV head's query heads), point to point among those ranks only, so that the
+    copies stay equal; each rank sends at most its own rows."""
+    d = spec.head_dim
+    kv = [n for n in grads if n in KV_SHARDS]
+    for i, users in spec.shared_kv(p):  # in head order: every user visits them alike
+        rows = [grads[n][i * d : (i + 1) * d] for n in kv]
+        buf = comm.pack(rows)
+        comm.sum_among(buf, users, group)
+        for row, total in zip(rows, comm.unpack(buf, [r.shape for r in rows])):
+            row.copy_(total)
+
+
+def heads_major(t: torch.Tensor) -> torch.Tensor:
+    """The same ``[B, L, H, d]`` values stored as ``[B, H, L, d]`` (returned as a ``[B, L, H, d]``
+    view): the fused kernels run up to 2x faster on that layout, GQA backward most of all."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def expand_kv(k: torch.Tensor, v: torch.Tensor, kv_map: list[int] | None):
+    """K, V ``[B, S, hk, d]`` -> ``[B, S, hq, d]`` with query head j's KV head at position j
+    (heads-major), when the group's map is not the kernels' GQA map; unchanged otherwise."""
+    if kv_map is None:
+        return k, v
+    index = torch.tensor(kv_map, device=k.device)
+    return heads_major(k.index_select(2, index)), heads_major(v.index_select(2, index))
+
+
+def fold_kv(dk: torch.Tensor, kv_map: list[int] | None, hk: int) -> torch.Tensor:
+    """Dual of ``expand_kv`` for a gradient: ``[B, S, hq, d]`` -> ``[B, S, hk, d]``, summed over
+    the query heads sharing each KV head."""
+    if kv_map is None:
+        return dk
+    index = torch.tensor(kv_map, device=dk.device)
+    return dk.new_zeros(*dk.shape[:2], hk, dk.shape[3]).index_add_(2, index, dk)
