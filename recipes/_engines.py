@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import tsp_ext.fsdp
 from tsp_ext import TSPConfig, apply_tsp, checkpoint, clip_grad_norm_, save_pretrained
-from tsp_ext.dp_storage import partition
+from tsp_ext.dp.storage import partition
 
 
 def lr_lambda(warmup: int, total: int):
