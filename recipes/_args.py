@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import warnings
 
 import torch
 from _data import SHAKESPEARE
@@ -81,11 +82,14 @@ def add_shared_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_data_parallel_arg(
-    p: argparse.ArgumentParser, supported: tuple[str, ...] = tuple(ENGINES), instead: str = ""
+    p: argparse.ArgumentParser,
+    supported: tuple[str, ...] = tuple(ENGINES),
+    instead: str = "",
+    old_name: str | None = None,
 ) -> None:
     """``--data-parallel``: the data-parallel engine over the dp axis (``tsp_ext.dp.engines``,
     TSPTrainer's ``data_parallel=``), one of the ``supported``; ``instead``: what to use for the
-    others."""
+    others; ``old_name``: a former spelling that still works, with a FutureWarning."""
 
     def engine(name: str) -> str:
         if name in supported:
@@ -103,6 +107,23 @@ def add_data_parallel_arg(
         metavar="{" + ",".join(supported) + "}",
         help="the data-parallel engine over the dp replicas (default: ddp)",
     )
+    if old_name:
+        p.add_argument(
+            old_name,
+            dest="data_parallel",
+            type=engine,
+            action=DeprecatedAlias,
+            help=argparse.SUPPRESS,
+        )
+
+
+class DeprecatedAlias(argparse.Action):
+    """An old spelling of ``--data-parallel`` that still works, with a FutureWarning."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        msg = f"{option_string} is deprecated: use --data-parallel {values}"
+        warnings.warn(msg, FutureWarning, stacklevel=2)
+        setattr(namespace, self.dest, values)
 
 
 def trainer_settings(args: argparse.Namespace) -> dict:

@@ -19,7 +19,6 @@ import re
 import shutil
 import sys
 import time
-import warnings
 from datetime import timedelta
 
 import torch
@@ -67,14 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=600.0,
         help="seconds a collective waits for a stopped or hung peer before failing",
     )
-    add_data_parallel_arg(p)
-    p.add_argument(
-        "--dp-engine",
-        dest="data_parallel",
-        choices=("ddp", "deepspeed", "fsdp2"),
-        action=DeprecatedAlias,
-        help=argparse.SUPPRESS,
-    )
+    add_data_parallel_arg(p, old_name="--dp-engine")
     p.add_argument(
         "--ds-config",
         default=None,
@@ -120,15 +112,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         "(no update, the schedule does not advance)",
     )
     return p.parse_args(argv)
-
-
-class DeprecatedAlias(argparse.Action):
-    """An old spelling of ``--data-parallel`` that still works, with a FutureWarning."""
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        msg = f"{option_string} is deprecated: use --data-parallel {values}"
-        warnings.warn(msg, FutureWarning, stacklevel=2)
-        setattr(namespace, self.dest, values)
 
 
 def resolve_ds_config(args) -> None:
