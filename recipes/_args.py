@@ -4,12 +4,20 @@
 from __future__ import annotations
 
 import argparse
+import warnings
 
 import torch
 from _data import SHAKESPEARE
 from _gguf import DEFAULT_CACHE, SHORTCUTS
 from _presets import PRESETS
 
+from tsp_ext.dp.engines import ENGINES
+
+# what --data-parallel deepspeed needs in a recipe that runs DDP / FSDP2 only
+DEEPSPEED_INSTEAD = (
+    "for DeepSpeed ZeRO run finetune_long_llama.py --data-parallel deepspeed, or give TSPTrainer "
+    "TrainingArguments(deepspeed=...) (docs/deepspeed.md)"
+)
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -71,6 +79,51 @@ def add_shared_args(p: argparse.ArgumentParser) -> None:
         default=",".join(LORA_TARGETS),
         help="comma-separated projections that get an adapter",
     )
+
+
+def add_data_parallel_arg(
+    p: argparse.ArgumentParser,
+    supported: tuple[str, ...] = tuple(ENGINES),
+    instead: str = "",
+    old_name: str | None = None,
+) -> None:
+    """``--data-parallel``: the data-parallel engine over the dp axis (``tsp_ext.dp.engines``,
+    TSPTrainer's ``data_parallel=``), one of the ``supported``; ``instead``: what to use for the
+    others; ``old_name``: a former spelling that still works, with a FutureWarning."""
+
+    def engine(name: str) -> str:
+        if name in supported:
+            return name
+        if name in ENGINES:
+            raise argparse.ArgumentTypeError(
+                f"{name!r}: this recipe runs {', '.join(supported)}; {instead}"
+            )
+        raise argparse.ArgumentTypeError(f"{name!r}: choose one of {', '.join(supported)}")
+
+    p.add_argument(
+        "--data-parallel",
+        type=engine,
+        default="ddp",
+        metavar="{" + ",".join(supported) + "}",
+        help="the data-parallel engine over the dp replicas (default: ddp)",
+    )
+    if old_name:
+        p.add_argument(
+            old_name,
+            dest="data_parallel",
+            type=engine,
+            action=DeprecatedAlias,
+            help=argparse.SUPPRESS,
+        )
+
+
+class DeprecatedAlias(argparse.Action):
+    """An old spelling of ``--data-parallel`` that still works, with a FutureWarning."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        msg = f"{option_string} is deprecated: use --data-parallel {values}"
+        warnings.warn(msg, FutureWarning, stacklevel=2)
+        setattr(namespace, self.dest, values)
 
 
 def trainer_settings(args: argparse.Namespace) -> dict:

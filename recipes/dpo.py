@@ -21,7 +21,7 @@ import logging
 import os
 import random
 
-from _args import add_shared_args, trainer_settings
+from _args import DEEPSPEED_INSTEAD, add_data_parallel_arg, add_shared_args, trainer_settings
 from _data import SHAKESPEARE, load_texts
 from _finish import finish, start
 from _metrics import peak_memory_bytes
@@ -43,7 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--loss-type", default="sigmoid", help="TRL's loss_type (sigmoid, ipo, ...)")
     p.add_argument("--completion-len", type=int, default=64, help="tokens per built completion")
     p.add_argument("--pairs", type=int, default=64, help="preference pairs built from the text")
-    p.add_argument("--data-parallel", choices=("ddp", "fsdp2"), default="ddp")
+    add_data_parallel_arg(p, ("ddp", "fsdp2"), DEEPSPEED_INSTEAD)
     p.add_argument("--output-dir", default="outputs/dpo")
     p.set_defaults(max_steps=20, lr=5e-4, eval_every=10, seq_len=2048)
     return p.parse_args(argv)

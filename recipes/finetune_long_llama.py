@@ -23,9 +23,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from _args import add_shared_args
+from _args import add_data_parallel_arg, add_shared_args
 from _data import load_blocks, load_texts
-from _engines import Engine, tsp_config
 from _faults import maybe_kill, maybe_poison
 from _finish import finish
 from _metrics import open_metrics, peak_memory_bytes
@@ -42,6 +41,7 @@ from _model import (
 from _presets import PRESETS
 from _sample import greedy_sample
 from _single_process import init_single_process
+from _training import TrainingRun, tsp_config
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, set_seed
 from tqdm.auto import tqdm
@@ -66,7 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=600.0,
         help="seconds a collective waits for a stopped or hung peer before failing",
     )
-    p.add_argument("--dp-engine", choices=("ddp", "deepspeed", "fsdp2"), default="ddp")
+    add_data_parallel_arg(p, old_name="--dp-engine")
     p.add_argument(
         "--ds-config",
         default=None,
@@ -119,15 +119,15 @@ def resolve_ds_config(args) -> None:
     ``configs/ds_zero2.json``; a size in its ``"tsp"`` block is the default ``--tsp-size`` and
     must agree with one given."""
     launched_with = accelerate_deepspeed_config()
-    if launched_with is not None and args.dp_engine != "deepspeed":
+    if launched_with is not None and args.data_parallel != "deepspeed":
         raise SystemExit(
             f"accelerate launch has a DeepSpeed config ({launched_with or 'plugin settings'}) but "
-            f"--dp-engine is {args.dp_engine}: pass --dp-engine deepspeed (its "
+            f"--data-parallel is {args.data_parallel}: pass --data-parallel deepspeed (its "
             'deepspeed_config_file is then the --ds-config, "tsp" block included), or launch '
             "without DeepSpeed"
         )
     args.ds_config = args.ds_config or launched_with or DEFAULT_DS_CONFIG
-    if args.dp_engine != "deepspeed":
+    if args.data_parallel != "deepspeed":
         return
     if not os.path.isfile(args.ds_config):
         raise SystemExit(f"--ds-config {args.ds_config} does not exist")
@@ -160,10 +160,10 @@ def check_args(args, world: int) -> None:
         )
     if args.keep_last < 0:
         raise SystemExit(f"--keep-last {args.keep_last}: give 0 (keep all) or a positive count")
-    if args.sample_tokens and args.dp_engine != "ddp":
+    if args.sample_tokens and args.data_parallel != "ddp":
         raise SystemExit(
-            f"--sample-tokens generates with the TSP model, which {args.dp_engine} shards "
-            "further: use --dp-engine ddp, or generate from <output-dir>/final with "
+            f"--sample-tokens generates with the TSP model, which {args.data_parallel} shards "
+            "further: use --data-parallel ddp, or generate from <output-dir>/final with "
             "recipes/generate.py"
         )
     if args.resume_from == "auto":
@@ -239,9 +239,10 @@ def warn_restarts(args) -> None:
 
 
 def build_model(args, vocab: int, mesh, device: torch.device):
-    """``(model, full parameter count)``: a preset is built whole on every rank (the engine makes
-    it a TSP model); a checkpoint is loaded shard-on-read, already a TSP model, each rank reading
-    only its slices (``tsp_ext.load_pretrained``), so no rank ever holds the full model."""
+    """``(model, full parameter count)``: a preset is built whole on every rank
+    (``TrainingRun`` makes it a TSP model); a checkpoint is loaded shard-on-read, already a TSP
+    model, each rank reading only its slices (``tsp_ext.load_pretrained``), so no rank ever holds
+    the full model."""
     if args.model in PRESETS:
         model = preset_model(args, vocab).to(device)
         return model, sum(p.numel() for p in model.parameters())
@@ -264,16 +265,16 @@ def block_ids(step: int, micro: int, args, dp: int, dp_rank: int, n: int) -> lis
     return out
 
 
-def save_checkpoint(engine: Engine, args, step: int) -> None:
+def save_checkpoint(run: TrainingRun, args, step: int) -> None:
     """``<output-dir>/checkpoint-<step>``, then (rank 0) drop all but the ``--keep-last`` newest.
     A checkpoint only gets its name once complete, so the rotation never removes the last good
     one for a partial one; weights that are not all finite are never saved."""
-    if not engine.weights_finite():
+    if not run.weights_finite():
         raise SystemExit(
             f"step {step}: the weights hold non-finite values, checkpoint-{step} is not written; "
             "resume from an earlier checkpoint (with a lower --lr, or --on-nonfinite skip)"
         )
-    engine.save(os.path.join(args.output_dir, f"checkpoint-{step}"), step)
+    run.save(os.path.join(args.output_dir, f"checkpoint-{step}"), step)
     if args.keep_last and dist.get_rank() == 0:
         done = [d for d in os.listdir(args.output_dir) if re.fullmatch(r"checkpoint-\d+", d)]
         done.sort(key=lambda d: int(d.split("-")[1]))
@@ -306,9 +307,9 @@ def local_batch(blocks: dict[str, torch.Tensor], index, mesh, device: torch.devi
 
 
 @torch.no_grad()
-def evaluate(engine: Engine, eval_blocks: dict, mesh, device: torch.device) -> float:
+def evaluate(run: TrainingRun, eval_blocks: dict, mesh, device: torch.device) -> float:
     """Mean loss over the held-out blocks (split over dp replicas, tokens over TSP ranks)."""
-    model = engine.forward_model
+    model = run.forward_model
     model.eval()
     dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
     total = torch.zeros(2, dtype=torch.float64, device=device)
@@ -352,16 +353,16 @@ def main(argv=None) -> None:
     dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
     model, full_params = build_model(args, len(tokenizer), mesh, acc.device)
     model = add_lora(model, args, tsp_config(args))
-    engine = Engine(args.dp_engine, model, mesh, args)
-    start = engine.load(args.resume_from) if args.resume_from else 0
+    run = TrainingRun(args.data_parallel, model, mesh, args)
+    start = run.load(args.resume_from) if args.resume_from else 0
     log.info(
         f"{args.model}: {full_params / 1e6:.2f}M parameters, {n_blocks - n_eval} training blocks "
         f"of {args.seq_len} tokens ({args.packing} packing); dp={dp} x tsp={args.tsp_size} "
-        f"with {args.dp_engine}"
+        f"with {args.data_parallel}"
     )
     before = None
     if start == 0:  # what fine-tuning starts from
-        before = evaluate(engine, eval_blocks, mesh, acc.device), sample(engine, tokenizer, args)
+        before = evaluate(run, eval_blocks, mesh, acc.device), sample(run, tokenizer, args)
         log.info(f"eval loss before fine-tuning {before[0]:.4f}")
 
     os.makedirs(args.output_dir, exist_ok=True)
@@ -378,36 +379,36 @@ def main(argv=None) -> None:
             index = block_ids(step, micro, args, dp, dp_rank, n_blocks - n_eval)
             batch = local_batch(train_blocks, index, mesh, acc.device)
             with SavedTensorBytes(ignore=model.parameters()) as saved:
-                out = engine.forward_model(**batch)
+                out = run.forward_model(**batch)
             activation_bytes = saved.nbytes
             micro_loss = maybe_poison(out.loss, step + 1)
-            engine.backward(micro_loss)
+            run.backward(micro_loss)
             losses.append(micro_loss.detach())
             if micro < args.gradient_accumulation_steps - 1:
-                engine.step(last_micro=False)
+                run.step(last_micro=False)
         # the mean over dp (TSP ranks hold the same loss), on every rank before the update
         loss = torch.stack(losses).mean().double().reshape(1)
         dist.all_reduce(loss)
         loss = loss.item() / dist.get_world_size()
-        norm = engine.step(last_micro=True, skip=not math.isfinite(loss))
+        norm = run.step(last_micro=True, skip=not math.isfinite(loss))
         finite = math.isfinite(loss) and math.isfinite(norm)
         if not finite:
-            nonfinite(args, step + 1, loss, norm, engine.updated)
+            nonfinite(args, step + 1, loss, norm, run.updated)
         tps = tokens_per_step / (time.perf_counter() - t0)
         row = {
             "step": step + 1,
             "loss": loss if finite else None,
             "grad_norm": norm if finite else None,
             "tokens_per_s": tps,
-            "lr": engine.scheduler.get_last_lr()[0],
+            "lr": run.scheduler.get_last_lr()[0],
             "peak_mem_bytes": peak_memory_bytes(),
         }
-        if not engine.updated:
+        if not run.updated:
             row["skipped"] = True
         if (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps:
-            row["eval_loss"] = eval_loss = evaluate(engine, eval_blocks, mesh, acc.device)
+            row["eval_loss"] = eval_loss = evaluate(run, eval_blocks, mesh, acc.device)
         if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.max_steps:
-            save_checkpoint(engine, args, step + 1)
+            save_checkpoint(run, args, step + 1)
         bar.set_postfix(
             loss=f"{loss:.3f}", tok_s=f"{tps:.0f}", mem=f"{row['peak_mem_bytes'] / 2**20:.0f}MB"
         )
@@ -416,25 +417,25 @@ def main(argv=None) -> None:
             metrics.flush()
 
     if eval_loss is None:  # resumed at --max-steps: convert the checkpoint, no step taken
-        eval_loss = evaluate(engine, eval_blocks, mesh, acc.device)
+        eval_loss = evaluate(run, eval_blocks, mesh, acc.device)
     final = os.path.join(args.output_dir, "final")
-    save_checkpoint(engine, args, args.max_steps)
-    engine.export(final, tokenizer)
+    save_checkpoint(run, args, args.max_steps)
+    run.export(final, tokenizer)
     if activation_bytes:
         report_memory(model, full_params, activation_bytes, args, acc.device)
     if before is not None:
-        report_fine_tuning(args, before, (eval_loss, sample(engine, tokenizer, args)))
+        report_fine_tuning(args, before, (eval_loss, sample(run, tokenizer, args)))
     log.info(f"final eval loss {eval_loss:.4f}; Hugging Face checkpoint: {final}")
     if metrics:
         metrics.close()
     finish(acc, args.output_dir, eval_loss, final, owns_group)
 
 
-def sample(engine: Engine, tokenizer, args) -> str | None:
+def sample(run: TrainingRun, tokenizer, args) -> str | None:
     """``--sample-tokens`` greedy tokens from ``--sample-prompt`` (None without them)."""
     if not args.sample_tokens:
         return None
-    return greedy_sample(engine.model, tokenizer, args.sample_prompt, args.sample_tokens)
+    return greedy_sample(run.model, tokenizer, args.sample_prompt, args.sample_tokens)
 
 
 def report_fine_tuning(args, before: tuple, after: tuple) -> None:

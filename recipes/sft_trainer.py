@@ -18,7 +18,7 @@ import os
 import time
 
 import torch
-from _args import add_shared_args, trainer_settings
+from _args import DEEPSPEED_INSTEAD, add_data_parallel_arg, add_shared_args, trainer_settings
 from _data import load_blocks, load_texts
 from _finish import finish, start
 from _metrics import peak_memory_bytes
@@ -36,7 +36,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trainer", choices=("sft", "hf"), default="sft", help="TRL or transformers")
     add_shared_args(p)
-    p.add_argument("--data-parallel", choices=("ddp", "fsdp2"), default="ddp")
+    add_data_parallel_arg(p, ("ddp", "fsdp2"), DEEPSPEED_INSTEAD)
     p.add_argument("--save-every", type=int, default=0, help="Trainer checkpoints (0: none)")
     p.add_argument("--output-dir", default="outputs/sft")
     p.add_argument("--resume-from", default=None, help="a checkpoint-<step> directory")

@@ -157,14 +157,14 @@ def runs(workers, tmp: str) -> dict[str, dict]:
     for e in ENGINES:
         out[e], resumed = os.path.join(tmp, e), os.path.join(tmp, f"{e}-resumed")
         first = run_on(
-            workers, *TINY, *model, "--dp-engine", e, "--save-every", "1", "--keep-last", "3",
+            workers, *TINY, *model, "--data-parallel", e, "--save-every", "1", "--keep-last", "3",
             "--output-dir", out[e],
         )  # fmt: skip
         assert first.returncode == 0, first.stdout[-3000:]
         os.makedirs(resumed)
         os.symlink(os.path.join(out[e], "tokenizer"), os.path.join(resumed, "tokenizer"))
         second = run_on(
-            workers, *TINY, *model, "--dp-engine", e, "--output-dir", resumed,
+            workers, *TINY, *model, "--data-parallel", e, "--output-dir", resumed,
             "--resume-from", os.path.join(out[e], "checkpoint-2"),
         )  # fmt: skip
         assert second.returncode == 0, second.stdout[-3000:]
@@ -213,6 +213,25 @@ def plain_eval_loss(model, out: str) -> tuple[float, float]:
     with torch.no_grad():
         loss = sum(model(input_ids=b[None], labels=b[None]).loss.item() for b in blocks) / 2
     return loss, recipe_eval
+
+
+def test_data_parallel_flag_and_its_deprecated_alias(capsys):
+    """``--data-parallel`` picks the engine in every recipe; finetune_long_llama.py's old
+    ``--dp-engine`` still does, with a FutureWarning; a Trainer recipe refuses an engine it does
+    not run, saying what to use instead."""
+    sys.path.insert(0, os.path.join(ROOT, "recipes"))
+    import finetune_long_llama as recipe
+    import sft_trainer
+
+    assert recipe.parse_args(["--data-parallel", "deepspeed"]).data_parallel == "deepspeed"
+    with pytest.warns(FutureWarning, match="--dp-engine is deprecated: use --data-parallel fsdp2"):
+        assert recipe.parse_args(["--dp-engine", "fsdp2"]).data_parallel == "fsdp2"
+    assert sft_trainer.parse_args(["--data-parallel", "fsdp2"]).data_parallel == "fsdp2"
+    with pytest.raises(SystemExit):
+        sft_trainer.parse_args(["--data-parallel", "deepspeed"])
+    assert "this recipe runs ddp, fsdp2; for DeepSpeed ZeRO run finetune_long_llama.py" in (
+        capsys.readouterr().err
+    )
 
 
 @pytest.mark.parametrize(
@@ -269,7 +288,7 @@ def test_bad_resume_is_refused_before_training(workers, tmp):
         "packing": (["--packing", "documents"], "saved with --packing stream, this run has"),
     }
     for name, (extra, expected) in cases.items():
-        args = [*base, "--tsp-size", "1", "--dp-engine", "fsdp2", "--resume-from", ckpt]
+        args = [*base, "--tsp-size", "1", "--data-parallel", "fsdp2", "--resume-from", ckpt]
         args += [*extra, "--output-dir", os.path.join(tmp, f"bad-{name}")]
         for message, trained in workers.run(refusal, 2, args):
             assert expected in message, (name, message)
@@ -338,7 +357,7 @@ def test_lora_recipe_trains_resumes_at_another_tsp_size_and_exports(workers, tmp
     # no dropout: its masks follow the tokens each rank holds, which the new layout changes
     lora = ("--model", pretrained(tmp), "--lora-r", "4", "--lr", "1e-2")
     first = run_on(
-        workers, *TINY, *lora, "--dp-engine", "deepspeed", "--save-every", "2",
+        workers, *TINY, *lora, "--data-parallel", "deepspeed", "--save-every", "2",
         "--micro-batch-size", "2", "--output-dir", out,
     )  # fmt: skip
     assert first.returncode == 0, first.stdout[-3000:]
@@ -346,7 +365,7 @@ def test_lora_recipe_trains_resumes_at_another_tsp_size_and_exports(workers, tmp
     os.makedirs(resumed)
     os.symlink(os.path.join(out, "tokenizer"), os.path.join(resumed, "tokenizer"))
     second = run_on(
-        workers, *TINY[:-2], *lora, "--tsp-size", "1", "--dp-engine", "ddp",
+        workers, *TINY[:-2], *lora, "--tsp-size", "1", "--data-parallel", "ddp",
         "--micro-batch-size", "1", "--output-dir", resumed,
         "--resume-from", os.path.join(out, "checkpoint-2"),
     )  # fmt: skip
@@ -379,7 +398,7 @@ def test_moe_preset_trains_with_fsdp2_over_dp_and_exports(workers, tmp):
 
     out = os.path.join(tmp, "moe")
     run = run_on(
-        workers, *TINY, "--model", "tiny-qwen3-moe", "--dp-engine", "fsdp2", "--lr", "3e-3",
+        workers, *TINY, "--model", "tiny-qwen3-moe", "--data-parallel", "fsdp2", "--lr", "3e-3",
         "--output-dir", out, processes=4,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:]

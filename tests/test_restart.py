@@ -101,7 +101,7 @@ def nan_runs(workers, tmp: str) -> dict[tuple[str, str], subprocess.CompletedPro
     """Per engine and --on-nonfinite mode, rank 1's loss NaN at step 2 (on the kept ranks)."""
     return {
         (engine, mode): run_on(
-            workers, *TINY, "--max-steps", "3", "--save-every", "1", "--dp-engine", engine,
+            workers, *TINY, "--max-steps", "3", "--save-every", "1", "--data-parallel", engine,
             "--on-nonfinite", mode, "--output-dir", os.path.join(tmp, f"nan-{engine}"),
             env={"TSP_EXT_FAULT_NAN_STEP": "2"},  # rank 1's loss at step 2
         )

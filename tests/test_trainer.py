@@ -271,7 +271,7 @@ def test_sft_recipe_trl_equals_trainer_and_export_reloads(workers, tmp):
 
 def test_deepspeed_configs_are_honoured_or_refused(tmp_path, monkeypatch):
     """A DeepSpeed config from `accelerate launch` reaches the recipe's DeepSpeed engine with
-    its "tsp" size, and is refused where it would be dropped (TSPTrainer, --dp-engine ddp);
+    its "tsp" size, and is refused where it would be dropped (TSPTrainer, --data-parallel ddp);
     TSPTrainer's own DeepSpeed config refuses what it cannot honour."""
     import json
     import sys
@@ -289,13 +289,15 @@ def test_deepspeed_configs_are_honoured_or_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(path))
 
-    honoured = recipe.parse_args(["--dp-engine", "deepspeed"])
+    honoured = recipe.parse_args(["--data-parallel", "deepspeed"])
     recipe.resolve_ds_config(honoured)
     assert (honoured.ds_config, honoured.tsp_size) == (str(path), 2)
-    with pytest.raises(SystemExit, match="pass --dp-engine deepspeed"):
+    with pytest.raises(SystemExit, match="pass --data-parallel deepspeed"):
         recipe.resolve_ds_config(recipe.parse_args([]))
     with pytest.raises(SystemExit, match='--tsp-size 4 disagrees with the "tsp" block'):
-        recipe.resolve_ds_config(recipe.parse_args(["--dp-engine", "deepspeed", "--tsp-size", "4"]))
+        recipe.resolve_ds_config(
+            recipe.parse_args(["--data-parallel", "deepspeed", "--tsp-size", "4"])
+        )
     with pytest.raises(ValueError, match="pass its config file as TrainingArguments"):
         TSPTrainer(model=build("llama"), args=args, tsp=2)
     monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from ..dp_storage import is_fsdp2, tsp_shape
+from ..dp.storage import is_fsdp2, tsp_shape
 from ..hf.sharding import blocks
 from .state import require_tsp
 

@@ -16,7 +16,7 @@ from collections.abc import Collection, Iterator
 import torch
 from torch import nn
 
-from ..dp_storage import local_tensor, tsp_shape
+from ..dp.storage import local_tensor, tsp_shape
 from .state import reshard_fsdp
 
 PARAM = "param"

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..dp_storage import full_over_dp, is_zero3, tsp_shape, zero3_gathered
+from ..dp.storage import full_over_dp, is_zero3, tsp_shape, zero3_gathered
 from ..hf.sharding import shard_owner
 
 

@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..dp_storage import full_over_dp, is_fsdp2, local_tensor
 from ..hf.sharding import Role, counted_index, param_roles
+from .storage import full_over_dp, is_fsdp2, local_tensor
 
 CHUNK = 1 << 22  # elements squared in float64 at a time (a 32 MB temporary, not a whole gradient)
 

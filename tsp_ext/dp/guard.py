@@ -24,7 +24,7 @@ from typing import Any
 
 HOW = (
     "call tsp_ext.deepspeed.initialize instead of deepspeed.initialize (same arguments), or "
-    "run recipes/finetune_long_llama.py --dp-engine deepspeed; "
+    "run recipes/finetune_long_llama.py --data-parallel deepspeed; "
     "see docs/deepspeed.md"
 )
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..dp_storage import gathered_per_use
+from ..dp.storage import gathered_per_use
 from ..engine.comm import bucketed_replicated, replicated
 from ..engine.pointwise import rms_norm_keeping_input
 from .lora import ADAPTER_MARK

@@ -1,5 +1,6 @@
 """Integrations with training frameworks, above the ``hf``, ``dp`` and ``checkpoint`` layers.
 
 - ``trainer``: ``TSPTrainer`` / ``TSPTrainerMixin`` (Hugging Face ``Trainer``, TRL's
-  ``SFTTrainer``)
+  ``SFTTrainer``), data parallelism through ``tsp_ext.dp.engines``
+- ``dpo``: ``TSPDPOTrainer`` (TRL's ``DPOTrainer``)
 """

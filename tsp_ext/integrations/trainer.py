@@ -7,10 +7,11 @@
 What changes against a plain ``Trainer``:
 
 - the model is made a TSP model (``apply_tsp``) on a ``(dp, tsp)`` mesh, and data parallelism runs
-  over ``dp`` only: DDP on the dp group, FSDP2 on ``mesh["dp"]`` (``data_parallel="fsdp2"``,
-  ``tsp_ext.fsdp.shard_model``), or DeepSpeed ZeRO with ``TrainingArguments(deepspeed=...)``
-  (``tsp_ext.deepspeed.initialize``; the config's ``"tsp"`` block may give the TSP size);
-  Accelerate's own DDP / DeepSpeed would average or partition across the TSP shards;
+  over ``dp`` only (``tsp_ext.dp.engines``): DDP on the dp group, FSDP2 on ``mesh["dp"]``
+  (``data_parallel="fsdp2"``, ``tsp_ext.fsdp.shard_model``), or DeepSpeed ZeRO with
+  ``TrainingArguments(deepspeed=...)`` (``tsp_ext.deepspeed.initialize``; the config's ``"tsp"``
+  block may give the TSP size); Accelerate's own DDP / DeepSpeed would average or partition across
+  the TSP shards;
 - every rank of a TSP group reads the same batches (the sampler splits the data over dp, not over
   the world), and ``shard_batch`` gives each rank its zigzag tokens in ``compute_loss``;
 - ``num_items_in_batch`` counts the targets the TSP loss averages over (``shifted_labels``), once
@@ -32,17 +33,14 @@ import os
 import torch
 import torch.distributed as dist
 from accelerate.data_loader import prepare_data_loader
-from accelerate.utils import DeepSpeedOptimizerWrapper, DistributedType
+from accelerate.utils import DeepSpeedOptimizerWrapper
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer, TrainingArguments
 
 from .. import checkpoint
 from ..checkpoint.export import save_pretrained
 from ..config import TSPConfig
-from ..dp.deepspeed import finish_trainer_config, initialize, trainer_config
-from ..dp.fsdp import shard_model
-from ..dp.grad_norm import clip_grad_norm_
+from ..dp.engines import DataParallel, data_parallel_engine
 from ..dp.guard import accelerate_deepspeed_config
 from ..engine.layout import IGNORE_INDEX
 from ..hf.apply import apply_tsp
@@ -52,7 +50,6 @@ from ..mesh import init_tsp_mesh
 # varlen metadata of padding-free collators (flash attention): position_ids carry the same
 # document boundaries, which is what shard_batch and the TSP attention use
 VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
-DATA_PARALLEL = ("ddp", "fsdp2", "deepspeed")
 STATE_DIR = "tsp_state"  # tsp_ext.checkpoint training state inside a Trainer checkpoint
 
 
@@ -77,13 +74,10 @@ class TSPTrainerMixin:
         data_parallel: str | None = None,
         **kwargs,
     ) -> None:
-        data_parallel = _check_args(args, data_parallel)
+        self.data_parallel = _data_parallel(args, data_parallel)
         args.device  # noqa: B018  Accelerate sets up the process group (gloo / nccl)
         model = _with_adapter(model, kwargs.pop("peft_config", None), args.seed, tsp)
-        self.ds_config = self.ds_engine = None
-        if data_parallel == "deepspeed":
-            self.ds_config, tsp = trainer_config(args, model, tsp)
-            _hide_deepspeed_from_accelerate(args)
+        tsp = self.data_parallel.configure_trainer(args, model, tsp)
         self.tsp_mesh = _apply(model, tsp)
         if args.world_size != dist.get_world_size():
             raise ValueError(
@@ -91,16 +85,9 @@ class TSPTrainerMixin:
                 f"{dist.get_world_size()}: Trainer would not run data-parallel (on CPU pass "
                 "use_cpu=True to TrainingArguments)"
             )
-        self.data_parallel = data_parallel
         self._folded(model)
-        if data_parallel == "fsdp2":
-            shard_model(model, self.tsp_mesh)
-        elif data_parallel == "deepspeed":
-            finish_trainer_config(self.ds_config, args, model, self.tsp_mesh)
+        self.data_parallel.prepare(model, self.tsp_mesh)
         self._init_trainer(model, args, *trainer_args, **kwargs)
-        if data_parallel == "deepspeed":  # Trainer's no_sync would enter the engine's (ZeRO-2/3
-            # refuse it: they reduce in every backward)
-            self.accelerator.gradient_state.plugin_kwargs["sync_each_batch"] = True
 
     def _folded(self, model: nn.Module) -> None:
         """Called once ``model`` is a TSP model, before data parallelism wraps or shards it
@@ -165,28 +152,23 @@ class TSPTrainerMixin:
     # -- data parallelism and gradient norm ------------------------------------------------
 
     def _wrap_model(self, model, training: bool = True, dataloader=None):
+        """The data-parallel engine's module (with Trainer's optimizer; Trainer keeps stepping
+        its schedule). A model the engine does not wrap (FSDP2: sharded already) is handed over
+        as already wrapped, which keeps Accelerate from DDP-wrapping it."""
         if not training or model is not self.model:
             return model
-        if self.data_parallel == "fsdp2":  # already sharded; keeps Accelerate from wrapping it
-            return _Unwrapped(model)
-        if self.data_parallel == "deepspeed":
-            return self._deepspeed_engine()
-        return DistributedDataParallel(model, process_group=self.tsp_mesh["dp"].get_group())
-
-    def _deepspeed_engine(self):
-        """``tsp_ext.deepspeed.initialize`` with Trainer's optimizer; Trainer keeps stepping its
-        schedule, and its optimizer becomes Accelerate's no-op DeepSpeed wrapper (the engine
-        steps at the accumulation boundary, in ``training_step``)."""
-        if self.ds_engine is None:
-            self.ds_engine, optimizer, _, _ = initialize(
-                self.model, self.ds_config.config, optimizer=self.optimizer
-            )
+        module, optimizer, _ = self.data_parallel.wrap(model, self.tsp_mesh, self.optimizer)
+        if self.data_parallel.engine is not None:  # it steps in training_step: Trainer's
+            # optimizer becomes Accelerate's no-op wrapper, kept as is by Trainer's prepare();
+            # Trainer's no_sync would enter the engine's (ZeRO-2/3 refuse it: they reduce in
+            # every backward)
             self.optimizer = DeepSpeedOptimizerWrapper(optimizer)
-            self.optimizer._is_accelerate_prepared = True  # Trainer's prepare() keeps it as is
-        return self.ds_engine
+            self.optimizer._is_accelerate_prepared = True
+            self.accelerator.gradient_state.plugin_kwargs["sync_each_batch"] = True
+        return _Unwrapped(model) if module is model else module
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        if self.ds_engine is None or model is not self.ds_engine:
+        if self.data_parallel.engine is None or model is not self.data_parallel.engine:
             return super().training_step(model, inputs, num_items_in_batch)
         self.accelerator.backward = self._engine_backward
         try:
@@ -195,24 +177,16 @@ class TSPTrainerMixin:
             del self.accelerator.backward
 
     def _engine_backward(self, loss: torch.Tensor, **kwargs) -> None:
-        """``engine.backward`` (the loss is already scaled for accumulation), and
-        ``engine.step`` (clip, update) after the last micro batch of a step."""
-        engine, boundary = self.ds_engine, self.accelerator.sync_gradients
-        engine.set_gradient_accumulation_boundary(boundary)
-        engine.backward(loss, scale_wrt_gas=False)
-        if boundary:
-            engine.step()
+        """The engine's backward (the loss is already scaled for accumulation), and its step
+        (clip, update) after the last micro batch of a step."""
+        self.data_parallel.engine_backward(loss, boundary=self.accelerator.sync_gradients)
 
     def _clip_grad_norm(self, model):
-        if self.ds_engine is not None:  # clipped in engine.step; the norm before clipping
-            return self._get_grad_norm(model)
-        return clip_grad_norm_(self.model, self.args.max_grad_norm)
+        return self.data_parallel.clip_grad_norm(self.model, self.args.max_grad_norm)
 
     def _get_grad_norm(self, model, grad_norm=None):
-        if grad_norm is None and self.ds_engine is not None:
-            grad_norm = self.ds_engine.get_global_grad_norm()
-        elif grad_norm is None:
-            grad_norm = clip_grad_norm_(self.model, float("inf"))
+        if grad_norm is None:
+            grad_norm = self.data_parallel.grad_norm(self.model)
         return grad_norm.item() if torch.is_tensor(grad_norm) else grad_norm
 
     # -- saving ----------------------------------------------------------------------------
@@ -241,9 +215,8 @@ class TSPTrainerMixin:
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # AcceleratedOptimizer
         path = os.path.join(output_dir, STATE_DIR)
-        checkpoint.save(
-            path, self.model, optimizer, scheduler=self.lr_scheduler, engine=self.ds_engine
-        )
+        engine = self.data_parallel.engine
+        checkpoint.save(path, self.model, optimizer, scheduler=self.lr_scheduler, engine=engine)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         """The weights come back with the optimizer state (``_load_optimizer_and_scheduler``)."""
@@ -259,9 +232,8 @@ class TSPTrainerMixin:
             return
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
         path = os.path.join(checkpoint_dir, STATE_DIR)
-        checkpoint.load(
-            path, self.model, optimizer, scheduler=self.lr_scheduler, engine=self.ds_engine
-        )
+        engine = self.data_parallel.engine
+        checkpoint.load(path, self.model, optimizer, scheduler=self.lr_scheduler, engine=engine)
 
 
 class TSPTrainer(TSPTrainerMixin, Trainer):
@@ -331,18 +303,11 @@ def _apply(model: nn.Module, tsp: int | TSPConfig | None):
     return mesh
 
 
-def _check_args(args: TrainingArguments, data_parallel: str | None) -> str:
-    """The data-parallel engine: ``data_parallel``, or DeepSpeed with ``args.deepspeed``."""
-    if data_parallel is None:
-        data_parallel = "deepspeed" if args.deepspeed else "ddp"
-    if data_parallel not in DATA_PARALLEL:
-        raise ValueError(f"data_parallel={data_parallel!r}: choose one of {DATA_PARALLEL}")
-    if bool(args.deepspeed) != (data_parallel == "deepspeed"):
-        raise ValueError(
-            f"data_parallel={data_parallel!r} with TrainingArguments(deepspeed="
-            f"{args.deepspeed!r}): DeepSpeed runs when TrainingArguments has a deepspeed config "
-            "(leave data_parallel unset or 'deepspeed'), DDP / FSDP2 when it has none"
-        )
+def _data_parallel(args: TrainingArguments, data_parallel: str | None) -> DataParallel:
+    """The data-parallel engine (``tsp_ext.dp.engines``): ``data_parallel``, or DeepSpeed with
+    ``args.deepspeed``; Trainer settings that would bypass it are refused."""
+    dp = data_parallel_engine(data_parallel or ("deepspeed" if args.deepspeed else "ddp"))
+    dp.check_trainer_args(args)
     if accelerate_deepspeed_config() is not None:
         raise ValueError(
             "TSPTrainer drives DeepSpeed itself (tsp_ext.deepspeed.initialize): drop the "
@@ -356,12 +321,4 @@ def _check_args(args: TrainingArguments, data_parallel: str | None) -> str:
         )
     if getattr(args, "parallelism_config", None) is not None:
         raise ValueError("TSPTrainer builds the (dp, tsp) mesh itself: drop parallelism_config")
-    return data_parallel
-
-
-def _hide_deepspeed_from_accelerate(args: TrainingArguments) -> None:
-    """Accelerate would hand the model to plain ``deepspeed.initialize``; on GPUs
-    TrainingArguments already set its process state up for DeepSpeed."""
-    args.deepspeed_plugin = None
-    if args.distributed_state.distributed_type == DistributedType.DEEPSPEED:
-        args.distributed_state.distributed_type = DistributedType.MULTI_GPU
+    return dp

@@ -1,6 +1,7 @@
-"""The three data-parallel engines behind one small interface: step, save, resume, export.
+"""The training loop's state: the TSP model under a data-parallel engine (``--data-parallel``,
+``tsp_ext.dp.engines``), its optimizer and schedule; step, save, resume, export.
 
-Accelerate launches the processes; the DP engine is driven through tsp_ext's own integrations
+Accelerate launches the processes; the engine is driven through tsp_ext's own data-parallel layer
 (Accelerate's DeepSpeed/FSDP plugins do nothing on CPU).
 """
 
@@ -10,11 +11,10 @@ import json
 import math
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
-import tsp_ext.fsdp
-from tsp_ext import TSPConfig, apply_tsp, checkpoint, clip_grad_norm_, save_pretrained
-from tsp_ext.dp_storage import partition
+from tsp_ext import TSPConfig, apply_tsp, checkpoint, save_pretrained
+from tsp_ext.dp.engines import data_parallel_engine
+from tsp_ext.dp.storage import partition
 
 
 def lr_lambda(warmup: int, total: int):
@@ -53,82 +53,52 @@ def tsp_options(args) -> dict:
     return options
 
 
+def engine_config(args) -> dict | None:
+    """The data-parallel engine's config: DeepSpeed's ``ds_config``; the others' defaults."""
+    return ds_config(args) if args.data_parallel == "deepspeed" else None
+
+
 def tsp_config(args) -> TSPConfig:
     """The TSP options of the run: DeepSpeed's ``"tsp"`` block, or the defaults; layer
     checkpointing and QLoRA's base from the arguments either way."""
-    if args.dp_engine == "deepspeed":
+    if args.data_parallel == "deepspeed":
         from tsp_ext.deepspeed import tsp_config_from_ds
 
         return tsp_config_from_ds(ds_config(args))
     return TSPConfig(tsp_size=args.tsp_size, **tsp_options(args))
 
 
-class Engine:
-    """``forward_model`` runs batches; ``backward``/``step`` train; ``save``/``load`` round-trip
-    the full training state; ``export`` writes a Hugging Face checkpoint."""
+class TrainingRun:
+    """The training loop's model and data-parallel engine (``tsp_ext.dp.engines``):
+    ``forward_model`` runs batches; ``backward``/``step`` train; ``save``/``load`` round-trip the
+    full training state; ``export`` writes a Hugging Face checkpoint."""
 
-    def __init__(self, kind: str, model, mesh, args) -> None:
+    def __init__(self, data_parallel: str, model, mesh, args) -> None:
         """``model``: a Hugging Face model (made a TSP model here) or an already-TSP one
-        (``tsp_ext.load_pretrained``); DeepSpeed and FSDP2 accept both."""
-        self.kind, self.model, self.mesh, self.args = kind, model, mesh, args
-        self.dp_group = mesh["dp"].get_group()
+        (``tsp_ext.load_pretrained``); ``data_parallel``: a name in ``tsp_ext.dp.engines``."""
+        self.model, self.mesh, self.args = model, mesh, args
+        if getattr(model, "tsp", None) is None:
+            apply_tsp(model, mesh, config=tsp_config(args))
+        self.dp = data_parallel_engine(data_parallel, engine_config(args))
+        self.dp.prepare(model, mesh)
 
         def factory(params):  # fused: no temporaries of a parameter's size in the step
             return torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, fused=True)
 
         schedule = lr_lambda(args.warmup_steps, args.max_steps)
-        if kind == "deepspeed":
-            import tsp_ext.deepspeed as tds
-
-            self.engine, self.optimizer, _, self.scheduler = tds.initialize(
-                model=model,
-                config=ds_config(args),
-                optimizer=factory,
-                lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule),
-            )
-            self.forward_model = self.engine
-            return
-        if getattr(model, "tsp", None) is None:
-            apply_tsp(model, mesh, config=tsp_config(args))
-        if kind == "fsdp2":
-            tsp_ext.fsdp.shard_model(model, mesh)
-            self.forward_model = model
-        elif kind == "ddp":
-            # the gradients live in DDP's buckets (no second copy of every gradient)
-            self.forward_model = DistributedDataParallel(
-                model, process_group=self.dp_group, gradient_as_bucket_view=True
-            )
-        else:
-            raise ValueError(f"unknown --dp-engine {kind!r}")
-        # the parameters TSP made (LoRA: the adapter's only)
-        self.optimizer = factory([p for p in model.parameters() if p.requires_grad])
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+        self.forward_model, self.optimizer, self.scheduler = self.dp.wrap(
+            model, mesh, factory, lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+        )
 
     def backward(self, loss: torch.Tensor) -> None:
-        if self.kind == "deepspeed":
-            self.engine.backward(loss)  # DeepSpeed divides by the accumulation steps itself
-        else:
-            (loss / self.args.gradient_accumulation_steps).backward()
+        self.dp.backward(loss, self.args.gradient_accumulation_steps)
 
     def step(self, last_micro: bool, skip: bool = False) -> float | None:
         """After each micro batch: at the last one clip, update and advance the schedule, and
-        return the gradient norm before clipping (None before). The norm is global (the same on
-        every rank); when it is not finite, or with ``skip`` (a non-finite loss), the gradients
-        are dropped and neither the optimizer nor the schedule advances. DeepSpeed skips a
-        non-finite norm itself (its overflow check, reported as inf) but not ``skip``: finite
-        gradients of a non-finite loss update the weights. ``updated`` says which happened."""
-        if self.kind == "deepspeed":
-            self.engine.step()  # DeepSpeed counts micro batches and updates at the boundary
-            self.updated = self.engine.was_step_applied()
-            return float(self.engine.get_global_grad_norm() or 0.0) if last_micro else None
-        if not last_micro:
-            return None
-        norm = clip_grad_norm_(self.model, self.args.max_grad_norm).item()
-        self.updated = not skip and math.isfinite(norm)
-        if self.updated:
-            self.optimizer.step()
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        return the gradient norm before clipping (None before); ``updated`` says whether the
+        weights changed (``DataParallel.step``: a non-finite norm or ``skip`` drops the step;
+        DeepSpeed skips a non-finite norm itself but not ``skip``)."""
+        norm, self.updated = self.dp.step(self.args.max_grad_norm, last_micro, skip)
         return norm
 
     @torch.no_grad()
@@ -158,18 +128,15 @@ class Engine:
             self.optimizer,
             scheduler=self.scheduler,
             extra_state=extra,
-            engine=self._ds_engine(),
+            engine=self.dp.engine,
         )
 
     def load(self, path: str) -> int:
         """Restore what ``save`` wrote; returns the step to continue from."""
         extra = checkpoint.load(
-            path, self.model, self.optimizer, scheduler=self.scheduler, engine=self._ds_engine()
+            path, self.model, self.optimizer, scheduler=self.scheduler, engine=self.dp.engine
         )
         return extra["step"]
-
-    def _ds_engine(self):
-        return self.engine if self.kind == "deepspeed" else None
 
     def export(self, path: str, tokenizer) -> None:
         """A plain Hugging Face checkpoint of the current weights, streamed tensor by tensor;
