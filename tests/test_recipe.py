@@ -20,6 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tsp_ext.dp.engines import ENGINES as DP_ENGINES
 from tsp_ext.testing.launch import free_port
 
 pytestmark = pytest.mark.multiproc
@@ -143,7 +144,7 @@ def pretrained(tmp: str) -> str:
     return path
 
 
-ENGINES = ("ddp", "deepspeed", "fsdp2")
+ENGINES = tuple(sorted(DP_ENGINES))  # every registered data-parallel engine
 
 
 @functools.cache

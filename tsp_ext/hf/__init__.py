@@ -2,9 +2,13 @@
 
 - ``sharding``: the sharded-module protocol (local slices of full HF tensors, parameter roles)
 - ``families``: where each model family keeps its parts (read by apply, inference, FSDP2, loading)
-- ``attention``, ``mlp``, ``vocab``, ``replicated``: the TSP modules
+- ``model_types``: what a config's ``model_type`` implies (torch-free; the planner reads it too)
+- ``attention``, ``mlp``, ``moe``, ``vocab``, ``replicated``: the TSP modules
+- ``lora``, ``nf4``: PEFT LoRA adapters on TSP modules; QLoRA's 4-bit frozen base
 - ``apply``: ``apply_tsp`` (module replacement) and ``check_supported``
 - ``causal_lm``: the global loss, the vocab-sharded ``forward`` and the input check
+- ``log_probs``: per-token log-probabilities without full logits (preference training)
+- ``checkpointing``: decoder layers recomputed in backward, their inputs offloaded (``HostStore``)
 - ``batch``: ``shard_batch`` / ``gather_sequence``
 - ``cache``, ``inference``, ``generate``: the sharded KV cache, prefill / decode, ``generate``
 """

@@ -12,7 +12,8 @@ leaves over. Plain arithmetic: this package imports no torch. ``tsp_ext.plan`` i
 
 Modules: ``shapes`` (model sizes, presets), ``inputs`` (workload, cluster, layout, results),
 ``memory``, ``comm``, ``time`` (the three models), ``ranking`` (candidates, checks, the plan),
-``cli`` (the ``tsp-plan`` command).
+``longest`` (the longest sequence within device and host memory), ``calibration`` (the time
+model fitted to measured steps), ``cli`` (the ``tsp-plan`` command).
 """
 
 from __future__ import annotations

@@ -1,1 +1,4 @@
-"""Tools for tests and benchmarks: the one process launcher (gloo / nccl / fake backends)."""
+"""Tools for tests and benchmarks.
+
+- ``launch``: the one process launcher (gloo / nccl / fake backends, worker pools)
+"""
