@@ -1,6 +1,7 @@
 """tsp_ext: folded tensor + sequence parallelism (TSP) for PyTorch / Hugging Face models.
 
-One line turns a Llama-family model into a TSP model::
+One line turns a Hugging Face causal LM of a supported family (``check_supported``) into a TSP
+model::
 
     mesh = init_tsp_mesh(tsp_size=4)
     model = apply_tsp(model, mesh)

@@ -35,7 +35,7 @@ SPANS_KWARG = "tsp_query_spans"
 
 
 class TSPAttention(ShardedModule):
-    """Llama-family self-attention on a TSP axis; holds head group p of every projection.
+    """Self-attention of any supported family on a TSP axis; holds head group p of every projection.
 
     Same call signature as Hugging Face's ``LlamaAttention``: ``hidden_states [B, S/D, h]`` in
     zigzag layout and ``position_embeddings = (cos, sin)`` of those tokens' positions;
