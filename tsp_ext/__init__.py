@@ -47,6 +47,7 @@ _EXPORTS = {
     "TSPTrainer": ".integrations.trainer",
     "TSPTrainerMixin": ".integrations.trainer",
     "TSPDPOTrainer": ".integrations.dpo",
+    "TSPGRPOTrainer": ".integrations.grpo",
 }
 
 # subpackages and modules reachable as attributes (``tsp_ext.checkpoint.save``) after

@@ -27,20 +27,21 @@ dp, the same batches on every rank of a TSP group, checkpoints and export.
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import types
-from dataclasses import replace
-
 import torch.distributed as dist
 from accelerate.utils import is_peft_model
 from torch import nn
 from trl import DPOConfig, DPOTrainer
+from trl.trainer import dpo_trainer
 
 from ..engine.agreement import agree
-from ..hf.apply import apply_tsp
-from ..hf.generate import tsp_forward
 from ..hf.lora import peft_base
+from .reference import (
+    adapter_made_already,
+    bind_tsp_forward,
+    fold_reference,
+    fresh_adapter,
+    frozen_copy,
+)
 from .trainer import TSPTrainerMixin
 
 
@@ -67,24 +68,19 @@ class TSPDPOTrainer(TSPTrainerMixin, DPOTrainer):
         """Full fine-tuning without ``ref_model``: the reference is a copy of the policy's shards
         (with LoRA it is the policy with its adapters disabled)."""
         if self._reference is None and not is_peft_model(model):
-            state = model.tsp
-            shared = (state.group, state.mesh, state.host_store)
-            self._reference = copy.deepcopy(model, memo={id(o): o for o in shared})
+            self._reference = frozen_copy(model)
 
     def _init_trainer(self, model: nn.Module, args: DPOConfig, **kwargs) -> None:
-        ref = _fold_reference(self._reference, model, self.tsp_mesh)
+        ref = fold_reference(self._reference, model, self.tsp_mesh)
         del self._reference
         if is_peft_model(model):
-            with _adapter_made_already(model):
-                DPOTrainer.__init__(
-                    self, peft_base(model), ref, args, peft_config=_fresh_adapter(model), **kwargs
-                )
+            adapter = fresh_adapter(model, "TSPDPOTrainer")
+            with adapter_made_already(dpo_trainer, model):
+                base = peft_base(model)
+                DPOTrainer.__init__(self, base, ref, args, peft_config=adapter, **kwargs)
         else:
             DPOTrainer.__init__(self, model, ref, args, **kwargs)
-        for m in (self.model, self.ref_model):  # TRL wrapped forward with its own fused head
-            if m is not None:
-                base = peft_base(m) or m
-                base.forward = types.MethodType(tsp_forward, base)
+        bind_tsp_forward(self.model, self.ref_model)
         self._tp_size = self.get_tp_size()  # TRL's token count: every token once per TSP group
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -101,54 +97,6 @@ def _check_config(args: DPOConfig) -> None:
         )
     if args.sync_ref_model:
         raise ValueError("TSPDPOTrainer does not support sync_ref_model: drop it")
-
-
-def _fold_reference(ref: nn.Module | None, policy: nn.Module, mesh) -> nn.Module | None:
-    """``ref`` as a frozen TSP model folded like ``policy`` (None stays None)."""
-    if ref is None:
-        return None
-    base = peft_base(policy) or policy
-    state = getattr(ref, "tsp", None)
-    ref.requires_grad_(False)  # before folding: apply_tsp keeps frozen parameters frozen
-    if state is None:
-        frozen = dict(checkpoint_layers=False, offload_checkpoints=False, quantize_base=None)
-        apply_tsp(ref, mesh, config=replace(base.tsp.config, **frozen))
-    else:
-        ranks = dist.get_process_group_ranks
-        if ranks(state.group) != ranks(base.tsp.group):
-            raise ValueError(
-                f"ref_model is a TSP model on ranks {ranks(state.group)} but the policy's TSP "
-                f"group is {ranks(base.tsp.group)}: pass the reference before apply_tsp (the "
-                "trainer folds it on the policy's mesh) or apply_tsp it on the same mesh"
-            )
-    return ref.eval()
-
-
-def _fresh_adapter(peft_model: nn.Module):
-    """The LoRA config of ``peft_model`` if its adapters are still zero (``lora_B``): then the
-    reference is the policy with adapters disabled."""
-    trained = [n for n, p in peft_model.named_parameters() if "lora_B" in n and p.detach().any()]
-    if trained:
-        raise ValueError(
-            "TSPDPOTrainer takes a PEFT model whose adapters are untrained (the reference is "
-            f"the base model with adapters disabled), but {trained[0]} is not zero: merge the "
-            "adapter into the base (merge_and_unload) and pass peft_config= for a new one"
-        )
-    return peft_model.peft_config["default"]
-
-
-@contextlib.contextmanager
-def _adapter_made_already(peft_model: nn.Module):
-    """TRL's ``get_peft_model(model, peft_config)`` returns ``peft_model``: its adapters are made
-    and folded already (before data parallelism wrapped or sharded them)."""
-    from trl.trainer import dpo_trainer
-
-    original = dpo_trainer.get_peft_model
-    dpo_trainer.get_peft_model = lambda *args, **kwargs: peft_model
-    try:
-        yield
-    finally:
-        dpo_trainer.get_peft_model = original
 
 
 def _check_pairs(inputs: dict) -> None:
