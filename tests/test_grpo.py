@@ -12,7 +12,7 @@ import zlib
 import pytest
 import torch
 import torch.distributed as dist
-from checks import error_message, rel_err
+from checks import rel_err
 from models import LORA_TARGETS, build
 from test_preference import LargestTensor, word_tokenizer
 
@@ -40,7 +40,9 @@ CASES = {
     },
     3: {
         "bnpo_entropy": dict(loss_type="bnpo", top_entropy_quantile=0.5),
-        "dapo_kl": dict(loss_type="dapo", beta=0.1, num_iterations=2, mask_truncated_completions=True),
+        "dapo_kl": dict(
+            loss_type="dapo", beta=0.1, num_iterations=2, mask_truncated_completions=True
+        ),
     },
     4: {
         "grpo": dict(loss_type="grpo"),
@@ -231,3 +233,153 @@ def test_grpo_matches_trl(workers, tmp, world):
     for results in workers.run(tsp_worker, world, tmp, ref, timeout=300):
         for name, errs in results.items():
             assert max(errs.values()) < 1e-10, (name, errs)
+
+
+def dp_worker(rank, world, tmp, ref, data_parallel):
+    """``dapo_kl`` at tsp = 2 x dp = 2: each replica holds half of the rows."""
+    logs, adv, _, grads = run_case(tmp, "dapo_kl", 2, dp=2, data_parallel=data_parallel)
+    ref_logs, ref_adv, _, ref_grads = ref
+    replica = dist.get_rank() // 2  # its rows: the replica's half of every round
+    errs = compare(
+        (logs, adv, [], grads), (ref_logs, [a.view(2, -1)[replica] for a in ref_adv], [], ref_grads)
+    )
+    for step, (a, b) in enumerate(zip(logs, ref_logs, strict=True)):  # each replica's loss
+        errs[f"loss@{step}"] = abs(a["loss"] - b["loss"]) / abs(b["loss"])  # averaged: float32
+    return errs
+
+
+@pytest.mark.parametrize("data_parallel", ["fsdp2"])
+def test_grpo_over_dp_replicas_matches_trl(workers, tmp, data_parallel):
+    """tsp = 2 x dp = 2 (FSDP2 over dp): rewards gathered over the replicas, not the TSP copies
+    (group statistics, token counts); every gradient equals one-process TRL's on all rows; the
+    logged loss (float32) to its precision."""
+    ref = references(workers, tmp)["dapo_kl"]
+    for errs in workers.run(dp_worker, 4, tmp, ref, data_parallel, timeout=300):
+        loss = {k: v for k, v in errs.items() if k.startswith("loss@")}
+        assert max(loss.values()) < 1e-6, loss
+        assert max(v for k, v in errs.items() if k not in loss) < 1e-10, errs
+
+
+# --- rollouts by the TSP model's generate(), memory, bad input ------------------------------
+
+
+def trainer_for(tmp: str, model, world: int, **kw):
+    from tsp_ext import TSPGRPOTrainer
+
+    reward_funcs = kw.pop("reward_funcs", [score])
+    tsp = TSPConfig(tsp_size=world, loss_chunk=kw.pop("loss_chunk", 1024))
+    args = grpo_args(tmp, **kw)
+    data = dict(train_dataset=prompts_dataset(), processing_class=word_tokenizer(V))
+    return TSPGRPOTrainer(model, reward_funcs=reward_funcs, args=args, tsp=tsp, **data)
+
+
+def left_padded(prompts: list[str]):
+    tok = word_tokenizer(V)
+    tok.padding_side = "left"
+    return tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+
+
+def until_eos(rows: torch.Tensor) -> list[list[int]]:
+    """TRL's completions: each row up to and with its first EOS."""
+    out = []
+    for row in rows.tolist():
+        out.append(row[: row.index(EOS) + 1] if EOS in row else row)
+    return out
+
+
+def rollout_worker(rank, world, tmp):
+    """Greedy rollouts of the trainer against the one-process model (and its KV cache: 1/D per
+    rank), then sampled rollouts after a different seed on each rank."""
+    import tsp_ext.hf.generate as tsp_generate
+
+    model = build("llama", torch.float64, vocab_size=V)
+    prompts = prompts_dataset()["prompt"][:4]
+    inputs = left_padded(prompts)
+    plain = copy.deepcopy(model).eval()
+    ref = plain.generate(
+        **inputs, max_new_tokens=C, do_sample=False, eos_token_id=EOS, pad_token_id=EOS,
+        return_dict_in_generate=True,
+    )  # fmt: skip
+    ref_kv = sum(layer.keys.nbytes + layer.values.nbytes for layer in ref.past_key_values.layers)
+    trainer = trainer_for(f"{tmp}/rollouts", model, world, generation_kwargs={"do_sample": False})
+    caches = []
+
+    class Recorded(tsp_generate.TSPCache):
+        def __init__(self, model) -> None:
+            super().__init__(model)
+            caches.append(self)
+
+    tsp_generate.TSPCache, cache_class = Recorded, tsp_generate.TSPCache
+    try:
+        with trainer._replicas():
+            greedy = trainer._generate(prompts)[1]
+            trainer.generation_config.do_sample = trainer.generation_kwargs["do_sample"] = True
+            torch.manual_seed(100 + rank)
+            sampled = trainer._generate(prompts)[1]
+    finally:
+        tsp_generate.TSPCache = cache_class
+    width = inputs["input_ids"].shape[1]
+    return {
+        "greedy": greedy == until_eos(ref.sequences[:, width:]),
+        "sampling changed them": sampled != greedy,
+        "kv": (caches[0].kv_bytes() * world, ref_kv),
+        "sampled": sampled,
+    }
+
+
+def memory_worker(rank, world, tmp):
+    """One step (rollouts, scoring by policy / old policy / reference, loss, backward) with a
+    vocabulary of 1024: the largest tensor any op makes, against one [S/D, V] logits block (the
+    ring's blocks are [loss_chunk, V/D]: 16 tokens here, as S/D is small);
+    the reference's weights (1/D, frozen) and what the rollout round saves for backward."""
+
+    from tsp_ext.memory import SavedTensorBytes
+
+    vocab, new = 1024, 160  # [S/D, V] well above the 1/D weights (a flat gradient bucket)
+    model = build("llama", torch.float32, vocab_size=vocab)
+    trainer = trainer_for(
+        f"{tmp}/memory", model, world, max_completion_length=new, beta=0.1, num_iterations=2,
+        per_device_train_batch_size=4, max_steps=1, loss_chunk=16,
+    )  # fmt: skip
+    saved, largest = SavedTensorBytes(), LargestTensor()
+    score_round, training_step = trainer._generate_and_score_completions, trainer.training_step
+
+    def measured_round(inputs):
+        with saved:
+            return score_round(inputs)
+
+    def measured_step(*args, **kwargs):  # rollouts, scoring, loss and backward; not the update
+        with largest:
+            return training_step(*args, **kwargs)
+
+    trainer._generate_and_score_completions = measured_round
+    trainer.training_step = measured_step
+    trainer.train()
+    policy = {n: p for n, p in trainer.model.named_parameters()}
+    ref = dict(trainer.ref_model.named_parameters())
+    longest = left_padded(list(prompts_dataset()["prompt"]))["input_ids"].shape[1] + new
+    local = -(-longest // (2 * world)) * 2  # tokens per rank (zigzag: a multiple of 2D)
+    return {
+        "largest": largest.numel,
+        "logits_block": local * vocab,
+        "ref_is_policy_shape": all(ref[n].shape == p.shape for n, p in policy.items()),
+        "ref_frozen": not any(p.requires_grad for p in ref.values()),
+        "saved_in_rollouts": saved.nbytes,
+    }
+
+
+def test_grpo_rollouts_and_memory(workers, tmp):
+    """Greedy rollouts equal the one-process model's token for token; sampled ones agree on
+    every rank of the TSP group although each rank was seeded apart; the KV cache is 1/D per
+    rank. No tensor of a GRPO step reaches [S/D, V] (logits), the reference is 1/D and frozen,
+    and the rollout round (generation and no-grad scoring) saves nothing for backward."""
+    runs = workers.run(rollout_worker, 2, tmp, timeout=240)
+    for run in runs:
+        assert run["greedy"] is True
+        assert run["kv"][0] == run["kv"][1] > 0, run["kv"]
+        assert run["sampled"] == runs[0]["sampled"]
+    assert runs[0]["sampling changed them"]
+    for mem in workers.run(memory_worker, 2, tmp, timeout=240):
+        assert mem["largest"] < mem["logits_block"], mem
+        assert mem["ref_is_policy_shape"] and mem["ref_frozen"], mem
+        assert mem["saved_in_rollouts"] == 0, mem
