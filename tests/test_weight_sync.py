@@ -69,33 +69,50 @@ def stream(model, plain, dst: int) -> dict:
     return out
 
 
-def case(name: str):
+def case(name: str, dtype: torch.dtype):
     """(the model to make TSP, the one-process Hugging Face state dict it must stream as, a
     plain model of that architecture with other weights to receive it)."""
     if name == "lora":  # non-zero B's: the merged weights differ from the base
-        peft = build_lora("llama", torch.float64, LORA_TARGETS)
+        peft = build_lora("llama", dtype, LORA_TARGETS)
         ref = copy.deepcopy(peft).merge_and_unload().state_dict()
-        return peft, ref, build("llama", torch.float64, seed=1)
-    model = build(name, torch.float64)
-    return model, copy.deepcopy(model.state_dict()), build(name, torch.float64, seed=1)
+        return peft, ref, build("llama", dtype, seed=1)
+    model = build(name, dtype)
+    return model, copy.deepcopy(model.state_dict()), build(name, dtype, seed=1)
 
 
-def sync_worker(rank, world, names, tsp):
+def tsp_model(model, tsp: int, engine: str):
+    """``model`` made a TSP model of size ``tsp``, sharded over dp by ``engine``; (the TSP
+    model, the DeepSpeed engine or None)."""
     from tsp_ext import apply_tsp
 
-    mesh = init_tsp_mesh(tsp)
-    res = {}
-    for name in names:
-        model, ref, plain = case(name)
-        if tsp < world:  # FSDP2 over dp, the TSP model's shards sharded again
-            import tsp_ext.fsdp as tfs
+    if engine == "fsdp2":  # the TSP model's shards sharded again over dp
+        import tsp_ext.fsdp as tfs
 
-            tfs.shard_model(apply_tsp(model, mesh), mesh)
-        else:
-            apply_tsp(model, mesh)
-        res[name] = {"ref": ref if rank == 0 else None, **stream(model, plain, 0)}
+        mesh = init_tsp_mesh(tsp)
+        tfs.shard_model(apply_tsp(model, mesh), mesh)
+        return model, None
+    if engine == "zero3":  # each TSP shard partitioned over dp
+        import tsp_ext.deepspeed as tds
+
+        config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+        ds, *_ = tds.initialize(
+            model=model,
+            config={**config, "tsp": {"size": tsp}},
+            optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+        )
+        return ds.module, ds
+    return apply_tsp(model, init_tsp_mesh(tsp)), None
+
+
+def sync_worker(rank, world, runs, tsp):
+    res = {}
+    for name, engine in runs:
+        dtype = torch.float32 if engine == "zero3" else torch.float64  # ZeRO-3: no float64
+        model, ref, plain = case(name, dtype)
+        model, ds = tsp_model(model, tsp, engine)
+        res[name, engine] = {"ref": ref if rank == 0 else None, **stream(model, plain, 0)}
         if name == "llama" and tsp == world == 2:
-            res["dst1"] = stream(model, build("llama", torch.float64, seed=1), 1)
+            res["dst1"] = stream(model, build("llama", dtype, seed=1), 1)
             res["dst1"]["ref"] = ref if rank == 1 else None
             res["iter"] = [n for n, _ in iter_weights(model)]  # rank 0 only
             try:
@@ -103,16 +120,18 @@ def sync_worker(rank, world, names, tsp):
                 res["failed"] = None
             except (OSError, RuntimeError) as e:
                 res["failed"] = f"{type(e).__name__}: {e}"
+        if ds is not None:
+            ds.destroy()
     return res
 
 
-def check(name: str, per_rank: list[dict], dst: int = 0) -> None:
+def check(name: tuple[str, str], per_rank: list[dict], dst: int = 0) -> None:
     """On ``dst``: every Hugging Face name (but a tied head) arrived once, in the metadata's
     order, with its dtype and full shape, and equals the one-process tensor exactly; each was
     freed before the next gather; the metadata is the same on every rank."""
     res = per_rank[dst]
     ref = res["ref"]
-    tied = name == "llama_tied"
+    tied = name[0] == "llama_tied"
     # each once (not in HF's order: Phi-3's qkv_proj, stacked when its parts came, follows o_proj)
     names = sorted(m[0] for m in res["got"])
     assert names == sorted(n for n in ref if not (tied and n == "lm_head.weight")), name
@@ -125,23 +144,26 @@ def check(name: str, per_rank: list[dict], dst: int = 0) -> None:
 
 @functools.cache
 def synced(workers, world: int, tsp: int):
-    names = ("llama", "llama_tied", "phi3", "lora") if world == tsp == 2 else ("llama",)
-    return workers.run(sync_worker, world, names, tsp, timeout=300)
+    if world == tsp == 2:
+        runs = [(name, "ddp") for name in ("llama", "llama_tied", "phi3", "lora")]
+    else:
+        runs = [("llama", "ddp")] if world == tsp else [("llama", "fsdp2"), ("llama", "zero3")]
+    return workers.run(sync_worker, world, runs, tsp, timeout=300)
 
 
 @pytest.mark.parametrize("world,tsp", [(2, 2), (3, 3), (4, 2)])
 def test_stream_weights_equal_the_hf_state_dict(workers, world, tsp):
     """At D = 2 (Llama with GQA, a tied one, Phi-3's fused projections, a PEFT model with its
     LoRA merged: equal to ``merge_and_unload``), D = 3 (uneven heads and MLP rows) and
-    tsp = 2 x dp = 2 under FSDP2: every tensor arrives under Hugging Face's name, exactly the
-    one-process value, one at a time."""
+    tsp = 2 x dp = 2 under FSDP2 and DeepSpeed ZeRO-3: every tensor arrives under Hugging Face's
+    name, exactly the one-process value, one at a time."""
     results = synced(workers, world, tsp)
-    for name in results[0]:
-        if name not in ("dst1", "iter", "failed"):
-            check(name, [r[name] for r in results])
+    for key in results[0]:
+        if isinstance(key, tuple):
+            check(key, [r[key] for r in results])
     if world == 2:  # to rank 1; the iterator; a receiver that fails on rank 0
-        check("llama", [r["dst1"] for r in results], dst=1)
-        assert results[0]["iter"] == [m[0] for m in results[0]["llama"]["metadata"]]
+        check(("llama", "ddp"), [r["dst1"] for r in results], dst=1)
+        assert results[0]["iter"] == [m[0] for m in results[0]["llama", "ddp"]["metadata"]]
         assert results[1]["iter"] == []
         assert results[0]["failed"].startswith("OSError: connection"), results[0]["failed"]
         failed = "RuntimeError: stream_weights failed on rank 0; see its error"
