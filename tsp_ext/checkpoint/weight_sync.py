@@ -65,7 +65,9 @@ def iter_weights(model: nn.Module, *, dst: int = 0) -> Iterator[tuple[str, torch
         del t  # not held while the next tensor is gathered
 
 
-def stream_weights(model: nn.Module, receiver: Receiver | object | None = None, *, dst: int = 0):
+def stream_weights(
+    model: nn.Module, receiver: Receiver | object | None = None, *, dst: int = 0
+) -> None:
     """Hand the model's full weights to ``receiver`` on global rank ``dst``, one tensor at a time
     (collective: call it on every rank; the others take part in the gathers and may pass None).
 
