@@ -12,7 +12,7 @@ import zlib
 import pytest
 import torch
 import torch.distributed as dist
-from checks import rel_err
+from checks import error_message, rel_err
 from models import LORA_TARGETS, build
 from test_preference import LargestTensor, word_tokenizer
 
@@ -383,3 +383,48 @@ def test_grpo_rollouts_and_memory(workers, tmp):
         assert mem["largest"] < mem["logits_block"], mem
         assert mem["ref_is_policy_shape"] and mem["ref_frozen"], mem
         assert mem["saved_in_rollouts"] == 0, mem
+
+
+def errors_worker(rank, world, tmp):
+    """Bad input: refused with a clear error, on every rank at once."""
+    from transformers import TrainerCallback
+
+    model = build("llama", torch.float32, vocab_size=V)
+    msgs = {}
+
+    def refused(**kw):
+        return error_message(lambda: trainer_for(f"{tmp}/errors", copy.deepcopy(model), 2, **kw))
+
+    msgs["divide"] = refused(per_device_train_batch_size=2, num_generations=4)
+    msgs["vllm"] = refused(use_vllm=True)
+    msgs["fp32 head"] = refused(cast_lm_head_to_fp32=True)
+    trainer = trainer_for(f"{tmp}/errors", copy.deepcopy(model), world)
+    prompts = list(prompts_dataset()["prompt"][:2])
+    with trainer._replicas():
+        mine = [p + " w1" * rank for p in prompts]  # another prompt length on each rank
+        msgs["ranks differ"] = error_message(lambda: trainer._generate(mine))
+        trainer.max_completion_length = 600  # the model has 512 positions
+        msgs["too long"] = error_message(lambda: trainer._generate(prompts))
+
+    def flaky(prompts, completions, **kwargs):
+        if dist.get_rank() == world - 1:
+            raise RuntimeError("judge unreachable")
+        return [0.0] * len(prompts)
+
+    class Stop(TrainerCallback):  # the step must not be reached
+        def on_step_end(self, args, state, control, **kw):
+            raise AssertionError("trained past a failed reward")
+
+    trainer = trainer_for(f"{tmp}/errors", copy.deepcopy(model), 1, reward_funcs=[flaky])
+    msgs["reward"] = error_message(lambda: (trainer.add_callback(Stop()), trainer.train()))
+    return msgs
+
+
+def test_grpo_bad_input_is_refused_on_every_rank(workers, tmp):
+    for msgs in workers.run(errors_worker, 2, tmp, timeout=180):
+        assert "num_generations (4) does not divide" in msgs["divide"], msgs
+        assert "drop use_vllm" in msgs["vllm"]
+        assert "drop it" in msgs["fp32 head"]
+        assert "hold different prompts" in msgs["ranks differ"]
+        assert "beyond the model's 512" in msgs["too long"]
+        assert "RuntimeError: judge unreachable" in msgs["reward"]
