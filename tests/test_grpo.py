@@ -1,5 +1,5 @@
-"""GRPO under TSP against single-process TRL ``GRPOTrainer``: the same rollouts (a rollout
-function gives fixed completions), the same rewards; loss, advantages, metrics and every
+"""GRPO and RLOO under TSP against single-process TRL ``GRPOTrainer`` / ``RLOOTrainer``: the
+same rollouts (fixed completions), the same rewards; loss, advantages, metrics and every
 gradient of two training steps. Then generation (greedy = the one-process model, sampling the
 same on every rank), memory, and bad input."""
 
@@ -37,9 +37,11 @@ CASES = {
     2: {
         "dr_grpo_t": dict(loss_type="dr_grpo", temperature=0.7),
         "lora_kl": dict(loss_type="dapo", beta=0.1, num_iterations=2, lora=True),
+        "rloo_kl": dict(rloo=True, beta=0.05, num_iterations=2),
     },
     3: {
         "bnpo_entropy": dict(loss_type="bnpo", top_entropy_quantile=0.5),
+        "rloo": dict(rloo=True, beta=0.0, normalize_advantages=True),
         "dapo_kl": dict(
             loss_type="dapo", beta=0.1, num_iterations=2, mask_truncated_completions=True
         ),
@@ -66,18 +68,25 @@ def prompts_dataset(n: int = 8, seed: int = 0):
     return Dataset.from_dict({"prompt": rows})
 
 
-def fixed_rollouts(prompts: list[str], trainer) -> dict:
-    """TRL's ``rollout_func``: completions fixed by each prompt and its place in its group of G
-    (1 to C tokens; about half end with EOS, the others are truncated)."""
-    prompt_ids, completion_ids = [], []
-    for i, p in enumerate(prompts):
-        g = torch.Generator().manual_seed(zlib.crc32(p.encode()) + i % G)
+def fixed_completions(prompt_ids: list[list[int]]) -> list[list[int]]:
+    """Completions fixed by each prompt and its place in its group of G (1 to C tokens; about
+    half end with EOS, the others are truncated)."""
+    completion_ids = []
+    for i, p in enumerate(prompt_ids):
+        g = torch.Generator().manual_seed(zlib.crc32(str(p).encode()) + i % G)
         n = int(torch.randint(1, C + 1, (1,), generator=g))
         ids = torch.randint(0, V - 1, (n,), generator=g).tolist()
         if n < C and bool(torch.rand(1, generator=g) < 0.5):
             ids.append(EOS)
-        prompt_ids.append(trainer.processing_class(p, add_special_tokens=False)["input_ids"])
         completion_ids.append(ids)
+    return completion_ids
+
+
+def fixed_rollouts(prompts: list[str], trainer) -> dict:
+    """GRPO's ``rollout_func`` giving ``fixed_completions``."""
+    tok = trainer.processing_class
+    prompt_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    completion_ids = fixed_completions(prompt_ids)
     return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
 
 
@@ -85,15 +94,15 @@ def score(prompts, completions, completion_ids, **kwargs) -> list[float]:
     return [float((sum(ids) * 7 + len(ids)) % 5) for ids in completion_ids]
 
 
-def grpo_args(tmp: str, **kw):
-    from trl import GRPOConfig
+def grpo_args(tmp: str, rloo: bool = False, **kw):
+    from trl import GRPOConfig, RLOOConfig
 
     base = dict(
         output_dir=tmp, per_device_train_batch_size=8, num_generations=G, max_completion_length=C,
         use_cpu=True, report_to=[], logging_steps=1, save_strategy="no", max_steps=2, seed=3,
         optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", disable_tqdm=True,
     )  # fmt: skip
-    return GRPOConfig(**{**base, **kw})
+    return (RLOOConfig if rloo else GRPOConfig)(**{**base, **kw})
 
 
 def exact_fused_head(model, temperature: float) -> None:
@@ -159,34 +168,42 @@ def run_case(tmp: str, name: str, tsp: int | None, dp: int = 1, data_parallel: s
     """Two steps of ``name``: TRL in one process (``tsp`` None; its reference model a copy of
     the initial policy) or ``TSPGRPOTrainer`` at ``tsp`` x ``dp``. Logs, advantages, grads."""
     from peft import LoraConfig
-    from trl import GRPOTrainer
-    from trl.trainer import grpo_trainer
+    from trl import GRPOTrainer, RLOOTrainer
+    from trl.trainer import grpo_trainer, rloo_trainer
 
-    from tsp_ext import TSPGRPOTrainer
+    from tsp_ext import TSPGRPOTrainer, TSPRLOOTrainer
 
     settings = dict(ALL_CASES[name])
-    lora = settings.pop("lora", False)
+    lora, rloo = settings.pop("lora", False), settings.pop("rloo", False)
     batch = 8 if tsp is None else 8 // dp
-    args = grpo_args(f"{tmp}/{name}_{tsp}_{dp}", per_device_train_batch_size=batch, **settings)
+    args = grpo_args(
+        f"{tmp}/{name}_{tsp}_{dp}", rloo, per_device_train_batch_size=batch, **settings
+    )
     model = build("llama", torch.float64, vocab_size=V)
     kw = dict(reward_funcs=[score], args=args, train_dataset=prompts_dataset())
-    kw.update(processing_class=word_tokenizer(V), rollout_func=fixed_rollouts)
+    kw["processing_class"] = word_tokenizer(V)
+    if not rloo:  # RLOO takes no rollout function: its generation is replaced below
+        kw["rollout_func"] = fixed_rollouts
     if lora:
         kw["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS)
     if tsp is None:
-        initial, load = copy.deepcopy(model), grpo_trainer.create_model_from_path
-        grpo_trainer.create_model_from_path = lambda *a, **k: copy.deepcopy(initial)  # the hub
+        module = rloo_trainer if rloo else grpo_trainer
+        initial, load = copy.deepcopy(model), module.create_model_from_path
+        module.create_model_from_path = lambda *a, **k: copy.deepcopy(initial)  # the hub
         try:
-            trainer = GRPOTrainer(model, **kw)
+            trainer = (RLOOTrainer if rloo else GRPOTrainer)(model, **kw)
         finally:
-            grpo_trainer.create_model_from_path = load
+            module.create_model_from_path = load
         base = trainer.model.get_base_model() if lora else trainer.model
         for m in (base, trainer.ref_model):
             if m is not None:
                 exact_fused_head(m, args.temperature)
     else:
         config = TSPConfig(tsp_size=tsp, loss_chunk=16)
-        trainer = TSPGRPOTrainer(model, tsp=config, data_parallel=data_parallel, **kw)
+        kind = TSPRLOOTrainer if rloo else TSPGRPOTrainer
+        trainer = kind(model, tsp=config, data_parallel=data_parallel, **kw)
+    if rloo:
+        trainer._generate_single_turn = lambda prompt_ids, *args: fixed_completions(prompt_ids)
     record = Recorder(trainer, full=tsp is not None)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]

@@ -51,6 +51,7 @@ _EXPORTS = {
     "TSPTrainerMixin": ".integrations.trainer",
     "TSPDPOTrainer": ".integrations.dpo",
     "TSPGRPOTrainer": ".integrations.grpo",
+    "TSPRLOOTrainer": ".integrations.rloo",
 }
 
 # subpackages and modules reachable as attributes (``tsp_ext.checkpoint.save``) after
