@@ -265,16 +265,47 @@ def dp_worker(rank, world, tmp, ref, data_parallel):
     return errs
 
 
+def engines_worker(rank, world, tmp):
+    """Two steps with rollouts generated at tsp = 2 x dp = 2 under FSDP2 and ZeRO-2 (float32):
+    their logs; ZeRO-3's refusal."""
+    from test_trainer import ZERO2
+
+    from tsp_ext import TSPGRPOTrainer
+
+    out = {}
+    for name, engine in (("fsdp2", {"data_parallel": "fsdp2", "tsp": 2}), ("zero2", {})):
+        ds = {} if engine else {"deepspeed": ZERO2}
+        args = grpo_args(f"{tmp}/{name}", per_device_train_batch_size=4, beta=0.1, **ds)
+        model = build("llama", torch.float32, vocab_size=V)
+        data = dict(train_dataset=prompts_dataset(), processing_class=word_tokenizer(V))
+        trainer = TSPGRPOTrainer(model, reward_funcs=[score], args=args, **data, **engine)
+        trainer.train()
+        keys = ("loss", "reward", "reward_std", "kl", "completions/mean_length")
+        out[name] = [h[k] for h in trainer.state.log_history if "loss" in h for k in keys]
+    zero3 = {**ZERO2, "zero_optimization": {"stage": 3}}
+    args = grpo_args(f"{tmp}/zero3", per_device_train_batch_size=4, deepspeed=zero3)
+    model = build("llama", torch.float32, vocab_size=V)
+    data = dict(train_dataset=prompts_dataset(), processing_class=word_tokenizer(V))
+    out["zero3"] = error_message(lambda: TSPGRPOTrainer(model, [score], args, **data))
+    return out
+
+
 @pytest.mark.parametrize("data_parallel", ["fsdp2"])
 def test_grpo_over_dp_replicas_matches_trl(workers, tmp, data_parallel):
     """tsp = 2 x dp = 2 (FSDP2 over dp): rewards gathered over the replicas, not the TSP copies
     (group statistics, token counts); every gradient equals one-process TRL's on all rows; the
-    logged loss (float32) to its precision."""
+    logged loss (float32) to its precision. Then rollouts generated under FSDP2 (its shards
+    gathered for the round) and ZeRO-2 train alike; ZeRO-3 is refused."""
     ref = references(workers, tmp)["dapo_kl"]
     for errs in workers.run(dp_worker, 4, tmp, ref, data_parallel, timeout=300):
         loss = {k: v for k, v in errs.items() if k.startswith("loss@")}
         assert max(loss.values()) < 1e-6, loss
         assert max(v for k, v in errs.items() if k not in loss) < 1e-10, errs
+    runs = workers.run(engines_worker, 4, tmp, timeout=300)
+    for run in runs:
+        assert run["fsdp2"] == pytest.approx(runs[0]["zero2"], rel=1e-5, abs=1e-6), run
+        assert len(run["fsdp2"]) == 10 and run["fsdp2"][8] > 0  # the policy moved: KL
+        assert "use ZeRO stage 1 or 2" in run["zero3"]
 
 
 # --- rollouts by the TSP model's generate(), memory, bad input ------------------------------

@@ -15,8 +15,9 @@ one ``DataParallel`` subclass and its entry in ``ENGINES``.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -127,6 +128,15 @@ class DataParallel:
         """The global gradient norm, unclipped."""
         return clip_grad_norm_(model, float("inf"))
 
+    @contextlib.contextmanager
+    def whole_weights(self, model: nn.Module) -> Iterator[None]:
+        """Within: every parameter of ``model`` whole over dp (this rank's TSP shards, as DDP
+        holds them), for code that reads weights outside the modules' forward hooks: the KV
+        cache's decode path (generation). Peak: the TSP shards of the whole model, the memory
+        a DDP replica holds all along (TRL's ``ds3_gather_for_generation``). DDP and ZeRO-1/2
+        hold them already."""
+        yield
+
     def engine_backward(self, loss: torch.Tensor, boundary: bool) -> None:
         """Backward of an already scaled loss through ``engine``, stepping at the accumulation
         ``boundary`` (only for engines that step themselves)."""
@@ -153,6 +163,20 @@ class FSDP2(DataParallel):
 
     def prepare(self, model: nn.Module, mesh: DeviceMesh) -> None:
         shard_model(model, mesh, **self.config)
+
+    @contextlib.contextmanager
+    def whole_weights(self, model: nn.Module) -> Iterator[None]:
+        """Every FSDP2 unit unsharded over dp (``FSDPModule.unshard``), resharded on exit."""
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        for unit in units:
+            unit.unshard()
+        try:
+            yield
+        finally:
+            for unit in units:
+                unit.reshard()
 
 
 class DeepSpeed(DataParallel):

@@ -48,6 +48,13 @@ class TSPOnlineMixin:
             self._reference = frozen_copy(model)
 
     def _init_trainer(self, model: nn.Module, args, **kwargs) -> None:
+        zero = (self.data_parallel.config.get("zero_optimization") or {}).get("stage", 0)
+        if self.data_parallel.name == "deepspeed" and zero == 3:
+            raise ValueError(
+                f"{type(self).__name__} generates through the KV cache's decode path, which reads "
+                "weights that ZeRO-3 keeps partitioned: use ZeRO stage 1 or 2, or "
+                "data_parallel='fsdp2' (its shards are gathered for each rollout round)"
+            )
         check_temperature(model, args.temperature)
         count_replicas(args, self.tsp_mesh["dp"].size())
         with _reference_is(self._trl_module, self._reference):
@@ -83,13 +90,14 @@ class TSPOnlineMixin:
         return out
 
     def _generate_single_turn(self, prompt_ids, *args, **kwargs):
-        """TRL's generation with the TSP model itself (not its data-parallel wrapper: its
-        ``generate`` is TSP's, and FSDP2 / ZeRO-3 gather their dp shards in its forward)."""
+        """TRL's generation with the TSP model itself, not its data-parallel wrapper (its
+        ``generate`` is TSP's), with FSDP2 / ZeRO-3 dp shards gathered for the whole call."""
         check_same_ids(prompt_ids, "prompt", self.tsp_mesh["tsp"].get_group())
         check_within_positions(self.model, prompt_ids, self.max_completion_length)
         wrapped, self.model_wrapped = self.model_wrapped, self.model
         try:
-            return self._trl._generate_single_turn(self, prompt_ids, *args, **kwargs)
+            with self.data_parallel.whole_weights(self.model):
+                return self._trl._generate_single_turn(self, prompt_ids, *args, **kwargs)
         finally:
             self.model_wrapped = wrapped
 
