@@ -337,7 +337,8 @@ def until_eos(rows: torch.Tensor) -> list[list[int]]:
 
 def rollout_worker(rank, world, tmp):
     """Greedy rollouts of the trainer against the one-process model (and its KV cache: 1/D per
-    rank), then sampled rollouts after a different seed on each rank."""
+    rank), then sampled rollouts (top-k, top-p, min-p, repetition penalty) after a different
+    seed on each rank."""
     import tsp_ext.hf.generate as tsp_generate
 
     model = build("llama", torch.float64, vocab_size=V)
@@ -361,7 +362,9 @@ def rollout_worker(rank, world, tmp):
     try:
         with trainer._replicas():
             greedy = trainer._generate(prompts)[1]
-            trainer.generation_config.do_sample = trainer.generation_kwargs["do_sample"] = True
+            sampling = dict(do_sample=True, top_k=20, top_p=0.9, min_p=0.02, repetition_penalty=1.2)
+            trainer.generation_config.update(**sampling)  # TRL's settings, as GRPOConfig sets them
+            trainer.generation_kwargs.update(sampling)
             torch.manual_seed(100 + rank)
             sampled = trainer._generate(prompts)[1]
     finally:

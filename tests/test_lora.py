@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import zlib
 
 import pytest
 import torch
@@ -253,21 +254,23 @@ def shards_first_worker(rank, world):
     torch.manual_seed(5)
     peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=ALL))
     apply_tsp(peft)
-    with torch.no_grad():
-        for n, p in peft.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.3)
+    with torch.no_grad():  # uneven shards (world 3): B stays PEFT's zero, and the B gradients
+        for n, p in peft.named_parameters():  # check that the ranks' A's agree
+            if "lora_B" in n and world != 3:  # the replicated B's (o, down) equal on every rank
+                p.normal_(0, 0.3, generator=torch.Generator().manual_seed(zlib.crc32(n.encode())))
     out = peft(**shard_batch(batch(96, 2, 21), mesh))
     out.loss.backward()
     adapter = {n: t for n, t in tsp_ext.full_state_dict(peft).items() if ".lora_" in n}
     return out.loss.item(), adapter, full_grads(peft)
 
 
-def test_peft_on_a_tsp_model_is_folded_by_apply_tsp(workers):
+@pytest.mark.parametrize("world", [2, 3])  # 3: uneven heads, shards of other shapes per rank
+def test_peft_on_a_tsp_model_is_folded_by_apply_tsp(workers, world):
     """get_peft_model after apply_tsp, then apply_tsp(peft_model): the adapters become TSP
     adapters; the run equals single-process PEFT holding the same adapter values, and the
-    column-sharded A's (o, down) are drawn with the full fan-in, as in one process."""
-    loss, adapter, grads = workers.run(shards_first_worker, 2, timeout=120)[0]
+    column-sharded A's (o, down) are drawn with the full fan-in, as in one process. With shards
+    of different shapes PEFT's draws part the ranks' generators: the A's are drawn again alike."""
+    loss, adapter, grads = workers.run(shards_first_worker, world, timeout=120)[0]
     ref = get_peft_model(
         build("llama", torch.float64), LoraConfig(r=4, lora_alpha=8, target_modules=ALL)
     )

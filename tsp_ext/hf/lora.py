@@ -127,18 +127,19 @@ def _fingerprint(t: torch.Tensor) -> int:
     return zlib.crc32(sums)
 
 
-def check_adapters_agree(peft_model: nn.Module, group) -> None:
-    """Raise the same ``ValueError`` on every TSP rank if the ranks' adapters differ (config or
-    values: replicated pieces must start equal, e.g. ``get_peft_model`` under the same seed)."""
+def check_adapters_agree(peft_model: nn.Module, group, values: bool = True) -> None:
+    """Raise the same ``ValueError`` on every TSP rank if the ranks' adapters differ (config or,
+    with ``values``, values: replicated pieces must start equal, e.g. ``get_peft_model`` under
+    the same seed)."""
     layers = [(n, m) for n, m in peft_model.get_base_model().named_modules() if is_lora_layer(m)]
     config = repr(
         [(n, dict(m.r), dict(m.scaling), repr(m.lora_dropout)) for n, m in layers]
     ).encode()
-    values = 0
-    for _, m in layers:
+    digest = 0
+    for _, m in layers if values else ():
         for p in (*m.lora_A.parameters(), *m.lora_B.parameters()):
-            values = zlib.crc32(values.to_bytes(8, "little"), _fingerprint(p))
-    table = agree(None, [zlib.crc32(config), values], group)
+            digest = zlib.crc32(digest.to_bytes(8, "little"), _fingerprint(p))
+    table = agree(None, [zlib.crc32(config), digest], group)
     if (table != table[0]).any():
         what = "configs" if (table[:, 0] != table[0, 0]).any() else "initial values"
         raise ValueError(
@@ -172,16 +173,21 @@ def _adapter(peft_layer: nn.Module, adapter: str):
     )
 
 
-def _sharded_init(a: torch.Tensor, init, rows_of, D: int, p: int) -> torch.Tensor:
-    """A column-sharded A that PEFT initialised on the shard (fan-in ``in_p``): drawn again as
-    rank p's columns of a full ``[r, in]`` A under PEFT's default init (every rank draws the same
-    full A: the generator states agree, which ``check_adapters_agree`` verifies); a Gaussian
-    init (no fan-in) is kept."""
+def _drawn_on_shards(a: torch.Tensor, on_shards, rows_of, D: int, p: int) -> torch.Tensor:
+    """A that PEFT initialised on a shard, drawn again from ``on_shards = (init, generator)``
+    (the generator in the same state on every rank): the full ``[r, in]`` A of PEFT's init
+    (``rows_of`` None: a row-sharded projection's replicated A) or rank p's columns of it (a
+    column-sharded one's). PEFT's own draws follow the shards' shapes, which differ between the
+    ranks of an uneven split, so its generator states part after the first one."""
+    init, generator = on_shards
+    width = a.shape[1] if rows_of is None else max(rows_of(q).stop for q in range(D))
+    full = torch.empty(a.shape[0], width, dtype=a.dtype)
     if init == "gaussian":
-        return a
-    full = a.new_empty(a.shape[0], max(rows_of(q).stop for q in range(D)))
-    nn.init.kaiming_uniform_(full, a=math.sqrt(5))
-    return full[:, rows_of(p)].clone().requires_grad_(a.requires_grad)
+        nn.init.normal_(full, std=1 / a.shape[0], generator=generator)
+    else:
+        nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=generator)
+    mine = full if rows_of is None else full[:, rows_of(p)]
+    return mine.to(a.device).clone().requires_grad_(a.requires_grad)
 
 
 def _linear(weight: torch.Tensor, requires_grad: bool) -> nn.Linear:
@@ -343,9 +349,9 @@ def attach_adapters(
 ) -> None:
     """Wrap each of ``module``'s projections in ``taken`` (PEFT layers from ``detach_adapters``)
     in a ``TSPLoraLinear`` with this rank's share of its adapter: sliced from the full adapter,
-    or, with ``on_shards`` (the adapter's ``init_lora_weights``), the adapter PEFT made on the
-    shard itself (``get_peft_model`` after ``apply_tsp``), whose column-sharded A is drawn again
-    as a slice of a full-width A (the same distribution as in one process)."""
+    or, with ``on_shards`` (the adapter's ``init_lora_weights`` and a generator in the same
+    state on every rank), the adapter PEFT made on the shard itself (``get_peft_model`` after
+    ``apply_tsp``), its A drawn again (``_drawn_on_shards``; B is zero)."""
     rank_role = getattr(module, "role", None)
     D, p = comm.size_and_rank(module.group)
     for name, peft_layer in taken.items():
@@ -359,8 +365,8 @@ def attach_adapters(
 
         if on_shards is None:
             a, b = (a, b[rows_of(p)]) if side == "rows" else (a[:, rows_of(p)], b)
-        elif side == "cols":
-            a = _sharded_init(a, on_shards, rows_of, D, p)
+        else:
+            a = _drawn_on_shards(a, on_shards, rows_of if side == "cols" else None, D, p)
 
         parent_role = None
         if name in ("k_proj", "v_proj") and rank_role is not None:
@@ -377,9 +383,10 @@ def attach_adapters(
 
 def fold_on_shards(peft_model: nn.Module) -> None:
     """Fold the LoRA layers that ``get_peft_model`` put on an already-TSP model's shards (e.g.
-    one from ``load_pretrained``): their A / B have the shard's shapes already; see
-    ``attach_adapters``. Inits that read the full base weight (PiSSA, OLoRA, LoftQ, ...) are
-    refused: build the PEFT model before ``apply_tsp`` for those."""
+    one from ``load_pretrained``): their A / B have the shard's shapes already; every A is
+    drawn again from one generator seeded alike on every rank (``attach_adapters``). Inits that
+    read the full base weight (PiSSA, OLoRA, LoftQ, ...) are refused: build the PEFT model
+    before ``apply_tsp`` for those."""
     adapter = check_peft_model(peft_model)
     init = peft_model.peft_config[adapter].init_lora_weights
     if init not in (True, "gaussian"):
@@ -388,11 +395,14 @@ def fold_on_shards(peft_model: nn.Module) -> None:
             "full model, then apply_tsp"
         )
     base = peft_model.get_base_model()
-    check_adapters_agree(peft_model, base.tsp.group)
+    check_adapters_agree(peft_model, base.tsp.group, values=False)
+    seed = int(torch.randint(0, 2**62, (1,)))  # the caller's seed; rank 0's is used everywhere
+    generator = torch.Generator().manual_seed(int(agree(None, [seed], base.tsp.group)[0, 0]))
     family = base.tsp.family
     for layer in family.layers_of(base):
         for block, names in family.projection_blocks(layer):
-            attach_adapters(block, detach_adapters(block, names), adapter, on_shards=init)
+            taken = detach_adapters(block, names)
+            attach_adapters(block, taken, adapter, on_shards=(init, generator))
 
 
 def adapters_of(module: nn.Module, names: tuple[str, ...]) -> dict[str, TSPLoraLinear]:
