@@ -158,8 +158,9 @@ def grpo_config(args):
 
     funcs, weights = reward_functions(args)
     settings = trainer_settings(args)
-    settings.update(
-        per_device_eval_batch_size=args.num_generations,
+    settings.update(  # evaluation: whole prompt groups, as many as a training micro batch holds
+        per_device_eval_batch_size=args.num_generations
+        * max(1, args.micro_batch_size // args.num_generations),
         eval_strategy="steps" if args.eval_every else "no",
         eval_steps=args.eval_every or None,
         save_strategy="no",
@@ -192,6 +193,9 @@ def main(argv=None) -> None:
         mesh = init_tsp_mesh(args.tsp_size)
         model = pretrained_model(args, len(tokenizer), mesh, config)
     os.makedirs(args.output_dir, exist_ok=True)
+    if acc.is_main_process:  # what reward_curve.py records with the curve
+        with open(os.path.join(args.output_dir, "run_args.json"), "w") as f:
+            json.dump(vars(args), f, indent=1)
     trainer = TSPGRPOTrainer(
         model,
         reward_funcs=reward_functions(args)[0],

@@ -55,7 +55,8 @@ def test_dataset_files_need_a_prompt_and_an_answer(tmp):
 def test_grpo_recipe_trains_two_steps_and_exports(workers, tmp):
     """Two GRPO steps of a tiny preset with LoRA at D = 2 (β > 0: the adapters-disabled
     reference, KL logged; the format reward on): the per-step rows with finite rewards, the
-    log line, the held-out reward before and after, the merged checkpoint and the adapter."""
+    log line, the held-out reward before and after, the merged checkpoint and the adapter; then
+    ``reward_curve.py`` collects the run into its JSON and PNG."""
     from test_recipe import run_on
 
     out = f"{tmp}/grpo"
@@ -79,3 +80,10 @@ def test_grpo_recipe_trains_two_steps_and_exports(workers, tmp):
     assert all(0.0 <= final[k] <= 1.5 for k in ("eval_reward_before", "eval_reward"))
     assert os.path.isfile(f"{out}/final/config.json")  # merged
     assert os.path.isfile(f"{out}/final-adapter/adapter_config.json")
+    from reward_curve import main as reward_curve
+
+    reward_curve([out, "--json", f"{out}/curve.json", "--png", f"{out}/curve.png"])
+    with open(f"{out}/curve.json") as f:
+        curve = json.load(f)
+    assert curve["steps"] == rows and curve["final_eval"] == final
+    assert curve["settings"]["beta"] == 0.05 and os.path.getsize(f"{out}/curve.png") > 0
