@@ -51,6 +51,32 @@ def test_dataset_files_need_a_prompt_and_an_answer(tmp):
         file_dataset(f"{tmp}/none-*.jsonl")
 
 
+def test_documented_run_table_is_its_json():
+    """docs/recipes.md's table of the SmolLM2 run: 10-step means of the rows of its JSON."""
+    from checks import table
+
+    with open(os.path.join(ROOT, "docs", "benchmarks", "grpo_smollm2.json")) as f:
+        curve = json.load(f)
+    rows = table("docs/recipes.md", "| steps | mean reward |")
+    assert len(rows) * 10 == len(curve["steps"]) == curve["settings"]["max_steps"]
+    keys = ("reward", "frac_reward_zero_std", "kl", "entropy")
+    for i, (steps, *cells) in enumerate(rows):
+        block = curve["steps"][10 * i : 10 * i + 10]
+        assert steps == f"{block[0]['step']}–{block[-1]['step']}"
+        means = [sum(r[k] for r in block) / len(block) for k in keys]
+        assert cells == [f"{m:.{d}f}" for m, d in zip(means, (3, 2, 4, 3))]
+    final = curve["final_eval"]
+    text = " ".join(open(os.path.join(ROOT, "docs", "recipes.md")).read().split())
+    before, after = final["eval_reward_before"], final["eval_reward"]
+    assert f"went from {before:.3f} before training to {after:.3f} after" in text
+    seconds = [r["step_s"] for r in curve["steps"]]
+    peak = max(r["peak_mem_bytes"] for r in curve["steps"]) / 2**20
+    assert (
+        f"steps of {min(seconds):.0f}–{max(seconds):.0f} s ({sum(seconds) / len(seconds):.1f} s "
+        f"on average), peak process memory {peak:.0f} MB per rank"
+    ) in text
+
+
 @pytest.mark.multiproc
 def test_grpo_recipe_trains_two_steps_and_exports(workers, tmp):
     """Two GRPO steps of a tiny preset with LoRA at D = 2 (β > 0: the adapters-disabled
