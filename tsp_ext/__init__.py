@@ -29,6 +29,9 @@ _EXPORTS = {
     "sequence_logps": ".hf.log_probs",
     "TSPConfig": ".config",
     "save_pretrained": ".checkpoint.export",
+    "iter_weights": ".checkpoint.weight_sync",
+    "stream_weights": ".checkpoint.weight_sync",
+    "weight_metadata": ".checkpoint.weight_sync",
     "IGNORE_INDEX": ".engine.layout",
     "ZigzagLayout": ".engine.layout",
     "pad_sequence": ".engine.layout",
@@ -48,6 +51,7 @@ _EXPORTS = {
     "TSPTrainerMixin": ".integrations.trainer",
     "TSPDPOTrainer": ".integrations.dpo",
     "TSPGRPOTrainer": ".integrations.grpo",
+    "TSPRLOOTrainer": ".integrations.rloo",
 }
 
 # subpackages and modules reachable as attributes (``tsp_ext.checkpoint.save``) after

@@ -1,11 +1,12 @@
 """Write a TSP model as a plain Hugging Face checkpoint (config + safetensors), streaming and
 atomically.
 
-Tensors are gathered one at a time (over the TSP group, and over dp for FSDP2 DTensors and ZeRO-3
-partitions) to global rank 0, which writes each straight into its place in the current
-safetensors file: the files (at most ``max_shard_size`` each) and their headers are planned
-beforehand from the full shapes, so a file is never held in memory. Peak extra memory: one full
-tensor on rank 0, one TSP shard elsewhere; never the model.
+Tensors are gathered one at a time (``weight_sync.iter_weights``: over the TSP group, and over dp
+for FSDP2 DTensors and ZeRO-3 partitions) to global rank 0, which writes each straight into its
+place in the current safetensors file: the files (at most ``max_shard_size`` each) and their
+headers are planned beforehand from the full shapes (``weight_sync.weight_metadata``), so a file
+is never held in memory. Peak extra memory: one full tensor on rank 0, one TSP shard elsewhere;
+never the model.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..hf.lora import ADAPTER_MARK, PEFT_PREFIX, TSPLoraLinear, peft_base
-from ..hf.nf4 import NF4Linear
+from ..hf.lora import peft_base
 from .adapter import save_adapter
-from .state import full_shape, full_tensor, hf_tensors, require_tsp, reshard_fsdp
+from .state import require_tsp
+from .weight_sync import iter_weights, weight_metadata
 from .writer import WRITER, raise_everywhere, replace_dir
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
@@ -173,9 +174,6 @@ def save_pretrained(
     path = os.fspath(path)
     max_bytes = parse_size(max_shard_size)
     writer = dist.get_rank() == WRITER
-    tied = getattr(model.config, "tie_word_embeddings", False)
-    reshard_fsdp(model)
-    plan = _export_plan(model, tied)
     error: BaseException | None = None
     tmp = files = None
     if writer:
@@ -183,11 +181,11 @@ def save_pretrained(
             parent = os.path.dirname(os.path.abspath(path))
             os.makedirs(parent, exist_ok=True)
             tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
-            files = _ShardFiles(tmp, _entries(model, plan), max_bytes)
+            files = _ShardFiles(tmp, weight_metadata(model), max_bytes)
         except BaseException as e:  # every rank must learn that the save failed
             error = e
-    for name, t in _stream(model, plan):  # every rank takes part in each gather
-        if writer and error is None:
+    for name, t in iter_weights(model, dst=WRITER):  # every rank takes part in each gather
+        if error is None:  # only the writer gets tensors
             try:
                 files.add(name, t)
             except BaseException as e:
@@ -205,75 +203,6 @@ def save_pretrained(
             files.close()
         shutil.rmtree(tmp, ignore_errors=True)
     raise_everywhere(error, f"save_pretrained({path!r})")
-
-
-def _export_plan(model: nn.Module, tied: bool) -> list:
-    """``(Hugging Face name, name in the model, this rank's tensor (or a meta tensor like it),
-    a function making it (None: it is that tensor), LoRA projection or None)`` of every tensor to
-    write, in state-dict order, then NF4-packed bases (dequantized as they stream). A PEFT model's
-    names lose PEFT's prefix and ``.base_layer``, its adapter tensors are left out and each
-    adapted base weight carries its ``TSPLoraLinear`` (merged as it streams)."""
-    base = peft_base(model)
-    adapted = {}
-    if base is not None:
-        adapted = {
-            f"{prefix}.base_layer.weight": m
-            for prefix, m in model.named_modules()
-            if isinstance(m, TSPLoraLinear) and m.active
-        }
-    tensors = [(n, t, None) for n, t in model.state_dict(keep_vars=True).items()]
-    for prefix, m in model.named_modules():
-        if isinstance(m, NF4Linear):  # not in the state dict: packed bytes
-            like = torch.empty(m.shape, dtype=m.dtype, device="meta")
-            tensors.append((f"{prefix}.weight", like, lambda m=m: m.weight))
-    plan = []
-    for name, t, make in tensors:
-        out = name
-        if base is not None:
-            if ADAPTER_MARK in name:
-                continue
-            out = name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
-        if not (tied and out == "lm_head.weight"):
-            plan.append((out, name, t, make, adapted.get(name)))
-    return plan
-
-
-def _entries(model: nn.Module, plan: list) -> list[tuple[str, torch.dtype, torch.Size]]:
-    """``(Hugging Face name, dtype, full shape)`` of every tensor ``_stream`` yields: a fused
-    projection's (Phi-3's ``qkv_proj``) stacks its parts' rows."""
-    family, shapes = model.tsp.family, {}
-    for out, src, t, _, _ in plan:
-        shape = full_shape(model, src, t)
-        fused = family.fused_name(out)
-        name = out if fused is None else fused[0]
-        if name in shapes:
-            dtype, prev = shapes[name]
-            shape = torch.Size([prev[0] + shape[0], *shape[1:]])
-        shapes[name] = (t.dtype, shape)
-    return [(name, dtype, shape) for name, (dtype, shape) in shapes.items()]
-
-
-def _stream(model: nn.Module, plan: list):
-    """``(name, full tensor on the writer, else None)`` of each tensor to write, under Hugging
-    Face's names (``hf_tensors``; collective)."""
-    return hf_tensors(model, _planned(model, plan))
-
-
-def _planned(model: nn.Module, plan: list):
-    """``(name, full tensor on the writer, else None)`` of each planned tensor (collective):
-    an adapted weight is merged with its full A and B on the writer."""
-    for out, name, t, make, lora in plan:
-        full = full_tensor(model, name, t if make is None else make(), dst=WRITER)
-        if lora is not None:
-            prefix = name.removesuffix("base_layer.weight")
-            a_name = f"{prefix}lora_A.{lora.adapter_name}.weight"
-            b_name = f"{prefix}lora_B.{lora.adapter_name}.weight"
-            a = full_tensor(model, a_name, lora.a, dst=WRITER)
-            b = full_tensor(model, b_name, lora.b, dst=WRITER)
-            if full is not None:
-                wide = torch.promote_types(full.dtype, torch.float32)
-                full += (lora.s * (b.to(wide) @ a.to(wide))).to(full.dtype)
-        yield out, full
 
 
 def _write_config(model: nn.Module, folder: str, tokenizer) -> None:

@@ -92,21 +92,24 @@ def hf_tensors(
 ) -> Iterator[tuple[str, torch.Tensor | None]]:
     """``items`` (name, full tensor) under Hugging Face's names: the parts of a projection the
     model's family fuses (Phi-3's ``qkv_proj``) are held until all have come, then stacked by
-    rows into the fused tensor (None where a part is None: another rank's result)."""
+    rows into the fused tensor (None where a part is None: another rank's result). Nothing
+    yielded is referenced here once the next item is asked for."""
     family = model.tsp.family
     pending: dict[str, dict[int, torch.Tensor | None]] = {}
     for name, t in items:
         fused = family.fused_name(name)
         if fused is None:
             yield name, t
+            del t
             continue
         hf_name, i, n = fused
-        parts = pending.setdefault(hf_name, {})
-        parts[i] = t
-        if len(parts) == n:
-            del pending[hf_name]
-            ordered = [parts[j] for j in range(n)]
+        pending.setdefault(hf_name, {})[i] = t
+        del t
+        if len(pending[hf_name]) == n:
+            parts = pending.pop(hf_name)
+            ordered = [parts.pop(j) for j in range(n)]
             yield hf_name, None if any(p is None for p in ordered) else torch.cat(ordered)
+            del ordered
 
 
 def iter_full_tensors(

@@ -11,15 +11,16 @@ import torch.distributed as dist
 WRITER = 0  # the global rank that writes the files
 
 
-def raise_everywhere(error: BaseException | None, what: str) -> None:
-    """Raise the writer's ``error`` on every rank (collective): the error itself on the writer,
-    a ``RuntimeError`` naming ``what`` elsewhere; nothing when it is None."""
+def raise_everywhere(error: BaseException | None, what: str, *, src: int = WRITER) -> None:
+    """Raise global rank ``src``'s ``error`` (the writer's by default) on every rank
+    (collective): the error itself on ``src``, a ``RuntimeError`` naming ``what`` elsewhere;
+    nothing when it is None."""
     failed = [error is not None]
-    dist.broadcast_object_list(failed, src=WRITER)
+    dist.broadcast_object_list(failed, src=src)
     if error is not None:
         raise error
     if failed[0]:
-        raise RuntimeError(f"{what} failed on rank {WRITER}; see its error")
+        raise RuntimeError(f"{what} failed on rank {src}; see its error")
 
 
 def on_writer(fn: Callable[[], None], what: str) -> None:
