@@ -156,7 +156,6 @@ def grpo_config(args):
     """TRL's ``GRPOConfig`` of the arguments."""
     from trl import GRPOConfig
 
-    funcs, weights = reward_functions(args)
     settings = trainer_settings(args)
     settings.update(  # evaluation: whole prompt groups, as many as a training micro batch holds
         per_device_eval_batch_size=args.num_generations
@@ -174,7 +173,7 @@ def grpo_config(args):
         loss_type=args.loss_type,
         num_iterations=args.num_iterations,
         steps_per_generation=args.steps_per_generation,
-        reward_weights=weights,
+        reward_weights=reward_functions(args)[1],
     )
 
 
