@@ -1,5 +1,5 @@
 """The command-line arguments the recipes share (``finetune_long_llama.py``, ``sft_trainer.py``,
-``dpo.py``): the model, the data, the TSP size, the optimisation and evaluation."""
+``dpo.py``, ``grpo.py``): the model, the data, the TSP size, the optimisation and evaluation."""
 
 from __future__ import annotations
 
@@ -128,7 +128,7 @@ class DeprecatedAlias(argparse.Action):
 
 def trainer_settings(args: argparse.Namespace) -> dict:
     """The ``TrainingArguments`` fields the shared arguments set, for the Trainer recipes
-    (``sft_trainer.py``, ``dpo.py``), which add their own."""
+    (``sft_trainer.py``, ``dpo.py``, ``grpo.py``), which add their own."""
     return dict(
         output_dir=args.output_dir,
         per_device_train_batch_size=args.micro_batch_size,

@@ -34,14 +34,20 @@ def start(args) -> tuple[Accelerator, bool]:
 
 
 def finish(
-    acc: Accelerator, output_dir: str, eval_loss: float, final: str, owns_group: bool = True
+    acc: Accelerator,
+    output_dir: str,
+    eval_loss: float,
+    final: str,
+    owns_group: bool = True,
+    extra: dict | None = None,
 ) -> None:
-    """Write ``final_eval.json`` (main process) and shut Accelerate down; the process group too
-    when this run created it (``owns_group``): a program that set up its own group before calling
-    a recipe's ``main()`` (a notebook, a sweep driver, the tests' kept ranks) keeps it."""
+    """Write ``final_eval.json`` (main process; ``extra``: more fields for it) and shut
+    Accelerate down; the process group too when this run created it (``owns_group``): a program
+    that set up its own group before calling a recipe's ``main()`` (a notebook, a sweep driver,
+    the tests' kept ranks) keeps it."""
     if acc.is_main_process:
         with open(os.path.join(output_dir, "final_eval.json"), "w") as f:
-            json.dump({"eval_loss": eval_loss, "checkpoint": final}, f)
+            json.dump({"eval_loss": eval_loss, "checkpoint": final, **(extra or {})}, f)
     acc.wait_for_everyone()
     acc.free_memory()
     gc.collect()
