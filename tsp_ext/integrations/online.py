@@ -83,6 +83,8 @@ class TSPOnlineMixin:
         return out
 
     def _generate(self, prompts: list):
+        """TRL's rollouts (generated, or a ``rollout_func``'s), checked to be the same on every
+        rank of the TSP group."""
         out = self._trl._generate(self, prompts)
         group = self.tsp_mesh["tsp"].get_group()
         check_same_ids(out[0], "prompt", group)
@@ -91,7 +93,7 @@ class TSPOnlineMixin:
 
     def _generate_single_turn(self, prompt_ids, *args, **kwargs):
         """TRL's generation with the TSP model itself, not its data-parallel wrapper (its
-        ``generate`` is TSP's), with FSDP2 / ZeRO-3 dp shards gathered for the whole call."""
+        ``generate`` is TSP's), with FSDP2's dp shards gathered for the whole call."""
         check_same_ids(prompt_ids, "prompt", self.tsp_mesh["tsp"].get_group())
         check_within_positions(self.model, prompt_ids, self.max_completion_length)
         wrapped, self.model_wrapped = self.model_wrapped, self.model
