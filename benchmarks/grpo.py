@@ -1,37 +1,40 @@
 """GRPO under TSP against TRL's ``GRPOTrainer`` in one process and on DeepSpeed ZeRO-3.
 
-    python -m benchmarks.grpo --devices 2 4 --budget-mib 160 --time-at 256 \\
-        --json docs/benchmarks/grpo_cpu.json
+    python -m benchmarks.grpo --devices 2 4 --budget-mib 384 --json docs/benchmarks/grpo_cpu.json
+    python -m benchmarks.grpo --quick --devices 2      # a tiny model and lengths: the smoke test
 
-Every layout runs TRL's ``GRPOTrainer`` code path (its defaults: ``loss_type="dapo"``,
-``beta=0``, gradient checkpointing; float32, AdamW) on the same Llama-shaped model (``MODEL``,
-``preference.MODEL``) and the same global batch of ``PROMPTS`` prompts x ``G`` completions per
-step: ``trl`` is ``GRPOTrainer`` in one process (TRL's chunked fused LM head, full weights);
-``zero3`` is ``GRPOTrainer`` with ``GRPOConfig(deepspeed=ZERO3)`` over D ranks, TRL's data
-parallelism (each rank its share of the completions: the most TRL offers, as it refuses
-sequence parallelism); ``tsp`` is ``TSPGRPOTrainer`` at D ranks (tsp = D, dp = 1: every rank
-all completions, 1/D of their tokens and of the weights).
+Every layout runs TRL's ``GRPOTrainer`` code path with one ``GRPOConfig`` (TRL's defaults:
+``loss_type="dapo"``, ``beta=0``, one iteration, gradient checkpointing; float32, AdamW) on the
+same Llama-shaped model (``preference.MODEL``: h 256, 4 layers, V 8192) and the same global
+batch of ``PROMPTS`` prompts of ``PROMPT_LEN`` tokens x ``G`` completions per step: ``trl`` is
+``GRPOTrainer`` in one process (TRL's chunked fused LM head, full weights); ``zero3`` is
+``GRPOTrainer`` with ``GRPOConfig(deepspeed=ZERO3)`` over D ranks, TRL's data parallelism (each
+rank its own 1/D of the completions, whole: the most TRL offers, as it refuses sequence
+parallelism); ``tsp`` is ``TSPGRPOTrainer`` at D ranks (tsp = D, dp = 1: every rank all
+completions, 1/D of their tokens and of the weights).
 
 (a) **Longest completion** (``--budget-mib``): the longest completion length L (a multiple of
-``--granule``, to within 1/16: ``maxlen.longest``) for which one GRPO step keeps every rank
-within the budget. The step is ``training_step``: rollouts (a ``rollout_func`` giving
-completions of exactly L tokens, so the search does not wait on generation), scoring, loss and
-backward; the second step is measured (the first creates the optimizer state). A rank's bytes
-are its resident state, measured after the step (parameters — ZeRO-3: its partitions —,
-optimizer state, ZeRO-3's fp32 master partitions and persistent gradient partition) plus the
-step's peak of tensor bytes allocated above the level at its entry (``PeakAllocated``, as
-``benchmarks.preference`` measures its step peak: the resident weights and optimizer state
-excluded there, so counted once here; gathered ZeRO-3 weights, gradients, activations and
-transients are in it). Every probe of a layout runs in the same D processes, a fresh trainer
-each.
+``--granule`` up to ``--limit``, to within 1/16: ``maxlen.longest``, doubling from ``--start``,
+then bisection) for which one GRPO step keeps every rank within the budget; "≥" when every
+length up to ``--limit`` fits. The step is ``training_step``: rollouts (a ``rollout_func``
+giving completions of exactly L tokens: generation, its KV cache included, is not in this
+step), scoring, loss and backward, not the optimizer update; the second step is measured (the
+first creates the optimizer state). A rank's bytes are its resident state, measured after the
+step (parameters — ZeRO-3: its partitions —, optimizer state, ZeRO-3's fp32 master partitions
+and persistent gradient partition), plus the step's peak of tensor bytes allocated above the
+level at its entry (``PeakAllocated``, as ``benchmarks.preference`` measures its step peak:
+the resident weights and optimizer state are not in it, so they are added once here; gathered
+ZeRO-3 weights, gradients, activations and transients are). Max over ranks. Every probe of a
+layout runs in the same processes, a fresh trainer each.
 
 (b) **Rollouts and step time** (``--time-at L``): with generation on (the model's own
 ``generate()``, sampling, ``min_new_tokens = max_completion_length = L``; ZeRO-3 gathers the
-weights for it, TRL's default), the generated tokens per second of a rollout round (all ranks'
-new tokens over the slowest rank's time in ``_generate_single_turn``) and the step time (a
-whole optimizer step), medians of ``--steps`` steps after a warm-up step, as ratios to
-``trl``'s, every layout timed in the same run. Prints a markdown table; ``--json`` writes the
-rows (every probe) and the machine's load average.
+weights for it, TRL's default), the generated tokens per second of a rollout round (the round's
+new tokens over the slowest rank's time in ``_generate_single_turn``) and the time of a whole
+step (rollouts to optimizer update, slowest rank), medians of ``--steps`` steps after a warm-up
+step, as ratios to ``trl``'s, every layout timed in the same run, one after another. Prints a
+markdown table; ``--json`` writes the rows (every probe), the settings and the machine's load
+average at the start and the end.
 """
 
 from __future__ import annotations
