@@ -12,5 +12,8 @@
   full scale on one device), its data-dependent collectives filled by ``mirror``;
 - ``emulate_fake``: the same rank's TSP training step under fake tensors (``emulate --fake``):
   MemTracker's per-rank peak of an 8B model at millions of tokens, in minutes of one CPU core;
+- ``grpo``: GRPO through TRL's ``GRPOTrainer`` (one process, DeepSpeed ZeRO-3) against
+  ``TSPGRPOTrainer``: the longest completion under one per-rank budget, rollout throughput and
+  step time (``python -m benchmarks.grpo``);
 - ``comm_counter``, ``report``, ``plots``: the pieces they share.
 """

@@ -383,3 +383,32 @@ def test_moe_rows_hold_e_over_d_experts_and_move_what_each_schedule_plans():
     assert (a2a["recv_fwd"] - counts) % (32 * 4) == 0 and a2a["recv_fwd"] > counts
     assert ring["saved"] == a2a["saved"] < one["saved"]
     assert markdown_table([one, ring, a2a]).count("\n| 2 |") == 2
+
+
+def test_grpo_rows_tsp_below_trl(workers, tmp_path):
+    """``benchmarks.grpo --quick`` at D = 2: a row per layout, every rank measured and timed;
+    at the first probed length TSP's per-rank bytes (state and step peak) are below one-process
+    TRL's and ZeRO-3's, and the longest completions found keep within the budget."""
+    from benchmarks.grpo import QUICK, QUICK_SETTINGS, markdown, run
+
+    settings = dict(QUICK_SETTINGS, model=QUICK, out=str(tmp_path))
+    result = run([2], ["trl", "zero3", "tsp"], settings, launch=workers.run)
+    rows = {r["layout"]: r for r in result["rows"]}
+    assert [(r["layout"], r["devices"]) for r in result["rows"]] == [
+        ("trl", 1),
+        ("zero3", 2),
+        ("tsp", 2),
+    ]
+    first = {name: r["probes"][0] for name, r in rows.items()}
+    assert {p["len"] for p in first.values()} == {settings["start"]}
+    for key in ("state", "peak"):
+        assert first["tsp"][key] < first["zero3"][key] < first["trl"][key], (key, first)
+    for r in rows.values():
+        assert r["tokens_per_s"] > 0 and r["step_seconds"] > 0
+        for p in r["probes"]:
+            assert p["bytes"] == p["state"] + p["peak"] > 0
+        if r["max_len"] is not None:
+            assert r["bytes_at_max"] <= settings["budget"] and r["max_len"] % 32 == 0
+    assert rows["tsp"]["max_len"] >= (rows["zero3"]["max_len"] or 0)
+    assert rows["trl"]["tokens_per_s_ratio"] == rows["trl"]["step_seconds_ratio"] == 1.0
+    assert markdown(result).count("\n| ") == 3  # a line per row

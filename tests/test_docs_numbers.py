@@ -288,6 +288,25 @@ def test_preference_table_is_its_json():
     assert markdown(result) in (ROOT / "docs" / "preference.md").read_text()
 
 
+def test_grpo_table_is_its_json_and_the_quoted_ratios_follow():
+    """docs/benchmarks.md's GRPO table is ``benchmarks.grpo``'s table of its JSON; the step
+    peaks and time ratios its text quotes are the JSON's."""
+    from benchmarks.grpo import markdown
+
+    result = json.loads((RESULTS / "grpo_cpu.json").read_text())
+    doc = " ".join((ROOT / "docs" / "benchmarks.md").read_text().split())
+    assert " ".join(markdown(result).split()) in doc
+    rows = {(r["layout"], r["devices"]): r for r in result["rows"]}
+    for D in (2, 4):
+        probes = rows["tsp", D]["probes"]
+        peaks = f"{probes[0]['peak'] / 2**20:.1f} to {probes[-1]['peak'] / 2**20:.1f} MiB (D = {D})"
+        assert peaks in doc, peaks
+    for (layout, D), row in rows.items():
+        for key in ("tokens_per_s_ratio", "step_seconds_ratio"):
+            if layout != "trl":
+                assert f"{row[key]:.2f}x" in doc, (layout, D, key)
+
+
 def test_window_table_is_its_json_and_the_bytes_follow_from_the_exchange():
     """docs/engine.md's sliding-window table is ``benchmarks.window``'s table of its JSON, and
     the forward K/V bytes are the keys a rank receives (the exchange's pieces, or (D-1)·S/D for
