@@ -289,13 +289,15 @@ def test_preference_table_is_its_json():
 
 
 def test_grpo_table_is_its_json_and_the_quoted_ratios_follow():
-    """docs/benchmarks.md's GRPO table is ``benchmarks.grpo``'s table of its JSON; the step
-    peaks and time ratios its text quotes are the JSON's."""
+    """docs/benchmarks.md's (and docs/rl.md's) GRPO table is ``benchmarks.grpo``'s table of its
+    JSON; the step peaks and time ratios its text quotes are the JSON's."""
     from benchmarks.grpo import markdown
 
     result = json.loads((RESULTS / "grpo_cpu.json").read_text())
     doc = " ".join((ROOT / "docs" / "benchmarks.md").read_text().split())
+    rl = " ".join((ROOT / "docs" / "rl.md").read_text().split())
     assert " ".join(markdown(result).split()) in doc
+    assert " ".join(markdown(result).split()) in rl
     rows = {(r["layout"], r["devices"]): r for r in result["rows"]}
     for D in (2, 4):
         probes = rows["tsp", D]["probes"]
