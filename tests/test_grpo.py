@@ -316,8 +316,10 @@ def trainer_for(tmp: str, model, world: int, **kw):
 
     reward_funcs = kw.pop("reward_funcs", [score])
     tsp = TSPConfig(tsp_size=world, loss_chunk=kw.pop("loss_chunk", 1024))
-    args = grpo_args(tmp, **kw)
     data = dict(train_dataset=prompts_dataset(), processing_class=word_tokenizer(V))
+    if "reward_processing_classes" in kw:
+        data["reward_processing_classes"] = kw.pop("reward_processing_classes")
+    args = grpo_args(tmp, **kw)
     return TSPGRPOTrainer(model, reward_funcs=reward_funcs, args=args, tsp=tsp, **data)
 
 
@@ -384,13 +386,24 @@ def memory_worker(rank, world, tmp):
     ring's blocks are [loss_chunk, V/D]: 16 tokens here, as S/D is small);
     the reference's weights (1/D, frozen) and what the rollout round saves for backward."""
 
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
     from tsp_ext.memory import SavedTensorBytes
 
     vocab, new = 1024, 160  # [S/D, V] well above the 1/D weights (a flat gradient bucket)
     model = build("llama", torch.float32, vocab_size=vocab)
+    judge = LlamaForSequenceClassification(  # a reward model, beside a reward function
+        LlamaConfig(
+            hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=1, vocab_size=V, num_labels=1, pad_token_id=EOS,
+        )
+    )  # fmt: skip
+    judged = []
+    judge.register_forward_hook(lambda *args: judged.append(args[2].logits.shape[0]))
     trainer = trainer_for(
         f"{tmp}/memory", model, world, max_completion_length=new, beta=0.1, num_iterations=2,
-        per_device_train_batch_size=4, max_steps=1, loss_chunk=16,
+        per_device_train_batch_size=4, max_steps=1, loss_chunk=16, reward_funcs=[score, judge],
+        reward_processing_classes=[None, word_tokenizer(V)],
     )  # fmt: skip
     saved, largest = SavedTensorBytes(), LargestTensor()
     score_round, training_step = trainer._generate_and_score_completions, trainer.training_step
@@ -416,6 +429,7 @@ def memory_worker(rank, world, tmp):
         "ref_is_policy_shape": all(ref[n].shape == p.shape for n, p in policy.items()),
         "ref_frozen": not any(p.requires_grad for p in ref.values()),
         "saved_in_rollouts": saved.nbytes,
+        "judged": sum(judged),
     }
 
 
@@ -423,17 +437,19 @@ def test_grpo_rollouts_and_memory(workers, tmp):
     """Greedy rollouts equal the one-process model's token for token; sampled ones agree on
     every rank of the TSP group although each rank was seeded apart; the KV cache is 1/D per
     rank. No tensor of a GRPO step reaches [S/D, V] (logits), the reference is 1/D and frozen,
-    and the rollout round (generation and no-grad scoring) saves nothing for backward."""
+    the rollout round (generation and no-grad scoring) saves nothing for backward, and a reward
+    model scores each row once per TSP group."""
     runs = workers.run(rollout_worker, 2, tmp, timeout=240)
     for run in runs:
         assert run["greedy"] is True
         assert run["kv"][0] == run["kv"][1] > 0, run["kv"]
         assert run["sampled"] == runs[0]["sampled"]
     assert runs[0]["sampling changed them"]
-    for mem in workers.run(memory_worker, 2, tmp, timeout=240):
+    for rank, mem in enumerate(workers.run(memory_worker, 2, tmp, timeout=240)):
         assert mem["largest"] < mem["logits_block"], mem
         assert mem["ref_is_policy_shape"] and mem["ref_frozen"], mem
         assert mem["saved_in_rollouts"] == 0, mem
+        assert mem["judged"] == (4 if rank == 0 else 0), mem  # once per TSP group: its 4 rows
 
 
 def errors_worker(rank, world, tmp):
