@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 import resource
+import time
 
 import torch
+from transformers import TrainerCallback
 
 
 def peak_memory_bytes() -> int:
@@ -33,3 +35,29 @@ def open_metrics(path: str, start: int):
         f.writelines(kept)
     os.replace(path + ".tmp", path)
     return open(path, "a")
+
+
+class StepRows(TrainerCallback):
+    """A Trainer callback writing one ``metrics.jsonl`` row per logged step: ``on_log`` (a
+    subclass's) starts ``self.row``; later logs of the same step (an evaluation) may add to it;
+    it is written when the next step begins or training ends. ``step_s``: the last step's
+    seconds."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.row, self.t0, self.step_s = path, None, 0.0, 0.0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.flush()
+        self.t0 = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.step_s = time.perf_counter() - self.t0
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.flush()
+
+    def flush(self) -> None:
+        if self.row is not None:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(self.row) + "\n")
+            self.row = None

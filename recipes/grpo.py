@@ -21,15 +21,13 @@ import argparse
 import json
 import logging
 import os
-import time
 
 from _args import DEEPSPEED_INSTEAD, add_data_parallel_arg, add_shared_args, trainer_settings
 from _finish import finish, start
-from _metrics import peak_memory_bytes
+from _metrics import StepRows, peak_memory_bytes
 from _model import build_tokenizer, lora_config, preset_model, pretrained_model
 from _presets import PRESETS
 from _tasks import TASKS, answer_only, correct_answer, file_dataset, task_dataset
-from transformers import TrainerCallback
 
 from tsp_ext import TSPConfig, TSPGRPOTrainer, init_tsp_mesh, save_pretrained
 
@@ -81,7 +79,7 @@ def prompts(args):
     return rows.train_test_split(test_size=args.eval_prompts, shuffle=False)
 
 
-class Progress(TrainerCallback):
+class Progress(StepRows):
     """Per step: the GRPO metrics TRL logs (rewards, completion lengths, KL, clipping, entropy),
     the step time and peak memory, in the log and in ``metrics.jsonl``; the held-out reward
     joins the row of the step it was measured at."""
@@ -100,16 +98,6 @@ class Progress(TrainerCallback):
         "learning_rate",
     )
 
-    def __init__(self, path: str) -> None:
-        self.path, self.t0, self.step_s = path, 0.0, 0.0
-        self.row: dict | None = None
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        self.t0 = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.step_s = time.perf_counter() - self.t0
-
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:
             return
@@ -122,15 +110,6 @@ class Progress(TrainerCallback):
             log.info(line(row, state.max_steps))
         elif "eval_reward" in logs and self.row is not None:
             self.row["eval_reward"] = logs["eval_reward"]
-
-    def on_train_end(self, args, state, control, **kwargs):
-        self.flush()
-
-    def flush(self) -> None:
-        if self.row is not None:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(self.row) + "\n")
-            self.row = None
 
 
 def line(row: dict, max_steps: int) -> str:

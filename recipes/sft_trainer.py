@@ -12,20 +12,17 @@ docs/trainer.md.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import time
 
 import torch
 from _args import DEEPSPEED_INSTEAD, add_data_parallel_arg, add_shared_args, trainer_settings
 from _data import load_blocks, load_texts
 from _finish import finish, start
-from _metrics import peak_memory_bytes
+from _metrics import StepRows, peak_memory_bytes
 from _model import build_tokenizer, lora_config, preset_model, pretrained_model
 from _presets import PRESETS
 from datasets import Dataset
-from transformers import TrainerCallback
 
 from tsp_ext import TSPConfig, TSPTrainer, TSPTrainerMixin, init_tsp_mesh
 
@@ -55,20 +52,12 @@ class Collator:
         return {**batch, "labels": labels}
 
 
-class Metrics(TrainerCallback):
+class Metrics(StepRows):
     """One ``metrics.jsonl`` row per step, as ``finetune_long_llama.py`` writes them."""
 
     def __init__(self, path: str, tokens_per_step: int) -> None:
-        self.path, self.tokens_per_step = path, tokens_per_step
-        self.row: dict | None = None
-        self.t0 = 0.0
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        self.flush()
-        self.t0 = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.tokens_per_s = self.tokens_per_step / (time.perf_counter() - self.t0)
+        super().__init__(path)
+        self.tokens_per_step = tokens_per_step
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:
@@ -79,21 +68,12 @@ class Metrics(TrainerCallback):
                 "step": state.global_step,
                 "loss": logs["loss"],
                 "grad_norm": logs.get("grad_norm"),
-                "tokens_per_s": self.tokens_per_s,
+                "tokens_per_s": self.tokens_per_step / self.step_s,
                 "lr": logs.get("learning_rate"),
                 "peak_mem_bytes": peak_memory_bytes(),
             }
         elif "eval_loss" in logs and self.row is not None:
             self.row["eval_loss"] = logs["eval_loss"]
-
-    def on_train_end(self, args, state, control, **kwargs):
-        self.flush()
-
-    def flush(self) -> None:
-        if self.row is not None:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(self.row) + "\n")
-            self.row = None
 
 
 def trainer_class(kind: str):
