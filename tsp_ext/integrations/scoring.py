@@ -74,8 +74,7 @@ def completion_logps(
         entropy: also return each of those positions' next-token entropy, ``[B, C]``.
         router_logits: also return a mixture-of-experts model's load-balancing loss.
     """
-    B, S = input_ids.shape
-    C = completion_len
+    S, C = input_ids.shape[1], completion_len
     pads = (attention_mask.cumsum(dim=1) == 0).sum(dim=1)  # left padding of each row
     source = (torch.arange(S, device=input_ids.device) + pads[:, None]) % S  # rolled left
     ids, mask = input_ids.gather(1, source), attention_mask.gather(1, source)
