@@ -216,31 +216,34 @@ def plain_eval_loss(model, out: str) -> tuple[float, float]:
     return loss, recipe_eval
 
 
-def test_rope_scaled_run_exports_a_config_plain_hf_loads(workers, tmp):
-    """``--rope-scaling yarn --rope-factor 2`` on the preset (4096 positions): the export's
-    ``config.json`` carries the trained RoPE, so one plain process loads the extended model and
-    gives the recipe's eval loss, which the same weights with the plain RoPE do not."""
+@pytest.mark.parametrize("source, positions", [("preset", 4096), ("checkpoint", 2048)])
+def test_rope_scaled_run_exports_a_config_plain_hf_loads(workers, source, positions, tmp):
+    """``--rope-scaling yarn --rope-factor 2`` on the preset (4096 positions) and on a checkpoint
+    loaded shard-on-read (2048): the export's ``config.json`` carries the trained RoPE, so one
+    plain process loads the extended model and gives the recipe's eval loss, which the same
+    weights with the plain RoPE do not."""
     from transformers import AutoModelForCausalLM
 
-    out = os.path.join(tmp, "yarn")
+    out = os.path.join(tmp, f"yarn-{source}")
+    model = () if source == "preset" else ("--model", pretrained(tmp))
     rope = ("--rope-scaling", "yarn", "--rope-factor", "2")
-    res = run_on(workers, *TINY, *rope, "--max-steps", "2", "--output-dir", out)
+    res = run_on(workers, *TINY, *model, *rope, "--max-steps", "2", "--output-dir", out)
     assert res.returncode == 0, res.stdout[-3000:]
     model = AutoModelForCausalLM.from_pretrained(os.path.join(out, "final")).eval()
     assert model.config.rope_parameters == {
         "rope_type": "yarn",
         "factor": 2.0,
-        "original_max_position_embeddings": 4096,
+        "original_max_position_embeddings": positions,
         "rope_theta": 10000.0,
     }
-    assert model.config.max_position_embeddings == 8192
+    assert model.config.max_position_embeddings == 2 * positions
     loss, recipe_eval = plain_eval_loss(model, out)
     # a barely trained model attends almost evenly, so the RoPE moves its loss little (8e-6 of
-    # it here): the export matches far closer than that (4e-8)
+    # it on the preset): the export matches far closer than that (4e-8)
     assert abs(loss - recipe_eval) < 2e-6 * recipe_eval, (loss, recipe_eval)
     plain_rope = {"rope_type": "default", "rope_theta": 10000.0}
     unscaled = AutoModelForCausalLM.from_pretrained(
-        os.path.join(out, "final"), rope_parameters=plain_rope, max_position_embeddings=4096
+        os.path.join(out, "final"), rope_parameters=plain_rope, max_position_embeddings=positions
     )
     other, _ = plain_eval_loss(unscaled.eval(), out)
     assert abs(other - recipe_eval) > 2e-6 * recipe_eval, (other, recipe_eval)
