@@ -19,6 +19,19 @@ DEEPSPEED_INSTEAD = (
     "TrainingArguments(deepspeed=...) (docs/deepspeed.md)"
 )
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# the RoPE scalings TSP folds exactly: each position's rotation depends on the position alone
+ROPE_SCALINGS = ("yarn", "llama3", "linear")
+
+
+def rope_scaling(name: str) -> str:
+    """``--rope-scaling``: one of ``ROPE_SCALINGS``; any other type refused, saying why."""
+    if name in ROPE_SCALINGS:
+        return name
+    raise argparse.ArgumentTypeError(
+        f"{name!r}: TSP runs {', '.join(ROPE_SCALINGS)} RoPE scaling (and a larger base alone, "
+        "--rope-theta); dynamic / longrope scalings change with the sequence's length, which no "
+        "TSP rank sees whole"
+    )
 
 
 def add_shared_args(p: argparse.ArgumentParser) -> None:
@@ -43,6 +56,23 @@ def add_shared_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--text-column", default="text")
     p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument(
+        "--rope-scaling",
+        type=rope_scaling,
+        default=None,
+        metavar="{" + ",".join(ROPE_SCALINGS) + "}",
+        help="extend the context by RoPE scaling (with --rope-factor or --max-position)",
+    )
+    p.add_argument(
+        "--rope-factor", type=float, default=None, help="new context / the model's (> 1)"
+    )
+    p.add_argument("--rope-theta", type=float, default=None, help="a larger RoPE base (ABF)")
+    p.add_argument(
+        "--max-position",
+        type=int,
+        default=None,
+        help="the extended context (default: factor x the model's max_position_embeddings)",
+    )
     p.add_argument(
         "--packing",
         choices=("stream", "documents"),

@@ -11,14 +11,15 @@ import sys
 
 import torch
 import torch.distributed as dist
-from _model import resolve_model
+from _model import model_config, resolve_model
 from accelerate import Accelerator
 
 
-def start(args) -> tuple[Accelerator, bool]:
+def start(args, seq_len: int | None = None) -> tuple[Accelerator, bool]:
     """Accelerate and the log (INFO on the main process) for a Trainer recipe, ``--model``
-    resolved and ``--tsp-size`` defaulted to every process and checked; returns the accelerator
-    and whether this run created the process group (``finish``'s ``owns_group``)."""
+    resolved, its ``--rope-*`` extension and context (``seq_len`` tokens, if given) checked, and
+    ``--tsp-size`` defaulted to every process and checked; returns the accelerator and whether
+    this run created the process group (``finish``'s ``owns_group``)."""
     owns_group = not dist.is_initialized()
     acc = Accelerator(cpu=not torch.cuda.is_available())
     logging.basicConfig(
@@ -27,6 +28,7 @@ def start(args) -> tuple[Accelerator, bool]:
         stream=sys.stdout,
     )
     resolve_model(args, acc)
+    model_config(args, seq_len=seq_len)
     args.tsp_size = args.tsp_size or acc.num_processes
     if acc.num_processes % args.tsp_size:
         raise SystemExit(f"--tsp-size {args.tsp_size} does not divide {acc.num_processes}")

@@ -95,7 +95,7 @@ class Progress(TrainerCallback):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    acc, owns_group = start(args)
+    acc, owns_group = start(args, args.seq_len)
     if is_preference_dataset(args.dataset):
         pairs = load_dataset(args.dataset, split="train")
         texts = [p + c for p, c in zip(pairs["prompt"], pairs["chosen"])]

@@ -32,8 +32,8 @@ from _model import (
     adapter_parameters,
     add_lora,
     build_tokenizer,
-    check_context,
     lora_config,
+    model_config,
     preset_model,
     pretrained_model,
     resolve_model,
@@ -151,8 +151,7 @@ def check_args(args, world: int) -> None:
         raise SystemExit(
             f"--seq-len {args.seq_len} is shorter than 2 x tsp size = {2 * args.tsp_size}"
         )
-    if args.model not in PRESETS:
-        check_context(args.seq_len, AutoConfig.from_pretrained(args.model), args.model)
+    model_config(args, seq_len=args.seq_len)  # --rope-* and the context length
     lora_config(args)  # --qlora without --lora-r stops here
     if args.offload_checkpoints and not args.gradient_checkpointing:
         raise SystemExit(

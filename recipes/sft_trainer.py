@@ -113,7 +113,7 @@ def training_args(args, kind: str):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    acc, owns_group = start(args)
+    acc, owns_group = start(args, args.seq_len)
     texts = load_texts(args.dataset, args.text_column)
     tokenizer = build_tokenizer(args, texts, acc)
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token

@@ -32,7 +32,7 @@ def test_seq_len_beyond_max_positions_is_refused_with_the_rope_hint(tmp_path):
     args = recipe.parse_args(["--model", str(tmp_path), "--seq-len", "512", "--tsp-size", "2"])
     with pytest.raises(SystemExit, match="max_position_embeddings=256") as e:
         recipe.check_args(args, 2)
-    assert '"rope_type": "yarn", "factor": 2.0' in str(e.value)
+    assert "add --rope-scaling yarn --rope-factor 2" in str(e.value)
     args = recipe.parse_args(["--model", str(tmp_path), "--seq-len", "256", "--tsp-size", "2"])
     recipe.check_args(args, 2)  # within the trained positions: accepted
 

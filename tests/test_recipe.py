@@ -216,6 +216,39 @@ def plain_eval_loss(model, out: str) -> tuple[float, float]:
     return loss, recipe_eval
 
 
+@pytest.mark.parametrize("source, positions", [("preset", 4096), ("checkpoint", 2048)])
+def test_rope_scaled_run_exports_a_config_plain_hf_loads(workers, source, positions, tmp):
+    """``--rope-scaling yarn --rope-factor 2`` on the preset (4096 positions) and on a checkpoint
+    loaded shard-on-read (2048): the export's ``config.json`` carries the trained RoPE, so one
+    plain process loads the extended model and gives the recipe's eval loss, which the same
+    weights with the plain RoPE do not."""
+    from transformers import AutoModelForCausalLM
+
+    out = os.path.join(tmp, f"yarn-{source}")
+    model = () if source == "preset" else ("--model", pretrained(tmp))
+    rope = ("--rope-scaling", "yarn", "--rope-factor", "2")
+    res = run_on(workers, *TINY, *model, *rope, "--max-steps", "2", "--output-dir", out)
+    assert res.returncode == 0, res.stdout[-3000:]
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(out, "final")).eval()
+    assert model.config.rope_parameters == {
+        "rope_type": "yarn",
+        "factor": 2.0,
+        "original_max_position_embeddings": positions,
+        "rope_theta": 10000.0,
+    }
+    assert model.config.max_position_embeddings == 2 * positions
+    loss, recipe_eval = plain_eval_loss(model, out)
+    # a barely trained model attends almost evenly, so the RoPE moves its loss little (8e-6 of
+    # it on the preset): the export matches far closer than that (4e-8)
+    assert abs(loss - recipe_eval) < 2e-6 * recipe_eval, (loss, recipe_eval)
+    plain_rope = {"rope_type": "default", "rope_theta": 10000.0}
+    unscaled = AutoModelForCausalLM.from_pretrained(
+        os.path.join(out, "final"), rope_parameters=plain_rope, max_position_embeddings=positions
+    )
+    other, _ = plain_eval_loss(unscaled.eval(), out)
+    assert abs(other - recipe_eval) > 2e-6 * recipe_eval, (other, recipe_eval)
+
+
 def test_data_parallel_flag_and_its_deprecated_alias(capsys):
     """``--data-parallel`` picks the engine in every recipe; finetune_long_llama.py's old
     ``--dp-engine`` still does, with a FutureWarning; a Trainer recipe refuses an engine it does
@@ -242,6 +275,7 @@ def test_data_parallel_flag_and_its_deprecated_alias(capsys):
         (["--tsp-size", "2", "--seq-len", "3"], "--seq-len 3 is shorter than 2 x tsp size = 4"),
         (["--dataset", "json:{tmp}/data.jsonl"], "has no column 'text'"),
         (["--offload-checkpoints"], "--offload-checkpoints offloads layer checkpoints: add"),
+        (["--rope-scaling", "yarn", "--rope-factor", "1"], "--rope-factor 1: the extended"),
     ],
 )
 def test_bad_arguments_fail_before_training(workers, args, expected, tmp):

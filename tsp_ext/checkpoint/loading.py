@@ -42,6 +42,7 @@ def load_pretrained(
     config: TSPConfig | None = None,
     *,
     device: torch.device | str | None = None,
+    hf_config=None,
     **from_config_kwargs,
 ) -> nn.Module:
     """A TSP model of a Hugging Face checkpoint, built without ever holding the full weights.
@@ -55,12 +56,14 @@ def load_pretrained(
         path_or_id: a local checkpoint directory or a hub id (downloaded first).
         mesh, config: as for ``apply_tsp``.
         device: where the parameters live (default: CUDA device of this rank if available).
+        hf_config: the ``PretrainedConfig`` to build (default: the checkpoint's own), e.g. the
+            checkpoint's with RoPE scaling for a longer context; the weights must fit it.
         from_config_kwargs: passed to ``AutoModelForCausalLM.from_config`` (e.g. ``dtype``).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = _resolve(path_or_id)
-    hf_config = AutoConfig.from_pretrained(path)
+    hf_config = hf_config or AutoConfig.from_pretrained(path)
     if device is None:
         device = (
             torch.device("cuda", torch.cuda.current_device())
