@@ -90,10 +90,18 @@ def check_chat(messages, dataset: str) -> list[dict]:
     return messages
 
 
+def joined(prompt, answer, dataset: str, tokenizer=None) -> str:
+    """A prompt and its answer as one text: strings concatenated, conversations (lists of
+    messages, TRL's conversational format) rendered as one chat."""
+    if isinstance(prompt, list) or isinstance(answer, list):
+        return render_chat(check_chat(prompt, dataset) + check_chat(answer, dataset), tokenizer)
+    return (prompt or "") + (answer or "")
+
+
 def documents(rows, text_column: str, dataset: str, tokenizer=None) -> list[str]:
     """The texts a language model trains on, one per row (empty ones dropped): the text column,
-    prompt + completion, prompt + chosen answer, or a rendered conversation (``render_chat``
-    with ``tokenizer``). The whole text trains: prompts are not masked from the loss."""
+    prompt + completion, prompt + chosen answer (``joined``), or a rendered conversation
+    (``render_chat`` with ``tokenizer``). The whole text trains: prompts are not masked."""
     kind = row_kind(rows.column_names, text_column, dataset)
     if kind == "text":
         texts = rows[text_column]
@@ -101,7 +109,7 @@ def documents(rows, text_column: str, dataset: str, tokenizer=None) -> list[str]
         texts = [render_chat(check_chat(m, dataset), tokenizer) for m in rows["messages"]]
     else:
         answer = rows["completion" if kind == "completion" else "chosen"]
-        texts = [(p or "") + (a or "") for p, a in zip(rows["prompt"], answer)]
+        texts = [joined(p, a, dataset, tokenizer) for p, a in zip(rows["prompt"], answer)]
     return [t for t in texts if t]
 
 

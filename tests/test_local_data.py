@@ -95,3 +95,16 @@ def test_unknown_columns_and_bad_messages_are_refused(tmp_path):
     bad = jsonl(tmp_path / "bad.jsonl", [{"messages": [{"role": "user"}]}])
     with pytest.raises(ValueError, match="not a list of {role, content} dicts"):
         load_texts(bad, "text")
+
+
+def test_conversational_pairs_render_as_one_chat(tmp_path):
+    """TRL's conversational format: prompt and answer are lists of messages, joined into one
+    conversation."""
+    row = {
+        "prompt": CHAT[:1],
+        "chosen": CHAT[1:],
+        "rejected": [{"role": "assistant", "content": "?"}],
+    }
+    source = jsonl(tmp_path / "conv.jsonl", [row])
+    assert load_texts(source, "text") == ["user: Who is there?\nassistant: Nay."]
+    assert preference_rows(load_rows(source), "text", source)[0] == row
