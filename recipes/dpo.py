@@ -3,14 +3,15 @@
     accelerate launch --config_file recipes/configs/cpu_2proc.yaml recipes/dpo.py \
         --tsp-size 2 --seq-len 2048 --max-steps 20
 
-Offline by default: preference pairs built from the recipes' text data, a long prompt (a
-stretch of a play) followed by its true continuation (chosen) or by a line from elsewhere
-(rejected). ``--dataset`` with a Hugging Face preference dataset (``prompt`` / ``chosen`` /
-``rejected`` columns) trains on that instead. ``--lora-r`` trains a LoRA adapter (the reference
-is then the base model, adapters disabled); without it every weight trains against a frozen
-folded copy. Every step's loss, reward margin and accuracy go to ``metrics.jsonl`` and the log;
-the end exports a Hugging Face checkpoint (``final``; with LoRA merged, and the adapter in
-``final-adapter``). See docs/preference.md.
+Offline by default: preference pairs built from the recipes' text data, a long prompt (a stretch of
+a play) followed by its true continuation (chosen) or by a line from elsewhere (rejected).
+``--dataset`` with preference pairs (``prompt`` / ``chosen`` / ``rejected`` columns; a hub dataset
+or local ``json:`` / ``csv:`` / ``parquet:`` files) trains on those instead; plain-text data has
+pairs built from it as from the plays. ``--lora-r`` trains a LoRA adapter (the reference is then
+the base model, adapters disabled); without it every weight trains against a frozen folded copy.
+Every step's loss, reward margin and accuracy go to ``metrics.jsonl`` and the log; the end exports
+a Hugging Face checkpoint (``final``; with LoRA merged, and the adapter in ``final-adapter``).
+See docs/preference.md.
 """
 
 from __future__ import annotations
@@ -22,18 +23,17 @@ import os
 import random
 
 from _args import DEEPSPEED_INSTEAD, add_data_parallel_arg, add_shared_args, trainer_settings
-from _data import SHAKESPEARE, load_texts
+from _data import documents, load_rows, preference_rows
 from _finish import finish, start
 from _metrics import peak_memory_bytes
 from _model import build_tokenizer, lora_config, preset_model, pretrained_model
 from _presets import PRESETS
-from datasets import Dataset, load_dataset
+from datasets import Dataset
 from transformers import TrainerCallback
 
 from tsp_ext import TSPConfig, TSPDPOTrainer, init_tsp_mesh, save_pretrained
 
 log = logging.getLogger("dpo")
-TEXT_SOURCES = ("text:", "json:", "csv:", "parquet:")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -47,10 +47,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output-dir", default="outputs/dpo")
     p.set_defaults(max_steps=20, lr=5e-4, eval_every=10, seq_len=2048)
     return p.parse_args(argv)
-
-
-def is_preference_dataset(name: str) -> bool:
-    return name != SHAKESPEARE and not name.startswith(TEXT_SOURCES)
 
 
 def built_pairs(texts: list[str], tokenizer, args) -> Dataset:
@@ -96,14 +92,12 @@ class Progress(TrainerCallback):
 def main(argv=None) -> None:
     args = parse_args(argv)
     acc, owns_group = start(args, args.seq_len)
-    if is_preference_dataset(args.dataset):
-        pairs = load_dataset(args.dataset, split="train")
-        texts = [p + c for p, c in zip(pairs["prompt"], pairs["chosen"])]
-    else:
-        texts = load_texts(args.dataset, args.text_column)
+    rows = load_rows(args.dataset)
+    pairs = preference_rows(rows, args.text_column, args.dataset)  # None: plain text
+    texts = documents(rows, args.text_column, args.dataset)
     tokenizer = build_tokenizer(args, texts, acc)
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-    if not is_preference_dataset(args.dataset):
+    if pairs is None:
         pairs = built_pairs(texts, tokenizer, args)
     n_eval = max(1, min(args.eval_blocks, len(pairs) // 8))
     split = pairs.train_test_split(test_size=n_eval, shuffle=False)

@@ -44,7 +44,7 @@ def main() -> None:
     args = p.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
     model = AutoModelForCausalLM.from_pretrained(args.checkpoint).eval()
-    texts = load_texts(args.dataset, args.text_column)
+    texts = load_texts(args.dataset, args.text_column, tokenizer=tokenizer)
     blocks = load_blocks(texts, tokenizer, args.seq_len, args.packing)
     n = len(blocks["input_ids"])
     rows = range(n - min(args.eval_blocks, n - 1), n)

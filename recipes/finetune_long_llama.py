@@ -24,7 +24,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from _args import add_data_parallel_arg, add_shared_args
-from _data import load_blocks, load_texts
+from _data import documents, load_blocks, load_rows
 from _faults import maybe_kill, maybe_poison
 from _finish import finish
 from _metrics import open_metrics, peak_memory_bytes
@@ -340,8 +340,9 @@ def main(argv=None) -> None:
     resolve_model(args, acc)
     check_args(args, acc.num_processes)
     set_seed(args.seed)
-    texts = load_texts(args.dataset, args.text_column)
-    tokenizer = build_tokenizer(args, texts, acc)
+    rows = load_rows(args.dataset)  # a BPE trains on chats as role-prefixed lines
+    tokenizer = build_tokenizer(args, documents(rows, args.text_column, args.dataset), acc)
+    texts = documents(rows, args.text_column, args.dataset, tokenizer)
     blocks = load_blocks(texts, tokenizer, args.seq_len, args.packing)
     n_blocks = len(blocks["input_ids"])
     n_eval = min(args.eval_blocks, n_blocks - 1)

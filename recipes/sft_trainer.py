@@ -17,7 +17,7 @@ import os
 
 import torch
 from _args import DEEPSPEED_INSTEAD, add_data_parallel_arg, add_shared_args, trainer_settings
-from _data import load_blocks, load_texts
+from _data import documents, load_blocks, load_rows
 from _finish import finish, start
 from _metrics import StepRows, peak_memory_bytes
 from _model import build_tokenizer, lora_config, preset_model, pretrained_model
@@ -114,8 +114,9 @@ def training_args(args, kind: str):
 def main(argv=None) -> None:
     args = parse_args(argv)
     acc, owns_group = start(args, args.seq_len)
-    texts = load_texts(args.dataset, args.text_column)
-    tokenizer = build_tokenizer(args, texts, acc)
+    rows = load_rows(args.dataset)  # a BPE trains on chats as role-prefixed lines
+    tokenizer = build_tokenizer(args, documents(rows, args.text_column, args.dataset), acc)
+    texts = documents(rows, args.text_column, args.dataset, tokenizer)
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     blocks = load_blocks(texts, tokenizer, args.seq_len, args.packing)
     blocks = {k: v.tolist() for k, v in blocks.items()}

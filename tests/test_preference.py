@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import glob
 import types
 
 import pytest
@@ -403,3 +404,31 @@ def test_dpo_recipe_trains_three_steps_and_exports(workers, tmp):
     assert "margin" in done.stdout and "accuracy" in done.stdout
     assert os.path.isfile(f"{out}/final/config.json")  # merged
     assert os.path.isfile(f"{out}/final-adapter/adapter_config.json")
+
+
+def test_dpo_recipe_trains_on_a_local_preference_file(workers, tmp):
+    """``recipes/dpo.py --dataset json:<file>`` of ``prompt`` / ``chosen`` / ``rejected`` rows
+    (lines of a play, the next line chosen, a line from elsewhere rejected) on 2 processes:
+    trains on those pairs (not on pairs built from text) and exports."""
+    import json
+    import os
+
+    from test_recipe import PLAYS, run_on
+
+    with open(sorted(glob.glob(f"{PLAYS}/roman/*.md"))[0], encoding="utf-8") as f:
+        lines = [line for line in f.read().splitlines() if len(line) > 20][:40]
+    data = f"{tmp}/prefs.jsonl"
+    with open(data, "w") as f:
+        for i in range(16):
+            row = {"prompt": lines[i], "chosen": lines[i + 1], "rejected": lines[39 - i]}
+            f.write(json.dumps(row) + "\n")
+    script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "recipes", "dpo.py")
+    out = f"{tmp}/local-prefs"
+    args = ["--seq-len", "64", "--vocab-size", "512", "--max-steps", "2", "--eval-every", "2"]
+    args += ["--warmup-steps", "1", "--tsp-size", "2", "--lora-r", "4"]
+    done = run_on(workers, *args, "--dataset", f"json:{data}", "--output-dir", out, script=script)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "14 preference pairs" in done.stdout  # 16 rows, 2 held out
+    with open(f"{out}/metrics.jsonl") as f:
+        assert [json.loads(line)["step"] for line in f] == [1, 2]
+    assert os.path.isfile(f"{out}/final/config.json")
