@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import logging
 import os
 
 import torch
 
 SHAKESPEARE = "shakespeare"
+log = logging.getLogger("data")
 
 
 def shakespeare_files() -> list[str]:
@@ -149,13 +151,31 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
 
 
+def tokenized(texts: list[str], tokenizer) -> list[list[int]]:
+    """Each text's token ids, ending with EOS."""
+    eos = tokenizer.eos_token_id
+    return [tokenizer(text)["input_ids"] + [eos] for text in texts]
+
+
+def length_report(docs: list[list[int]], seq_len: int) -> str:
+    """How much of the data is long: the documents (token lists) of at least ``seq_len`` tokens
+    and the share of all tokens they hold (short documents never teach a long context)."""
+    total = sum(map(len, docs))
+    long = [len(d) for d in docs if len(d) >= seq_len]
+    share = sum(long) / max(total, 1)
+    return (
+        f"data: {len(docs)} documents, {total} tokens; {len(long)} of them at least --seq-len "
+        f"{seq_len} tokens long, holding {share:.1%} of the tokens"
+    )
+
+
 def pack(texts: list[str], tokenizer, seq_len: int) -> torch.Tensor:
     """Tokenize, join documents with EOS and cut into ``[N, seq_len]`` blocks (the tail dropped)."""
-    eos = tokenizer.eos_token_id
-    ids: list[int] = []
-    for text in texts:
-        ids.extend(tokenizer(text)["input_ids"])
-        ids.append(eos)
+    return _stream_blocks(tokenized(texts, tokenizer), seq_len)
+
+
+def _stream_blocks(docs: list[list[int]], seq_len: int) -> torch.Tensor:
+    ids = [i for doc in docs for i in doc]
     n = len(ids) // seq_len
     if n < 2:
         raise ValueError(
@@ -172,11 +192,11 @@ def pack_documents(texts: list[str], tokenizer, seq_len: int) -> dict[str, torch
     Returns ``input_ids``, ``position_ids`` (restarting at 0 on each document's first token, and
     on the padding) and ``attention_mask`` (0 on the padding), each ``[N, seq_len]``.
     """
-    eos = tokenizer.eos_token_id
-    docs: list[list[int]] = []
-    for text in texts:
-        ids = tokenizer(text)["input_ids"] + [eos]
-        docs.extend(ids[i : i + seq_len] for i in range(0, len(ids), seq_len))
+    return _document_rows(tokenized(texts, tokenizer), seq_len, tokenizer.eos_token_id)
+
+
+def _document_rows(whole: list[list[int]], seq_len: int, eos: int) -> dict[str, torch.Tensor]:
+    docs = [ids[i : i + seq_len] for ids in whole for i in range(0, len(ids), seq_len)]
     rows: list[list[list[int]]] = [[]]
     for doc in docs:
         if sum(map(len, rows[-1])) + len(doc) > seq_len:
@@ -199,7 +219,11 @@ def pack_documents(texts: list[str], tokenizer, seq_len: int) -> dict[str, torch
 
 def load_blocks(texts: list[str], tokenizer, seq_len: int, packing: str) -> dict[str, torch.Tensor]:
     """The packed data, ``[N, seq_len]`` each: ``input_ids``, and with ``packing="documents"``
-    ``position_ids`` restarting per document and ``attention_mask`` (0 on row-end padding)."""
+    ``position_ids`` restarting per document and ``attention_mask`` (0 on row-end padding).
+    Documents longer than ``seq_len`` become consecutive windows, never dropped; how much of
+    the data is that long goes to the log (``length_report``)."""
+    docs = tokenized(texts, tokenizer)
+    log.info(length_report(docs, seq_len))
     if packing == "documents":
-        return pack_documents(texts, tokenizer, seq_len)
-    return {"input_ids": pack(texts, tokenizer, seq_len)}
+        return _document_rows(docs, seq_len, tokenizer.eos_token_id)
+    return {"input_ids": _stream_blocks(docs, seq_len)}

@@ -14,10 +14,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "rec
 
 from _data import (  # noqa: E402
     documents,
+    length_report,
+    load_blocks,
     load_rows,
     load_texts,
     preference_rows,
     row_kind,
+    tokenized,
     train_tokenizer,
 )
 
@@ -108,3 +111,22 @@ def test_conversational_pairs_render_as_one_chat(tmp_path):
     source = jsonl(tmp_path / "conv.jsonl", [row])
     assert load_texts(source, "text") == ["user: Who is there?\nassistant: Nay."]
     assert preference_rows(load_rows(source), "text", source)[0] == row
+
+
+def test_long_documents_become_windows_and_the_log_says_how_much_is_long(caplog):
+    """A document longer than --seq-len is cut into consecutive windows (never dropped, both
+    packings); the log reports the documents at least --seq-len long and their share of tokens."""
+    tok = train_tokenizer(["a b c d e f g h i j"] * 4, 64)
+    texts = [" ".join(["a"] * 40), "b c", " ".join(["d"] * 20)]
+    total = sum(map(len, tokenized(texts, tok)))
+    assert length_report([[0] * 41, [0] * 3, [0] * 21], 16) == (
+        "data: 3 documents, 65 tokens; 2 of them at least --seq-len 16 tokens long, holding "
+        "95.4% of the tokens"
+    )
+    with caplog.at_level("INFO", logger="data"):
+        stream = load_blocks(texts, tok, 16, "stream")["input_ids"]
+        rows = load_blocks(texts, tok, 16, "documents")
+    assert "2 of them at least --seq-len 16" in caplog.text
+    assert stream.numel() == total // 16 * 16  # whole blocks of the stream, the tail dropped
+    assert int(rows["attention_mask"].sum()) == total  # every token of every window kept
+    assert max(map(len, tokenized(texts, tok))) > 16  # a document longer than --seq-len
