@@ -84,11 +84,9 @@ class TSPOnlineMixin:
 
     def _generate(self, prompts: list):
         """TRL's rollouts (generated, or a ``rollout_func``'s), checked to be the same on every
-        rank of the TSP group."""
+        rank of the TSP group: prompts and completions in one all-gather."""
         out = self._trl._generate(self, prompts)
-        group = self.tsp_mesh["tsp"].get_group()
-        check_same_ids(out[0], "prompt", group)
-        check_same_ids(out[1], "completion", group)
+        check_same_ids([*out[0], *out[1]], "rollout", self.tsp_mesh["tsp"].get_group())
         return out
 
     def _generate_single_turn(self, prompt_ids, *args, **kwargs):
