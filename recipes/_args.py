@@ -56,23 +56,7 @@ def add_shared_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--text-column", default="text")
     p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument(
-        "--rope-scaling",
-        type=rope_scaling,
-        default=None,
-        metavar="{" + ",".join(ROPE_SCALINGS) + "}",
-        help="extend the context by RoPE scaling (with --rope-factor or --max-position)",
-    )
-    p.add_argument(
-        "--rope-factor", type=float, default=None, help="new context / the model's (> 1)"
-    )
-    p.add_argument("--rope-theta", type=float, default=None, help="a larger RoPE base (ABF)")
-    p.add_argument(
-        "--max-position",
-        type=int,
-        default=None,
-        help="the extended context (default: factor x the model's max_position_embeddings)",
-    )
+    add_rope_args(p)
     p.add_argument(
         "--packing",
         choices=("stream", "documents"),
@@ -108,6 +92,28 @@ def add_shared_args(p: argparse.ArgumentParser) -> None:
         "--lora-targets",
         default=",".join(LORA_TARGETS),
         help="comma-separated projections that get an adapter",
+    )
+
+
+def add_rope_args(p: argparse.ArgumentParser) -> None:
+    """``--rope-scaling`` / ``--rope-factor`` / ``--rope-theta`` / ``--max-position``: the
+    context extension (``_model.extend_context``), in training and in evaluation."""
+    p.add_argument(
+        "--rope-scaling",
+        type=rope_scaling,
+        default=None,
+        metavar="{" + ",".join(ROPE_SCALINGS) + "}",
+        help="extend the context by RoPE scaling (with --rope-factor or --max-position)",
+    )
+    p.add_argument(
+        "--rope-factor", type=float, default=None, help="new context / the model's (> 1)"
+    )
+    p.add_argument("--rope-theta", type=float, default=None, help="a larger RoPE base (ABF)")
+    p.add_argument(
+        "--max-position",
+        type=int,
+        default=None,
+        help="the extended context (default: factor x the model's max_position_embeddings)",
     )
 
 
