@@ -40,12 +40,15 @@ def plot_passkey(runs: dict | list[dict], path: str) -> None:
     """Passkey accuracy by length (rows) and depth (columns), one heat map per run."""
     runs = [runs] if isinstance(runs, dict) else runs
     plt = _pyplot()
-    fig, axes = plt.subplots(1, len(runs), figsize=(3.2 * len(runs) + 0.8, 3.2), squeeze=False)
+    fig, axes = plt.subplots(
+        1, len(runs), figsize=(3.2 * len(runs) + 0.8, 3.2), squeeze=False, sharey=True
+    )
     for ax, run in zip(axes[0], runs):
         grid = run["passkey"]
         image = ax.imshow(grid["accuracy"], vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
         ax.set_xticks(range(len(grid["depths"])), [f"{d:g}" for d in grid["depths"]])
         ax.set_yticks(range(len(grid["lengths"])), [str(n) for n in grid["lengths"]])
+        ax.tick_params(labelleft=ax is axes[0][0])
         ax.set_xlabel("depth (%)")
         ax.set_title(run["label"], fontsize=9)
         for i, row in enumerate(grid["accuracy"]):

@@ -159,11 +159,19 @@ def run_item(item: dict, model, tokenizer, documents, passkeys) -> dict:
     return {**item, **result, "seconds": time.perf_counter() - start}
 
 
+def default_label(args, hf_config) -> str:
+    """The ``--model`` as given, and the RoPE change the evaluation makes, if any."""
+    rope = hf_config.rope_parameters
+    change = [f"{args.rope_scaling} x{rope['factor']:g}"] if args.rope_scaling else []
+    change += [f"theta {rope['rope_theta']:g}"] if args.rope_theta else []
+    return " + ".join([args.model_arg, *change])
+
+
 def summary(args, hf_config) -> dict:
     """The run's settings, as its JSON records them."""
     return {
-        "label": args.label or os.path.basename(os.path.normpath(args.model)),
-        "model": args.model,
+        "label": args.label or default_label(args, hf_config),
+        "model": args.model_arg,
         "rope_parameters": getattr(hf_config, "rope_parameters", None),
         "max_position_embeddings": hf_config.max_position_embeddings,
         "dtype": args.dtype,
@@ -253,6 +261,7 @@ def main(argv=None) -> None:
         cpu=not torch.cuda.is_available(),
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)],
     )
+    args.model_arg = args.model  # before a GGUF file becomes its converted directory
     resolve_model(args, acc)
     hf_config = model_config(args)
     check_positions(args, hf_config)
