@@ -350,3 +350,30 @@ def test_moe_tables_are_their_json_and_the_expert_bytes_are_e_over_d():
         assert crossover_table(c) in doc
         per_token = traffic(1, m["num_experts_per_tok"], E, F, h, c["D"])
         assert c["planned"] == per_token["ring"] / per_token["all_to_all"]
+
+
+def test_long_context_tables_are_their_json():
+    """docs/long_context.md's tables are ``long_context_report.py``'s of the SmolLM2 runs' JSON;
+    the fine-tune's numbers its text quotes are that run's."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "recipes"))
+    from long_context_report import passkey_table, ppl_table
+
+    report = json.loads((RESULTS / "long_context_smollm2.json").read_text())
+    runs, fine = report["runs"], report["fine_tune"]
+    lines = (ROOT / "docs" / "long_context.md").read_text().splitlines()
+    for line in ppl_table(runs) + passkey_table(runs):
+        assert line in lines, line
+    text = " ".join((ROOT / "docs" / "long_context.md").read_text().split())
+    losses = fine["fine_tuning"]
+    before, after = losses["eval_loss_before"], losses["eval_loss_after"]
+    assert f"from {before:.4f} before fine-tuning to {after:.4f} after" in text
+    speed = [r["tokens_per_s"] for r in fine["steps"]]
+    assert f"{len(speed)} steps" in text and f"{sum(speed) / len(speed):.0f} tokens/s" in text
+    assert f"{fine['memory']['peak_process_bytes'] / 2**30:.1f} GiB" in text
+    plain = json.loads((RESULTS / "long_context_plain_eval.json").read_text())["eval_loss"]
+    assert abs(plain - after) < 1e-4 * after and f"gives {plain:.4f} on the same blocks" in text
+    last = {r["label"]: r["ppl"]["buckets"][-1]["ppl"] for r in runs}["original"]
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert f"the original model's climbs to {last:.2f}" in readme
