@@ -15,22 +15,21 @@ def _pyplot():
 
 def plot_ppl(runs: list[dict], path: str) -> None:
     """Perplexity against position (each bucket's midpoint), one line per run, log scale; a
-    dotted vertical line at each run's max_position_embeddings."""
+    dotted vertical line at each run's max_position_embeddings that falls inside the buckets."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for run in runs:
         buckets = run["ppl"]["buckets"]
         mid = [(b["start"] + b["end"]) / 2 for b in buckets]
         (line,) = ax.plot(mid, [b["ppl"] for b in buckets], "o-", label=run["label"])
-        ax.axvline(run["max_position_embeddings"], color=line.get_color(), ls=":", alpha=0.6)
+        if run["max_position_embeddings"] < buckets[-1]["end"]:  # inside the plotted range
+            ax.axvline(run["max_position_embeddings"], color=line.get_color(), ls=":", alpha=0.6)
     ax.set_yscale("log")
     ax.set_xlabel("position (bucket midpoint)")
     ax.set_ylabel("perplexity")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
-    ax.set_title(
-        "perplexity by position (dotted: each model's max_position_embeddings)", fontsize=9
-    )
+    ax.set_title("perplexity by position (dotted: a model's max_position_embeddings)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
