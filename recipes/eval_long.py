@@ -128,8 +128,9 @@ def check_positions(args, hf_config) -> None:
     if longest <= limit or args.beyond_positions:
         return
     raise SystemExit(
-        f"--lengths {longest} is beyond {args.model}'s max_position_embeddings={limit}: positions "
-        "past it were never trained. Use lengths up to that, extend the RoPE for the evaluation "
+        f"--lengths {longest} is beyond {args.model_arg}'s max_position_embeddings={limit}: "
+        "positions past it were never trained. Use lengths up to that, extend the RoPE for the "
+        "evaluation "
         f"(--rope-scaling yarn --rope-factor {-(-longest // limit)}), or pass --beyond-positions "
         "to measure how the model does past them"
     )
