@@ -229,16 +229,22 @@ def print_tables(run: dict) -> None:
             log.info(f"  {n:>8}" + "".join(f"{a:>7.2f}" for a in row))
 
 
-def evaluate(args, mesh, model, tokenizer, texts: list[str]) -> list[dict]:
-    """Every item's result on every rank: replica r of R runs items r, r + R, ... and one
-    all-gather shares them."""
+def inputs(args, tokenizer, texts: list[str]) -> tuple[list[list[int]], Passkeys | None]:
+    """The perplexity documents and the passkey prompts' builder, checked before any model is
+    read: no document that long, or a length too short for a prompt, stops every rank alike."""
     documents = []
     if "ppl" in args.tasks:
         documents = long_documents(texts, tokenizer, args.lengths[-1], args.samples)
     passkeys = Passkeys(tokenizer, args.seed) if "passkey" in args.tasks else None
     if passkeys is not None:
-        for length in args.lengths:  # a length too short for the prompt stops every rank here
+        for length in args.lengths:
             passkeys.prompt(length, 0, passkeys.key(length, 0, 0))
+    return documents, passkeys
+
+
+def evaluate(args, mesh, model, tokenizer, documents, passkeys) -> list[dict]:
+    """Every item's result on every rank: replica r of R runs items r, r + R, ... and one
+    all-gather shares them."""
     items = work_items(args, documents, passkeys)
     replicas, replica = mesh["dp"].size(), mesh["dp"].get_local_rank()
     mine = [run_item(it, model, tokenizer, documents, passkeys) for it in items[replica::replicas]]
@@ -270,6 +276,7 @@ def main(argv=None) -> None:
     mesh = init_tsp_mesh(args.tsp_size, timeout=timeout)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
     texts = load_texts(args.dataset, args.text_column) if "ppl" in args.tasks else []
+    documents, passkeys = inputs(args, tokenizer, texts)
     model = load_pretrained(
         args.model, mesh, device=acc.device, hf_config=hf_config, dtype=DTYPES[args.dtype]
     ).eval()
@@ -277,7 +284,7 @@ def main(argv=None) -> None:
     if args.beyond_positions:  # its RoPE is built: the limit is only generate()'s check now
         limit = max(args.lengths[-1], hf_config.max_position_embeddings)
         model.config.max_position_embeddings = limit
-    run.update(measured(args, evaluate(args, mesh, model, tokenizer, texts)))
+    run.update(measured(args, evaluate(args, mesh, model, tokenizer, documents, passkeys)))
     if acc.is_main_process:
         os.makedirs(args.output_dir, exist_ok=True)
         with open(os.path.join(args.output_dir, "eval_long.json"), "w") as f:
