@@ -96,7 +96,10 @@ def errors_worker(rank, world):
         ),
         "logits_to_keep": error_message(lambda: model(**local, logits_to_keep=1)),
         "unknown_key": error_message(
-            lambda: shard_batch({**data, "pixel_values": data["labels"]}, mesh)
+            lambda: shard_batch({**data, "token_type_ids": data["labels"]}, mesh)
+        ),
+        "images_text_model": error_message(
+            lambda: shard_batch({**data, "pixel_values": data["labels"]}, mesh, model=model)
         ),
         "gather_none": error_message(lambda: gather_sequence(model(**local).logits, mesh)),
         "odd_length": error_message(lambda: ZigzagLayout(6, 2)),
@@ -134,7 +137,11 @@ def messages(workers):
         ("label_range", "labels must be in [0, 96) or -100"),
         ("id_range", "input_ids must be in [0, 96)"),
         ("logits_to_keep", "logits_to_keep is not supported"),
-        ("unknown_key", "does not know how to shard ['pixel_values']"),
+        ("unknown_key", "does not know how to shard ['token_type_ids']"),
+        (
+            "images_text_model",
+            "has ['pixel_values'], but LlamaForCausalLM is not a vision-language",
+        ),
         ("gather_none", "gather_sequence needs a local [B, S/D, ...] tensor, got NoneType"),
         ("odd_length", "shard the batch with tsp_ext.shard_batch"),
     ],

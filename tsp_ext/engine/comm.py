@@ -317,6 +317,13 @@ def bucketed_replicated(tensors: Sequence[torch.Tensor], group: ProcessGroup):
         _bucket = previous
 
 
+def replicated_together(tensors: Sequence[torch.Tensor], group: ProcessGroup) -> tuple:
+    """Views of replicated ``tensors`` made by one autograd node, whose backward sums all their
+    gradients over ``group`` by one all-reduce (per dtype) once every one is known (zeros for
+    a view left unused)."""
+    return _BucketedUse.apply(group, *tensors)
+
+
 def replicated(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Use a replicated tensor; its gradient is summed over ``group`` (dual: all-reduce), in a
     shared bucket when ``x`` is in the active ``bucketed_replicated`` block."""

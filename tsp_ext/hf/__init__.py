@@ -11,4 +11,6 @@
 - ``checkpointing``: decoder layers recomputed in backward, their inputs offloaded (``HostStore``)
 - ``batch``: ``shard_batch`` / ``gather_sequence``
 - ``cache``, ``inference``, ``generate``: the sharded KV cache, prefill / decode, ``generate``
+- ``vision_plan``, ``vision``: vision-language models: which rank encodes which images and where
+  their features go; the split encoder, the feature exchange and the VLM forward
 """

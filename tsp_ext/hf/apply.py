@@ -44,7 +44,7 @@ from .families import (
     gate_activation,
     supported_names,
 )
-from .generate import tsp_forward, tsp_generate
+from .generate import tsp_forward, tsp_generate, tsp_vision_forward
 from .lora import (
     attach_adapters,
     check_adapters_agree,
@@ -116,7 +116,7 @@ def apply_tsp(
     family = check_supported(model)
     mesh, group = _resolve_mesh(mesh, tsp_size or config.tsp_size)
     moe = any(family.is_moe(getattr(x, family.mlp)) for x in family.layers_of(model))
-    _check_split(model.config, dist.get_world_size(group), moe)
+    _check_split(model.config.get_text_config(), dist.get_world_size(group), moe)
     if adapter is not None:
         check_adapters_agree(peft_model, group)
     # 2. replace the decoder layers' parts, the embedding and the LM head by their shards; the
@@ -211,17 +211,16 @@ def _shard_vocabulary(model: nn.Module, f: Family, group, config: TSPConfig) -> 
 def _switch_behaviour(model: nn.Module, mesh, group, config: TSPConfig, family: Family) -> None:
     """No masks (causal by global position), no cache in training calls, the global-mean loss,
     the input check, TSP's forward and ``generate``; records ``model.tsp``."""
-    changed = {
-        "_attn_implementation": model.config._attn_implementation,
-        "use_cache": model.config.use_cache,
-    }
-    model.config._attn_implementation = ATTN_IMPLEMENTATION
-    model.config.use_cache = False  # training calls keep no cache; generate passes a TSPCache
+    text = model.config.get_text_config()  # the model's config, or a VLM's language model's
+    changed = {"_attn_implementation": text._attn_implementation, "use_cache": text.use_cache}
+    text._attn_implementation = ATTN_IMPLEMENTATION
+    text.use_cache = False  # training calls keep no cache; generate passes a TSPCache
     model.loss_function = TSPCausalLMLoss(group)
     D = dist.get_world_size(group)
     model.tsp = TSPState(mesh, group, replace(config, tsp_size=D), family, changed)
     model.tsp = replace(model.tsp, bucketed=replicated_vectors(model))
-    model.forward = types.MethodType(tsp_forward, model)
+    forward = tsp_forward if family.vision is None else tsp_vision_forward
+    model.forward = types.MethodType(forward, model)
     model.generate = types.MethodType(tsp_generate, model)
     model.register_forward_pre_hook(check_inputs, with_kwargs=True)
 
@@ -247,10 +246,10 @@ def check_supported(model: nn.Module) -> Family:
     """Raise ``ValueError`` naming the reason if ``model`` cannot be run under TSP; else return
     its family (``hf.families``)."""
     name = type(model).__name__
-    cfg = getattr(model, "config", None)
-    family = f = family_of(model)
-    if cfg is None:
+    if getattr(model, "config", None) is None:
         raise ValueError(f"{name} has no config: not a Hugging Face causal LM")
+    family = f = family_of(model)
+    cfg = model.config.get_text_config()  # a vision-language model's: its language model's
     for i, layer in enumerate(f.layers_of(model)):
         attn, mlp = getattr(layer, f.attention, None), getattr(layer, f.mlp, None)
         if attn is None or not f.has_projections(attn, f.attention_projections):

@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..engine.comm import gather_seq
 from ..engine.documents import HOW, breaks
 from ..engine.layout import IGNORE_INDEX, ZigzagLayout, pad_sequence, padded_length
 from ..mesh import tsp_submesh
+from .vision import BATCH_KEYS, shard_vision_batch
 
 _KNOWN_KEYS = {"input_ids", "labels", "attention_mask", "position_ids"}
 
 
 def shard_batch(
-    batch: dict[str, torch.Tensor], mesh: DeviceMesh, *, pad_token_id: int = 0
+    batch: dict[str, torch.Tensor],
+    mesh: DeviceMesh,
+    *,
+    pad_token_id: int = 0,
+    model: nn.Module | None = None,
 ) -> dict[str, torch.Tensor]:
     """This rank's TSP inputs for a full batch.
 
@@ -26,6 +32,10 @@ def shard_batch(
             inside each document and RoPE uses the position inside the document.
         mesh: the TSP mesh (``init_tsp_mesh``).
         pad_token_id: id placed in positions added to reach a multiple of 2·tsp_size.
+        model: the TSP vision-language model, for a batch with images or videos (the
+            processor's ``pixel_values``, ``image_grid_thw``, ``pixel_values_videos``,
+            ``video_grid_thw``, ``mm_token_type_ids``, ...): its vision split, feature exchange
+            and 3-D positions are read from it (``hf.vision``).
 
     Returns:
         ``input_ids`` and ``position_ids`` ``[B, S'/D]`` (global positions, or the given
@@ -33,9 +43,22 @@ def shard_batch(
         shifted *before* sharding, ``-100`` wherever the predicted token is padding or the first
         token of the next document — also passed as ``labels`` so that the model computes its
         loss. S' is S rounded up to a multiple of 2·D; the added tokens come last (continuing
-        the last document), so causal attention never lets a real token see them.
+        the last document), so causal attention never lets a real token see them. With
+        images: this rank's pixels and the keys ``hf.vision.vision_forward`` takes.
     """
-    unknown = set(batch) - _KNOWN_KEYS
+    vision = model is not None and model.tsp.family.vision is not None
+    multimodal = {k for k in batch if k in BATCH_KEYS and batch[k] is not None}
+    unknown = set(batch) - _KNOWN_KEYS - (set(BATCH_KEYS) if vision else set())
+    if multimodal and not vision:
+        if model is not None:
+            raise ValueError(
+                f"the batch has {sorted(multimodal)}, but {type(model).__name__} is not a "
+                "vision-language model"
+            )
+        raise ValueError(
+            f"the batch has {sorted(multimodal)}: pass the TSP vision-language model, "
+            "shard_batch(batch, mesh, model=model)"
+        )
     if unknown:
         raise ValueError(f"shard_batch does not know how to shard {sorted(unknown)}")
     sub = tsp_submesh(mesh)
@@ -56,6 +79,13 @@ def shard_batch(
     if shifted is not None:
         local = lay.shard(pad_sequence(shifted, D, IGNORE_INDEX), p)
         out.update(labels=local, shift_labels=local)
+    if multimodal:
+        if docs is not None:
+            raise ValueError(
+                "packed documents (position_ids) with images are not supported: pass one "
+                "sequence per row (right padding with its attention_mask)"
+            )
+        out.update(shard_vision_batch(model, batch, lay, p))
     return out
 
 

@@ -134,7 +134,7 @@ def vocab_sharded_forward(
             raise ValueError(NEEDS_SHIFT_LABELS)
         # the token count's all-reduce flies during the whole forward
         count = self.loss_function.token_count(shift_labels, num_items_in_batch)
-    outputs = self.model(
+    outputs = self.tsp.family.base_of(self)(
         input_ids=input_ids,
         position_ids=position_ids,
         inputs_embeds=inputs_embeds,
@@ -166,6 +166,34 @@ def vocab_sharded_forward(
     return out.to_tuple() if return_dict is False else out
 
 
+def replicated_head_forward(
+    self,
+    inputs_embeds: torch.Tensor,
+    position_ids: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    shift_labels: torch.Tensor | None = None,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    return_dict: bool | None = None,
+    return_logits: bool = True,
+    **kwargs,
+) -> CausalLMOutputWithPast:
+    """``forward`` of a TSP causal LM with a replicated LM head (``shard_vocab=False``) from the
+    local tokens' embeddings: logits ``[B, S/D, V]`` (always: ``return_logits`` is accepted for
+    the vocab-sharded forward's callers) and, with labels, the global loss."""
+    outputs = self.tsp.family.base_of(self)(
+        inputs_embeds=inputs_embeds, position_ids=position_ids, use_cache=False, **kwargs
+    )
+    logits = getattr(self, self.tsp.family.lm_head)(outputs.last_hidden_state)
+    loss = None
+    if labels is not None:
+        vocab = self.config.get_text_config().vocab_size
+        loss = self.loss_function(
+            logits, labels, vocab, num_items_in_batch, shift_labels=shift_labels
+        )
+    out = CausalLMOutputWithPast(loss=loss, logits=logits)
+    return out.to_tuple() if return_dict is False else out
+
+
 def check_inputs(model: nn.Module, args: tuple, kwargs: dict):
     """Forward pre-hook: reject inputs that would silently give wrong results under TSP (calls
     with a KV cache are checked by the inference path instead) and hand every layer's attention
@@ -190,7 +218,8 @@ def check_shards(
     which must be the same on every rank of the TSP group (compared by a checksum)."""
     state = model.tsp
     D, p = comm.size_and_rank(state.group)
-    error, facts = _local_error(args, kwargs, model.config.vocab_size, D, p)
+    vocab = model.config.get_text_config().vocab_size
+    error, facts = _local_error(args, kwargs, vocab, D, p)
     if full_batch is not None:
         facts = facts + [checksum(full_batch[k]) for k in sorted(full_batch)]
     table = agree(error, facts, state.group)

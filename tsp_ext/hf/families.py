@@ -27,6 +27,7 @@ from torch import nn
 
 # each expert's F, read from the config (``hf.moe`` imports it from here)
 from .model_types import expert_intermediate_size as expert_intermediate_size
+from .vision_plan import VisionSpec
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class Family:
 
     name: str
     classes: tuple[str, ...]  # the ``*ForCausalLM`` classes checked against TSP
-    base: str = "model"  # the decoder stack's module on the causal LM
+    base: str = "model"  # the decoder stack's module (its path) on the causal LM
     layers: str = "layers"
     embedding: str = "embed_tokens"
     final_norm: str = "norm"
@@ -62,6 +63,7 @@ class Family:
     experts: str = "experts"
     # routing weights: float32 (Mixtral), else cast to the router logits' dtype (Qwen)
     router_float32: bool = False
+    vision: VisionSpec | None = None  # a vision-language model's vision side (``hf.vision``)
 
     @property
     def layer_norms(self) -> tuple[str, ...]:
@@ -70,7 +72,7 @@ class Family:
         return tuple(n for n in names if n is not None)
 
     def base_of(self, model: nn.Module) -> nn.Module:
-        return getattr(model, self.base)
+        return model.get_submodule(self.base)
 
     def layers_of(self, model: nn.Module) -> nn.ModuleList:
         return getattr(self.base_of(model), self.layers)
@@ -152,7 +154,7 @@ class Family:
         n = len(self.layers_of(model))
         if not self.rope_per_layer_type:
             return [rotary(x, pos)] * n
-        types = model.config.layer_types[:n]
+        types = model.config.get_text_config().layer_types[:n]
         tables = {t: rotary(x, pos, t) for t in set(types)}
         return [tables[t] for t in types]
 
@@ -217,7 +219,30 @@ OLMO2 = Family(
 # Qwen2-MoE adds a shared expert)
 QWEN_MOE = Family("Qwen-MoE", ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"), moe=True)
 MIXTRAL = Family("Mixtral", ("MixtralForCausalLM",), moe=True, router_float32=True)
-FAMILIES = (LLAMA, GEMMA, GEMMA3, PHI3, OLMO2, QWEN_MOE, MIXTRAL)
+# vision-language models: a language model of the Llama layout (Qwen2 with q/k/v biases, Qwen3
+# with q/k norms, or any stock one) under ``model.language_model``, its 3-D M-RoPE table
+# computed by the Hugging Face module, and a vision side (``hf.vision``)
+QWEN25_VL = Family(
+    "Qwen2.5-VL",
+    ("Qwen2_5_VLForConditionalGeneration",),
+    base="model.language_model",
+    vision=VisionSpec(),
+)
+QWEN3_VL = Family(
+    "Qwen3-VL",
+    ("Qwen3VLForConditionalGeneration",),
+    base="model.language_model",
+    vision=VisionSpec(deepstack=True),
+)
+LLAVA = Family(
+    "LLaVA",
+    ("LlavaForConditionalGeneration",),
+    base="model.language_model",
+    vision=VisionSpec(
+        modules=("vision_tower", "multi_modal_projector"), grids=False, mrope=False, videos=False
+    ),
+)
+FAMILIES = (LLAMA, GEMMA, GEMMA3, PHI3, OLMO2, QWEN_MOE, MIXTRAL, QWEN25_VL, QWEN3_VL, LLAVA)
 
 
 def _part_rows(parts: tuple[str, ...], config) -> list[int]:
@@ -255,15 +280,28 @@ def supported_names() -> str:
     return ", ".join(c for f in FAMILIES for c in f.classes)
 
 
+def _submodule(model: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
+
+
 def family_of(model: nn.Module) -> Family:
     """The family of ``model`` (a Hugging Face causal LM, not a PEFT wrapper): its class's, else
     the first whose layout its modules follow; raises ``ValueError`` naming the layout expected."""
     name = type(model).__name__
-    candidates = [f for f in FAMILIES if name in f.classes] or list(FAMILIES)
-    for family in candidates:
-        base = getattr(model, family.base, None)
+    candidates = [f for f in FAMILIES if name in f.classes]
+    if not candidates and getattr(getattr(model, "config", None), "vision_config", None):
+        names = ", ".join(c for f in FAMILIES if f.vision for c in f.classes)
+        raise ValueError(
+            f"{name} is a vision-language model TSP does not support yet; supported: {names}"
+        )
+    for family in candidates or [f for f in FAMILIES if f.vision is None]:
+        base = _submodule(model, family.base)
         if hasattr(base, family.layers) and hasattr(model, family.lm_head):
             return family
+    candidates = candidates or list(FAMILIES)
     f = candidates[0]
     raise ValueError(
         f"{name} is not a Hugging Face decoder-only causal LM (expected .{f.base}.{f.layers} and "

@@ -20,6 +20,7 @@ from .inference import inference_forward
 from .log_probs import fused_lm_head_forward
 from .moe import collect_router_logits, with_aux_loss
 from .replicated import bucketed_grads
+from .vision import vision_forward
 
 # generate() options that need something a TSP cache does not do (crop, re-run, a second model)
 _UNSUPPORTED = {
@@ -57,6 +58,8 @@ def tsp_forward(
     if logits_to_keep:
         given["logits_to_keep"] = logits_to_keep
     train = vocab_sharded_forward if self.tsp.config.shard_vocab else type(self).forward
+    if self.tsp.family.vision is not None:
+        train = vision_forward
     fused = kwargs.pop("fused_lm_head", False)
     if (fused or kwargs.get("return_token_logps")) and not self.tsp.config.shard_vocab:
         raise ValueError(
@@ -64,6 +67,12 @@ def tsp_forward(
             "vocab-sharded LM head: TSPConfig(shard_vocab=True), the default"
         )
     if fused:
+        if self.tsp.family.vision is not None:
+            raise ValueError(
+                "TRL's per-token log-probabilities (fused_lm_head) of a vision-language model "
+                "are not supported under TSP; call the model on shard_batch's inputs with "
+                "return_token_logps=True"
+            )
         train = fused_lm_head_forward
     router = kwargs.pop("output_router_logits", None)
     if self.tsp.family.moe:  # the aux loss is added below, over the whole TSP group's tokens
@@ -71,6 +80,34 @@ def tsp_forward(
     with bucketed_grads(self), collect_router_logits() as logits:
         out = train(self, **given, **kwargs)
     return with_aux_loss(self, out, logits, router)
+
+
+def tsp_vision_forward(
+    self,
+    input_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cache: Cache | None = None,
+    pixel_values: torch.Tensor | None = None,
+    pixel_values_videos: torch.Tensor | None = None,
+    image_grid_thw: torch.Tensor | None = None,
+    video_grid_thw: torch.Tensor | None = None,
+    second_per_grid_ts: torch.Tensor | None = None,
+    mm_token_type_ids: torch.Tensor | None = None,
+    **kwargs,
+):
+    """``tsp_forward`` of a vision-language model, its multimodal inputs named (Hugging Face's
+    ``generate`` passes only the inputs ``forward`` names)."""
+    vision = dict(
+        pixel_values=pixel_values,
+        pixel_values_videos=pixel_values_videos,
+        image_grid_thw=image_grid_thw,
+        video_grid_thw=video_grid_thw,
+        second_per_grid_ts=second_per_grid_ts,
+        mm_token_type_ids=mm_token_type_ids,
+    )
+    given = {k: v for k, v in vision.items() if v is not None}
+    return tsp_forward(self, input_ids, attention_mask, position_ids, cache, **given, **kwargs)
 
 
 def _check_generation_options(generation_config, kwargs: dict) -> None:

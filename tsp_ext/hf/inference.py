@@ -24,6 +24,7 @@ from ..engine.agreement import agree, checksum
 from ..engine.decode import gather_vocab_logits
 from ..engine.layout import ZigzagLayout, pad_sequence, padded_length
 from .cache import TSPCache
+from .vision import BATCH_KEYS, merge_vision, shard_vision_batch
 from .vocab import TSPVocabEmbedding, TSPVocabLMHead
 
 # keyword arguments generate() passes that the inference forward accepts and ignores
@@ -42,13 +43,17 @@ def check_same_on_all_ranks(ids: torch.Tensor, mask: torch.Tensor | None, group)
         )
 
 
-def _layers(model, x, pos, run_attention, run_mlp):
-    """The decoder stack on ``x`` (each layer as its family runs one) and the final norm."""
+def _layers(model, x, pos, run_attention, run_mlp, deepstack: dict | None = None):
+    """The decoder stack on ``x`` (each layer as its family runs one) and the final norm;
+    ``deepstack``: Qwen3-VL's features added to the vision tokens after the first layers."""
     family = model.tsp.family
     ropes = family.position_embeddings(model, x, pos)
     for i, layer in enumerate(family.layers_of(model)):
         attention = lambda attn, h, i=i: run_attention(i, attn, h, ropes[i])  # noqa: E731
         x = family.layer_forward(layer, x, attention, run_mlp)
+        if deepstack and i < len(deepstack["deepstack_visual_embeds"]):
+            where = deepstack["visual_pos_masks"]
+            x[where] = x[where] + deepstack["deepstack_visual_embeds"][i]
     return getattr(family.base_of(model), family.final_norm)(x)
 
 
@@ -56,15 +61,21 @@ def _embedding(model) -> nn.Module:
     return getattr(model.tsp.family.base_of(model), model.tsp.family.embedding)
 
 
-def _prefill(model, ids, mask, pos, cache: TSPCache) -> torch.Tensor:
-    """Hidden state ``[B, 1, h]`` of the last prompt token, on every rank."""
+def _prefill(model, ids, mask, pos, cache: TSPCache, vision: dict) -> torch.Tensor:
+    """Hidden state ``[B, 1, h]`` of the last prompt token, on every rank; ``vision``: the
+    prompt's images / videos (the processor's keys), merged into their placeholders."""
     group = model.tsp.group
     D, p = comm.size_and_rank(group)
     B, S = ids.shape
     lay = ZigzagLayout(padded_length(S, D), D)
     emb = _embedding(model)
     x = emb(lay.shard(pad_sequence(ids, D, emb.padding_idx or 0), p))
-    pos = lay.shard(pad_sequence(pos.expand(B, -1), D, 0), p)
+    deepstack = None
+    if vision:
+        full = {"input_ids": ids, "attention_mask": mask, **vision}
+        local = shard_vision_batch(model, full, lay, p, positions=False)
+        x, deepstack = merge_vision(model, x, **local)
+    pos = lay.shard(pad_sequence(pos.expand(*pos.shape[:-2], B, -1), D, 0, dim=-1), p, dim=-1)
     key_valid = None
     if mask is not None and not mask.all():
         key_valid = pad_sequence(mask.bool(), D, False)
@@ -72,7 +83,7 @@ def _prefill(model, ids, mask, pos, cache: TSPCache) -> torch.Tensor:
     def attention(i, attn, h, rope):
         return attn.prefill(h, rope, cache.layers[i], S, key_valid)
 
-    x = _layers(model, x, pos, attention, lambda mlp, h: mlp(h))
+    x = _layers(model, x, pos, attention, lambda mlp, h: mlp(h), deepstack)
     # the last prompt token (global index S-1) lives on one rank: broadcast it
     owner, offset = next(
         (q, s.offset + S - 1 - s.start)
@@ -142,6 +153,9 @@ def inference_forward(
         ``CausalLMOutputWithPast`` with ``logits`` ``[B, 1, V]`` after a prefill (last prompt
         token only) or ``[B, T, V]`` after a decode step, and ``cache``.
     """
+    vision = {}
+    if model.tsp.family.vision is not None:
+        vision = {k: kwargs.pop(k) for k in BATCH_KEYS if kwargs.get(k) is not None}
     unknown = {k for k, v in kwargs.items() if v is not None and k not in _IGNORED}
     if input_ids is None or unknown or kwargs.get("output_attentions"):
         raise ValueError(
@@ -158,18 +172,23 @@ def inference_forward(
     group = model.tsp.group
     check_same_on_all_ranks(input_ids, attention_mask, group)
     past, (B, T) = cache.get_seq_length(), input_ids.shape
-    limit = model.config.max_position_embeddings
+    limit = model.config.get_text_config().max_position_embeddings
     if past + T > limit:
         raise ValueError(
             f"{past + T} tokens (prompt and generated) exceed max_position_embeddings={limit}"
         )
     if position_ids is None:
         position_ids = torch.arange(past, past + T, device=input_ids.device)[None]
+    # Qwen-VL's [4, B, T]: the text positions, then the three rows of its M-RoPE
+    text, rope = (
+        (position_ids[0], position_ids[1:]) if position_ids.dim() == 3 else (position_ids,) * 2
+    )
     with torch.no_grad():
         if past == 0:
-            _refuse_packed(position_ids.expand(B, -1), attention_mask)
-            h = _prefill(model, input_ids, attention_mask, position_ids, cache)
+            _refuse_packed(text.expand(B, -1), attention_mask)
+            h = _prefill(model, input_ids, attention_mask, rope, cache, vision)
         else:
-            h = _decode(model, input_ids, attention_mask, position_ids.expand(B, -1), cache)
+            rope = rope.expand(*rope.shape[:-2], B, -1)
+            h = _decode(model, input_ids, attention_mask, rope, cache)
         logits = _logits(model, h)
     return CausalLMOutputWithPast(logits=logits, cache=cache)
