@@ -15,9 +15,10 @@ from _model import model_config, resolve_model
 from accelerate import Accelerator
 
 
-def start(args, seq_len: int | None = None) -> tuple[Accelerator, bool]:
+def start(args, seq_len: int | None = None, text_model: bool = True) -> tuple[Accelerator, bool]:
     """Accelerate and the log (INFO on the main process) for a Trainer recipe, ``--model``
-    resolved, its ``--rope-*`` extension and context (``seq_len`` tokens, if given) checked, and
+    resolved, its ``--rope-*`` extension and context (``seq_len`` tokens, if given) checked
+    (``text_model``: a causal LM's flags; a vision recipe reads its model itself), and
     ``--tsp-size`` defaulted to every process and checked; returns the accelerator and whether
     this run created the process group (``finish``'s ``owns_group``)."""
     owns_group = not dist.is_initialized()
@@ -27,8 +28,9 @@ def start(args, seq_len: int | None = None) -> tuple[Accelerator, bool]:
         format="%(message)s",
         stream=sys.stdout,
     )
-    resolve_model(args, acc)
-    model_config(args, seq_len=seq_len)
+    if text_model:
+        resolve_model(args, acc)
+        model_config(args, seq_len=seq_len)
     args.tsp_size = args.tsp_size or acc.num_processes
     if acc.num_processes % args.tsp_size:
         raise SystemExit(f"--tsp-size {args.tsp_size} does not divide {acc.num_processes}")

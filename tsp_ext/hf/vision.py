@@ -189,12 +189,14 @@ class _Encoder(nn.Module):
 def encode(model: nn.Module, pixels: torch.Tensor, grids: torch.Tensor | None) -> torch.Tensor:
     """This rank's units encoded, ``[F_p, h · (1 + deepstack layers)]`` (one row per feature;
     deepstack features beside the merged ones), with the vision weights' gradients summed over
-    the TSP group in backward (one all-reduce; a rank without units joins it with zeros)."""
+    the TSP group in backward (one all-reduce; a rank without units joins it with zeros). Every
+    trainable vision weight gets a gradient, zero where unused (CLIP's last layer under LLaVA),
+    as a data-parallel engine expects of every rank."""
     spec, group = model.tsp.family.vision, model.tsp.group
     inner = model.get_submodule(spec.inner)
     trainable = {n: p for n, p in vision_parameters(model, spec).items() if p.requires_grad}
     views = {}
-    if trainable and torch.is_grad_enabled() and comm.size_and_rank(group)[0] > 1:
+    if trainable and torch.is_grad_enabled():
         views = dict(zip(trainable, comm.replicated_together(list(trainable.values()), group)))
     n_units = pixels.shape[0] if grids is None else grids.shape[0]
     if n_units == 0:

@@ -13,7 +13,8 @@ What changes against a plain ``Trainer``:
   block may give the TSP size); Accelerate's own DDP / DeepSpeed would average or partition across
   the TSP shards;
 - every rank of a TSP group reads the same batches (the sampler splits the data over dp, not over
-  the world), and ``shard_batch`` gives each rank its zigzag tokens in ``compute_loss``;
+  the world), and ``shard_batch`` gives each rank its zigzag tokens in ``compute_loss`` (and,
+  for a vision-language model, its images to encode: TRL's vision collator works as it is);
 - ``num_items_in_batch`` counts the targets the TSP loss averages over (``shifted_labels``), once
   per TSP group, summed over dp; the loss is scaled by dp, not the world size;
 - the gradient norm is ``tsp_ext.clip_grad_norm_`` (every shard once, replicas once), with
@@ -146,7 +147,7 @@ class TSPTrainerMixin:
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """Trainer's ``compute_loss`` on this rank's TSP inputs: the model returns the loss of
         the TSP group's whole batch."""
-        inputs = shard_batch(_model_inputs(inputs), self.tsp_mesh)
+        inputs = shard_batch(_model_inputs(inputs), self.tsp_mesh, model=self.model)
         return Trainer.compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
 
     # -- data parallelism and gradient norm ------------------------------------------------
