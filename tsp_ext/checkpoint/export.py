@@ -158,7 +158,8 @@ def save_pretrained(
     engine (any ZeRO stage): each tensor is gathered on its own and streamed to global rank 0,
     which writes it into its place in a file of at most ``max_shard_size`` (planned from the full
     shapes) and frees it: one full tensor in memory at a time. The result loads with plain
-    ``AutoModelForCausalLM.from_pretrained(path)`` in one process. It is written to a temporary
+    ``AutoModelForCausalLM.from_pretrained(path)`` (a vision-language model:
+    its own class's) in one process. It is written to a temporary
     directory beside ``path`` and renamed into place, so an interrupted save leaves any previous
     checkpoint at ``path`` intact; a failure is raised on every rank.
 
@@ -207,8 +208,9 @@ def save_pretrained(
 
 def _write_config(model: nn.Module, folder: str, tokenizer) -> None:
     config = copy.deepcopy(model.config)
+    text = config.get_text_config()  # where apply_tsp changed them (a VLM's language model)
     for key, value in model.tsp.hf_config_values.items():  # undo what apply_tsp changed
-        setattr(config, key, value)
+        setattr(text, key, value)
     config.save_pretrained(folder)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(folder)
