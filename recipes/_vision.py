@@ -18,6 +18,8 @@ import random
 import torch
 from PIL import Image, ImageDraw
 
+from tsp_ext import TSPConfig, init_tsp_mesh, load_pretrained
+
 COLOURS = {
     "red": (220, 40, 40),
     "green": (40, 180, 60),
@@ -141,9 +143,11 @@ def preset_model(name: str, processor, size: int, seed: int, dtype: torch.dtype)
     return LlavaForConditionalGeneration(cfg).to(dtype)
 
 
-def pretrained(path: str, dtype: torch.dtype):
-    """A Hugging Face vision-language checkpoint (directory or hub id) and its processor."""
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+def pretrained(path: str, tsp: TSPConfig, dtype: torch.dtype):
+    """A Hugging Face vision-language checkpoint (directory or hub id) as a TSP model, each rank
+    reading only its shards of the language model (``tsp_ext.load_pretrained``), and its
+    processor."""
+    from transformers import AutoProcessor
 
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
+    model = load_pretrained(path, init_tsp_mesh(tsp.tsp_size), tsp, dtype=dtype)
     return model, AutoProcessor.from_pretrained(path)

@@ -58,12 +58,13 @@ class TSPSFTTrainer(TSPTrainerMixin, SFTTrainer):
     pass
 
 
-def model_and_processor(args, texts: list[str], acc):
+def model_and_processor(args, texts: list[str], tsp: TSPConfig, acc):
     """The ``--model`` preset (its processor saved in ``<output-dir>/processor`` by the main
-    process) or checkpoint, with its processor."""
+    process; the trainer makes it a TSP model) or checkpoint (read shard-on-read as a TSP
+    model), with its processor."""
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     if args.model not in VLM_PRESETS:
-        return pretrained(args.model, dtype)
+        return pretrained(args.model, tsp, dtype)
     from transformers import AutoProcessor
 
     path = os.path.join(args.output_dir, "processor")
@@ -102,7 +103,8 @@ def main(argv=None) -> None:
     else:
         rows = load_image_rows(args.dataset)
     os.makedirs(args.output_dir, exist_ok=True)
-    model, processor = model_and_processor(args, [r["text"] for r in rows], acc)
+    tsp = TSPConfig(tsp_size=args.tsp_size)
+    model, processor = model_and_processor(args, [r["text"] for r in rows], tsp, acc)
     if args.freeze_vision:
         for name, p in model.named_parameters():
             if "visual" in name or "vision_tower" in name or "projector" in name:
@@ -137,7 +139,7 @@ def main(argv=None) -> None:
         eval_dataset=held_out,
         processing_class=processor,
         callbacks=[Metrics(os.path.join(args.output_dir, "metrics.jsonl"))],
-        tsp=TSPConfig(tsp_size=args.tsp_size),
+        tsp=tsp,
     )
     log.info(
         f"{args.model}: {len(train)} samples of {args.images_per_sample} images; "

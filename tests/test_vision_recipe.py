@@ -38,6 +38,14 @@ def test_trl_sft_of_a_vlm_under_tsp_equals_one_process_and_exports(workers, tmp)
     assert runs[2][-1]["loss"] < runs[2][0]["loss"]
     final = read(f"{tmp}/tsp2", "final_eval.json")[0]
     assert reloaded_eval_loss(final["checkpoint"]) == pytest.approx(final["eval_loss"], rel=1e-5)
+    # the export fine-tuned further, read shard-on-read with its processor
+    again = f"{tmp}/again"
+    done = run_on(
+        workers, *TINY, "--tsp-size", "2", "--model", final["checkpoint"], "--output-dir", again,
+        script=RECIPE,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert read(again, "metrics.jsonl")[1]["eval_loss"] < final["eval_loss"]
 
 
 def reloaded_eval_loss(path: str) -> float:
