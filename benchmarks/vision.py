@@ -197,7 +197,8 @@ def _baseline_worker(rank, world, name, sizes, steps):
     except Exception as e:  # the row reports it, and the model's code that raised it
         tb = traceback.extract_tb(e.__traceback__)
         frames = [f for f in tb if "/models/" in f.filename and not f.name.startswith("<")]
-        where = f"{Path(frames[-1].filename).name}: {frames[-1].name}" if frames else ""
+        f = frames[-1] if frames else None
+        where = f"{Path(f.filename).name}:{f.lineno} {f.name}" if f else ""
         return {"error": f"{type(e).__name__}: {e}".splitlines()[0], "where": where}
 
 
