@@ -15,5 +15,7 @@
 - ``grpo``: GRPO through TRL's ``GRPOTrainer`` (one process, DeepSpeed ZeRO-3) against
   ``TSPGRPOTrainer``: the longest completion under one per-rank budget, rollout throughput and
   step time (``python -m benchmarks.grpo``);
+- ``vision``: a tiny-width Qwen2.5-VL with a long video, one process against TSP and the
+  sequence-parallel baselines (``python -m benchmarks.vision``);
 - ``comm_counter``, ``report``, ``plots``: the pieces they share.
 """
