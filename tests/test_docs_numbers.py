@@ -377,3 +377,23 @@ def test_long_context_tables_are_their_json():
     last = {r["label"]: r["ppl"]["buckets"][-1]["ppl"] for r in runs}["original"]
     readme = " ".join((ROOT / "README.md").read_text().split())
     assert f"the original model's climbs to {last:.2f}" in readme
+
+
+def test_vision_table_is_its_json():
+    """docs/vision.md's benchmark table is ``benchmarks.vision``'s of its JSON, and the text
+    quotes its numbers."""
+    from benchmarks.vision import markdown_table
+
+    rows = json.loads((RESULTS / "vision_cpu.json").read_text())["rows"]
+    doc = (ROOT / "docs" / "vision.md").read_text()
+    lines = doc.splitlines()
+    for line in markdown_table(rows).splitlines():
+        assert line in lines, line
+    tsp = {r["D"]: r for r in rows if r["path"] in ("1 process", "tsp")}
+    saved = " → ".join(f"{tsp[d]['saved'] / 2**20:.1f}" for d in (1, 2, 4))
+    text = " ".join(doc.split())
+    assert f"({saved} MiB)" in text
+    share = tsp[1]["vision_saved"] / tsp[1]["saved"]
+    assert f"{share:.0%}".replace("%", " %") in text
+    assert f"D = 2 runs in {tsp[2]['vs_1_process']:.2f}x" in text
+    assert all(not r["ok"] for r in rows if r["path"] in ("ulysses", "ring"))
