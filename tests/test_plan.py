@@ -126,6 +126,14 @@ def test_bad_model_is_an_error(capsys, tmp_path):
     assert "neither a preset" in capsys.readouterr().err
 
 
+def test_vision_language_config_is_an_error(tmp_path):
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "qwen2_5_vl", "text_config": {}, "vision_config": {}})
+    )
+    with pytest.raises(ValueError, match="vision-language model's: the planner models causal"):
+        planner.load_model(str(tmp_path))
+
+
 def test_hf_config_file(tmp_path, capsys):
     cfg = {
         "model_type": "qwen2",
@@ -164,13 +172,14 @@ def test_hf_config_kwargs_inverts_from_hf_config():
 
 def test_model_types_name_each_family_of_hf_families():
     """``hf.model_types`` (the config facts the torch-free planner reads) gives each
-    ``model_type`` the ``hf.families`` family whose classes hold that type's causal LM."""
+    ``model_type`` the ``hf.families`` family whose classes hold that type's causal LM (the
+    planner models causal LMs: vision-language families are refused, below)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from tsp_ext.hf.families import FAMILIES
     from tsp_ext.hf.model_types import MODEL_TYPES
 
-    families = {f.name: f for f in FAMILIES}
+    families = {f.name: f for f in FAMILIES if f.vision is None}
     assert {t.family for t in MODEL_TYPES.values()} == set(families)
     for model_type, facts in MODEL_TYPES.items():
         assert MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type] in families[facts.family].classes

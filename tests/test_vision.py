@@ -283,3 +283,48 @@ def test_bad_input_raises_the_same_clear_error_on_every_rank(workers, world):
     assert "(mm_encoder_outputs) hold every image on every rank" in errs["encoder outputs"]
     assert "PaliGemmaForConditionalGeneration is a vision-language model" in errs["unsupported"]
     assert "Qwen2_5_VLForConditionalGeneration" in errs["unsupported"]
+
+
+def data_parallel_worker(rank, world):
+    """dp = 2 replicas of TSP = 2 on the same batch: FSDP2 (every gradient against the
+    unmodified model), ZeRO-2 (loss and gradient norm), ZeRO-3 (refused)."""
+    import tsp_ext.deepspeed as tds
+    from tsp_ext.fsdp import shard_model
+
+    data = vlm_batch("qwen2_5_vl")
+    ref_loss, _, ref_grads = reference(build_vlm("qwen2_5_vl"), data)
+    data32 = vlm_batch("qwen2_5_vl", torch.float32)
+    loss32, _, grads32 = reference(build_vlm("qwen2_5_vl", torch.float32), data32)
+    norm32 = torch.sqrt(sum((g.double() ** 2).sum() for g in grads32.values()))
+    mesh = init_tsp_mesh(2)
+    model = shard_model(apply_tsp(build_vlm("qwen2_5_vl"), mesh), mesh)
+    out = model(**shard_batch(data, mesh, model=model))
+    out.loss.backward()
+    grads = full_grads(model)
+    errs = {n: grad_error(n, grads[n], ref_grads) for n in ref_grads}
+    errs["fsdp2 loss"] = rel_err(out.loss.detach(), ref_loss)
+
+    def zero(stage: int, model):
+        config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage}}
+        config["tsp"] = {"size": 2}
+        return tds.initialize(model=model, config=config, optimizer=torch.optim.AdamW)[0]
+
+    engine = zero(2, build_vlm("qwen2_5_vl", torch.float32))
+    out = engine(**shard_batch(data32, mesh, model=engine.module))
+    engine.backward(out.loss)
+    engine.step()
+    errs["zero2 loss"] = rel_err(out.loss.detach(), loss32)
+    errs["zero2 norm"] = abs(float(engine.get_global_grad_norm()) / float(norm32) - 1)
+    engine.destroy()
+    refused = error_message(lambda: zero(3, build_vlm("qwen2_5_vl", torch.float32)))
+    return errs, refused
+
+
+def test_data_parallel_engines_with_a_vlm(workers):
+    for errs, refused in workers.run(data_parallel_worker, 4, timeout=400):
+        zero2 = {k: errs.pop(k) for k in ("zero2 loss", "zero2 norm")}
+        assert all(v < 1e-10 for v in errs.values()), errs
+        assert all(v < 1e-5 for v in zero2.values()), zero2  # float32
+        assert "ZeRO-3 with a vision-language model (Qwen2_5_VLForConditionalGeneration)" in (
+            refused
+        )

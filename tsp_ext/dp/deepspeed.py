@@ -30,6 +30,7 @@ from ..checkpoint.state import full_state_dict as tsp_full_state_dict
 from ..config import TSPConfig
 from ..engine.heads import AttentionSpec
 from ..hf.apply import apply_tsp
+from ..hf.lora import peft_base
 from ..hf.sharding import Role, param_roles
 from ..mesh import init_tsp_mesh
 
@@ -159,6 +160,20 @@ def _check_zero3_dtype(config: dict[str, Any], model: nn.Module) -> None:
         )
 
 
+def _check_zero3_vision(config: dict[str, Any], model: nn.Module) -> None:
+    """ZeRO-3 gathers each module's parameters as it runs; a vision-language model's tower runs
+    on each rank's own images with its weights' gradients summed over the TSP group
+    (``hf.vision.encode``), which needs them in place for the whole encoder call."""
+    stage = (config.get("zero_optimization") or {}).get("stage", 0)
+    base = peft_base(model) or model
+    if stage == 3 and base.tsp.family.vision is not None:
+        raise ValueError(
+            f"DeepSpeed ZeRO-3 with a vision-language model ({type(base).__name__}) is not "
+            "supported: use ZeRO stage 1 or 2, or FSDP2 over dp (data_parallel='fsdp2'), which "
+            "shards its weights too"
+        )
+
+
 def _check_optimizer_params(model: nn.Module, optimizer, model_parameters) -> None:
     """An optimizer (or parameter list) built before apply_tsp points at the freed full weights."""
     live = {id(p) for p in model.parameters()}
@@ -242,6 +257,7 @@ def initialize(
             )
     if mesh.mesh_dim_names != ("dp", "tsp"):
         raise ValueError(f"DeepSpeed needs a ('dp', 'tsp') mesh, got {mesh.mesh_dim_names}")
+    _check_zero3_vision(cfg, model)
     model_parameters = _check_optimizer_params(model, optimizer, model_parameters)
     if model_parameters is None and not isinstance(optimizer, torch.optim.Optimizer):
         model_parameters = list(model.parameters())

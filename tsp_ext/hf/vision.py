@@ -34,8 +34,6 @@ from .vision_plan import (
     pad_positions,
 )
 
-# what shard_vision_batch adds to the local batch and vision_forward consumes
-VISION_KEYS = ("pixel_values", "vision_grid_thw", "vision_order", "vision_counts", "vision_index")
 # the Hugging Face processor's multimodal keys that shard_batch takes
 BATCH_KEYS = (
     "pixel_values",
@@ -59,7 +57,7 @@ def _units(model: nn.Module, spec: VisionSpec, batch: dict, n_image: int) -> Uni
         grids = [batch.get("image_grid_thw"), batch.get("video_grid_thw")]
         merge = model.config.vision_config.spatial_merge_size
         return grid_units(grids, merge)
-    n = batch["pixel_values"].shape[0]
+    n = 0 if batch.get("pixel_values") is None else batch["pixel_values"].shape[0]
     vision = model.config.vision_config
     per_image = (vision.image_size // vision.patch_size) ** 2
     per_image += model.config.vision_feature_select_strategy == "full"  # the CLS token kept
@@ -83,23 +81,20 @@ def _check_counts(units: Units, batch: dict, n_tokens: list[int]) -> None:
                 f"{name} features that {key} and its grid make: every {name} needs its "
                 "placeholder tokens (use the model's processor)"
             )
-        pixels = batch.get(key)
         rows = sum(p for p, s in zip(units.patches, units.source) if s == kind)
-        if (
-            units.grid is not None
-            and (pixels is not None or rows)
-            and (pixels is None or pixels.shape[0] != rows)
-        ):
-            got = None if pixels is None else pixels.shape[0]
+        got = 0 if batch.get(key) is None else batch[key].shape[0]
+        if units.grid is not None and got != rows:
             raise ValueError(f"{key} has {got} patch rows, its grid {rows}")
 
 
 def shard_vision_batch(
     model: nn.Module, batch: dict, lay: ZigzagLayout, p: int, *, positions: bool = True
 ) -> dict[str, torch.Tensor]:
-    """This rank's vision inputs (``VISION_KEYS``, and with ``positions`` the M-RoPE rows
-    ``rope_position_ids [3, B, S'/D]``) of a full multimodal batch; raises ``ValueError`` (the
-    same on every rank) if its placeholder tokens and images disagree."""
+    """This rank's vision inputs of a full multimodal batch, what ``vision_forward`` takes: its
+    units' ``pixel_values`` (and their ``vision_grid_thw [U_p, 3]``), the exchange
+    (``vision_order``, ``vision_counts``, ``vision_index``: ``vision_plan.Exchange``) and, with
+    ``positions``, the M-RoPE rows ``rope_position_ids [3, B, S'/D]``; raises ``ValueError``
+    (the same on every rank) if its placeholder tokens and images disagree."""
     spec = model.tsp.family.vision
     cfg = model.config
     ids = batch["input_ids"]
@@ -109,8 +104,9 @@ def shard_vision_batch(
     units = _units(model, spec, batch, int(masks[0].sum()))
     _check_counts(units, batch, [int(m.sum()) for m in masks])
     D = lay.size
-    unit_rank = torch.tensor(deal(units.patches, D), dtype=torch.long)
-    encoder_rank = unit_rank.repeat_interleave(torch.tensor(units.features, dtype=torch.long))
+    unit_rank = torch.tensor(deal(units.patches, D), dtype=torch.long, device=ids.device)
+    features = torch.tensor(units.features, dtype=torch.long, device=ids.device)
+    encoder_rank = unit_rank.repeat_interleave(features)
     slots = torch.cat([_slots(pad_sequence(m, D, False), lay.seq_len) for m in masks])
     ex = exchange(slots, encoder_rank, lay, B, p)
     mine = [u for u, r in enumerate(unit_rank.tolist()) if r == p]
@@ -127,8 +123,8 @@ def shard_vision_batch(
         "vision_index": ex.index,
     }
     if units.grid is not None:
-        out["vision_grid_thw"] = torch.tensor([units.grid[u] for u in mine], dtype=torch.long)
-        out["vision_grid_thw"] = out["vision_grid_thw"].view(-1, 3)
+        grids = torch.tensor([units.grid[u] for u in mine], dtype=torch.long, device=ids.device)
+        out["vision_grid_thw"] = grids.view(-1, 3)
     if spec.mrope and positions:
         out["rope_position_ids"] = lay.shard(pad_positions(_rope_index(model, batch), D), p, dim=2)
     return out

@@ -108,8 +108,8 @@ def exchange(
     rows = torch.zeros_like(slots)
     for q in range(D):
         at = owner == q
-        rows[at] = torch.arange(int(at.sum()))
-    full = torch.full((B * S,), -1, dtype=torch.long)
+        rows[at] = torch.arange(int(at.sum()), device=slots.device)
+    full = torch.full((B * S,), -1, dtype=torch.long, device=slots.device)
     full[slots] = rows
     index = lay.shard(full.view(B, S), p)
     return Exchange(order, torch.stack([send, recv]), index)

@@ -51,6 +51,12 @@ class ModelShape:
         """From a Hugging Face ``config.json`` dict (Llama, Mistral, Qwen2, Qwen3 keys; Qwen3-MoE /
         Qwen2-MoE's ``num_experts`` and ``moe_intermediate_size``, Mixtral's
         ``num_local_experts``)."""
+        if "vision_config" in cfg:
+            raise ValueError(
+                f"config {name!r} is a vision-language model's: the planner models causal LMs "
+                "(its vision tower is not in the model; plan the language model with its "
+                "text_config as a config of its own)"
+            )
         required = ("hidden_size", "num_hidden_layers", "num_attention_heads")
         missing = [k for k in (*required, "intermediate_size", "vocab_size") if k not in cfg]
         if missing:
