@@ -12,7 +12,7 @@ import pytest
 import torch
 from checks import error_message, rel_err
 from models import lm_loss
-from vlm_models import VIDEO, VLMS, build_vlm, first_row, vlm_batch, vlm_prompt
+from vlm_models import VIDEO, VLMS, build_vlm, first_row, left_padded, vlm_batch, vlm_prompt
 
 from tsp_ext import TSPConfig, apply_tsp, full_grads, gather_sequence, init_tsp_mesh, shard_batch
 from tsp_ext.engine.layout import ZigzagLayout
@@ -22,16 +22,19 @@ from tsp_ext.memory import SavedTensorBytes
 
 pytestmark = pytest.mark.multiproc
 
-# (model, options, vision tower frozen): the default engine; layers checkpointed (Qwen3-VL's
-# deepstack features added between recomputed layers); a replicated LM head with the tower frozen
+# (model, options, vision tower frozen, config overrides): the default engine; layers
+# checkpointed (Qwen3-VL's deepstack features added between recomputed layers); a replicated LM
+# head with the tower frozen; LLaVA's features of two layers with CLIP's class token kept
+FULL = dict(vision_feature_layer=[-2, -1], vision_feature_select_strategy="full")
 CASES = [
-    ("qwen2_5_vl", TSPConfig(loss_chunk=5), False),
-    ("qwen3_vl", TSPConfig(checkpoint_layers=True), False),
-    ("llava", TSPConfig(shard_vocab=False), True),
+    ("qwen2_5_vl", TSPConfig(loss_chunk=5), False, {}),
+    ("qwen3_vl", TSPConfig(checkpoint_layers=True), False, {}),
+    ("llava", TSPConfig(shard_vocab=False), True, {}),
+    ("llava_full", TSPConfig(), False, FULL),
 ]
 # Hugging Face's Qwen3-VL RMSNorms (its q/k norms included) round to float32 even for float64
 # inputs, as Qwen3's do (test_apply_tsp): the two sides agree to float32 rounding there
-TOL = {"qwen2_5_vl": 1e-10, "qwen3_vl": 1e-6, "llava": 1e-10}
+TOL = {"qwen2_5_vl": 1e-10, "qwen3_vl": 1e-6, "llava": 1e-10, "llava_full": 1e-10}
 
 
 def frozen_tower(model) -> None:
@@ -59,12 +62,13 @@ def grad_error(name: str, got: torch.Tensor, ref: dict) -> float:
     return rel_err(got, ref[name])
 
 
-def parity_case(mesh, name: str, config: TSPConfig, freeze: bool) -> dict:
-    model = build_vlm(name)
+def parity_case(mesh, case: str, config: TSPConfig, freeze: bool, overrides: dict) -> dict:
+    name = case.removesuffix("_full")
+    model = build_vlm(name, **overrides)
     if freeze:
         frozen_tower(model)
     ref = copy.deepcopy(model)
-    data = vlm_batch(name)
+    data = vlm_batch(name, per_image=5 if overrides else 4)  # the class token: one more
     ref_loss, ref_logits, ref_grads = reference(ref, data)
     apply_tsp(model, mesh, config=config)
     out = model(**shard_batch(data, mesh, model=model), return_logits=True)
@@ -83,13 +87,14 @@ def parity_case(mesh, name: str, config: TSPConfig, freeze: bool) -> dict:
     return errs
 
 
-def generate_case(mesh, name: str) -> tuple[list[int], list[int]]:
+def generate_case(mesh, name: str) -> list[tuple[list, list]]:
+    """Greedy tokens of HF and of TSP for one prompt, and for two left-padded prompts."""
     model = build_vlm(name, seed=3)
-    prompt = vlm_prompt(name)
-    ref = model.generate(**prompt, max_new_tokens=6, do_sample=False)
+    prompts = (vlm_prompt(name), left_padded(vlm_batch(name)))
+    refs = [model.generate(**p, max_new_tokens=6, do_sample=False) for p in prompts]
     apply_tsp(model, mesh)
-    got = model.generate(**prompt, max_new_tokens=6, do_sample=False)
-    return ref.tolist(), got.tolist()
+    got = [model.generate(**p, max_new_tokens=6, do_sample=False) for p in prompts]
+    return [(r.tolist(), g.tolist()) for r, g in zip(refs, got)]
 
 
 def vision_worker(rank, world):
@@ -115,11 +120,12 @@ def test_logits_loss_and_every_gradient_match_hf(workers, world):
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_greedy_generate_with_an_image_prompt_is_token_for_token(workers, world):
+def test_greedy_generate_with_image_prompts_is_token_for_token(workers, world):
     for _, generated in results(workers, world):
-        for name, (ref, got) in generated.items():
-            assert got == ref, (name, world)
-            assert len(set(ref[0][-6:])) > 1, f"{name}: a degenerate reference {ref}"
+        for name, cases in generated.items():
+            for ref, got in cases:
+                assert got == ref, (name, world)
+            assert len(set(cases[0][0][0][-6:])) > 1, f"{name}: a degenerate reference"
 
 
 def test_units_are_dealt_in_order_by_patches():

@@ -71,7 +71,7 @@ def config(name: str):
     )
 
 
-def build_vlm(name: str, dtype: torch.dtype = torch.float64, seed: int = 0):
+def build_vlm(name: str, dtype: torch.dtype = torch.float64, seed: int = 0, **overrides):
     """The same randomly initialised model on every rank, in ``dtype``, with non-trivial norms
     and biases."""
     cls = {
@@ -81,6 +81,8 @@ def build_vlm(name: str, dtype: torch.dtype = torch.float64, seed: int = 0):
     }[name]
     torch.manual_seed(seed)
     cfg = config(name)
+    for key, value in overrides.items():  # e.g. LLaVA's vision_feature_layer / _select_strategy
+        setattr(cfg, key, value)
     for c in (cfg, cfg.text_config, cfg.vision_config):
         c._attn_implementation = "sdpa"
     model = cls(cfg).to(dtype)
@@ -99,7 +101,9 @@ def _row(parts: list, S: int) -> tuple[list[int], int]:
     return ids + [0] * (S - len(ids)), len(ids)
 
 
-def vlm_batch(name: str, dtype: torch.dtype = torch.float64, seed: int = 1, S: int = 64):
+def vlm_batch(
+    name: str, dtype: torch.dtype = torch.float64, seed: int = 1, S: int = 64, per_image: int = 4
+):
     """Two rows: row 0 text, an image, text, a video (2 temporal slices; Qwen-VL), text; row 1
     text, a second image, text, right-padded. Labels are the ids, -100 on vision tokens and
     padding (as a VLM collator makes them)."""
@@ -108,8 +112,8 @@ def vlm_batch(name: str, dtype: torch.dtype = torch.float64, seed: int = 1, S: i
     out = {}
     if name == "llava":
         rows = [
-            [text(5), (IMAGE, 4), text(9), (IMAGE, 4), text(6)],
-            [text(7), (IMAGE, 4), text(11)],
+            [text(5), (IMAGE, per_image), text(9), (IMAGE, per_image), text(6)],
+            [text(7), (IMAGE, per_image), text(11)],
         ]
         out["pixel_values"] = torch.randn(3, 3, 28, 28, generator=g, dtype=dtype)
     else:
@@ -151,3 +155,16 @@ def vlm_prompt(name: str, dtype: torch.dtype = torch.float64) -> dict:
     row.pop("labels")
     cut = {k: row.pop(k)[:, :n] for k in ("input_ids", "mm_token_type_ids") if k in row}
     return {**row, **cut, "attention_mask": torch.ones(1, n, dtype=torch.long)}
+
+
+def left_padded(batch: dict) -> dict:
+    """``vlm_batch`` as a generation prompt: no labels, each row's padding moved to its front
+    (as a tokenizer pads for generation)."""
+    out = {k: v for k, v in batch.items() if k != "labels"}
+    S = out["input_ids"].shape[1]
+    real = out["attention_mask"].sum(1).tolist()
+    order = torch.stack([torch.arange(S).roll(S - n) for n in real])
+    for key in ("input_ids", "attention_mask", "mm_token_type_ids"):
+        if key in out:
+            out[key] = out[key].gather(1, order)
+    return out
