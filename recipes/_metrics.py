@@ -61,3 +61,34 @@ class StepRows(TrainerCallback):
             with open(self.path, "a") as f:
                 f.write(json.dumps(self.row) + "\n")
             self.row = None
+
+
+class TrainerRows(StepRows):
+    """One ``metrics.jsonl`` row per step of a Trainer recipe, as ``finetune_long_llama.py``
+    writes them: loss, gradient norm, throughput (``tokens_per_step`` tokens a step; None: the
+    step's seconds instead), learning rate, peak memory, and the step's eval loss."""
+
+    def __init__(self, path: str, tokens_per_step: int | None = None) -> None:
+        super().__init__(path)
+        self.tokens_per_step = tokens_per_step
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs:
+            return
+        if "loss" in logs:
+            self.flush()
+            speed = (
+                {"tokens_per_s": self.tokens_per_step / self.step_s}
+                if self.tokens_per_step
+                else {"step_s": self.step_s}
+            )
+            self.row = {
+                "step": state.global_step,
+                "loss": logs["loss"],
+                "grad_norm": logs.get("grad_norm"),
+                **speed,
+                "lr": logs.get("learning_rate"),
+                "peak_mem_bytes": peak_memory_bytes(),
+            }
+        elif "eval_loss" in logs and self.row is not None:
+            self.row["eval_loss"] = logs["eval_loss"]

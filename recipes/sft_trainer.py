@@ -19,7 +19,7 @@ import torch
 from _args import DEEPSPEED_INSTEAD, add_data_parallel_arg, add_shared_args, trainer_settings
 from _data import documents, load_blocks, load_rows
 from _finish import finish, start
-from _metrics import StepRows, peak_memory_bytes
+from _metrics import TrainerRows
 from _model import build_tokenizer, lora_config, preset_model, pretrained_model
 from _presets import PRESETS
 from datasets import Dataset
@@ -50,30 +50,6 @@ class Collator:
         if "attention_mask" in batch:
             labels[batch["attention_mask"] == 0] = -100
         return {**batch, "labels": labels}
-
-
-class Metrics(StepRows):
-    """One ``metrics.jsonl`` row per step, as ``finetune_long_llama.py`` writes them."""
-
-    def __init__(self, path: str, tokens_per_step: int) -> None:
-        super().__init__(path)
-        self.tokens_per_step = tokens_per_step
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if not state.is_world_process_zero or not logs:
-            return
-        if "loss" in logs:
-            self.flush()
-            self.row = {
-                "step": state.global_step,
-                "loss": logs["loss"],
-                "grad_norm": logs.get("grad_norm"),
-                "tokens_per_s": self.tokens_per_step / self.step_s,
-                "lr": logs.get("learning_rate"),
-                "peak_mem_bytes": peak_memory_bytes(),
-            }
-        elif "eval_loss" in logs and self.row is not None:
-            self.row["eval_loss"] = logs["eval_loss"]
 
 
 def trainer_class(kind: str):
@@ -140,7 +116,7 @@ def main(argv=None) -> None:
         eval_dataset=held_out,
         data_collator=Collator(),
         processing_class=tokenizer,
-        callbacks=[Metrics(os.path.join(args.output_dir, "metrics.jsonl"), tokens)],
+        callbacks=[TrainerRows(os.path.join(args.output_dir, "metrics.jsonl"), tokens)],
         tsp=config,
         data_parallel=args.data_parallel,
         peft_config=peft_config,

@@ -21,8 +21,9 @@ import logging
 import os
 
 import torch
+from _args import trainer_settings
 from _finish import finish, start
-from _metrics import StepRows, peak_memory_bytes
+from _metrics import TrainerRows
 from _vision import VLM_PRESETS, load_image_rows, preset_model, preset_processor, pretrained, shapes
 from datasets import Dataset
 from trl import SFTConfig, SFTTrainer
@@ -47,6 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gradient-accumulation-steps", type=int, default=1)
     p.add_argument("--max-steps", type=int, default=40)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup-steps", type=int, default=2)
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--eval-every", type=int, default=20)
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--seed", type=int, default=0)
@@ -75,25 +78,6 @@ def model_and_processor(args, texts: list[str], tsp: TSPConfig, acc):
     return preset_model(args.model, processor, args.image_size, args.seed, dtype), processor
 
 
-class Metrics(StepRows):
-    """One ``metrics.jsonl`` row per step: loss, eval loss, tokens/s and peak memory."""
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if not state.is_world_process_zero or not logs:
-            return
-        if "loss" in logs:
-            self.flush()
-            self.row = {
-                "step": state.global_step,
-                "loss": logs["loss"],
-                "grad_norm": logs.get("grad_norm"),
-                "step_s": self.step_s,
-                "peak_mem_bytes": peak_memory_bytes(),
-            }
-        elif "eval_loss" in logs and self.row is not None:
-            self.row["eval_loss"] = logs["eval_loss"]
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
     acc, owns_group = start(args, text_model=False)
@@ -113,22 +97,9 @@ def main(argv=None) -> None:
     train = Dataset.from_dict({k: v[: -args.eval_samples] for k, v in data.items()})
     held_out = Dataset.from_dict({k: v[-args.eval_samples :] for k, v in data.items()})
     config = SFTConfig(
-        output_dir=args.output_dir,
-        per_device_train_batch_size=args.micro_batch_size,
-        per_device_eval_batch_size=1,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        max_steps=args.max_steps,
-        learning_rate=args.lr,
+        **trainer_settings(args),
         lr_scheduler_type="cosine",
-        warmup_steps=2,
-        logging_steps=1,
-        eval_strategy="steps",
-        eval_steps=args.eval_every,
         save_strategy="no",
-        bf16=args.bf16,
-        use_cpu=not torch.cuda.is_available(),
-        seed=args.seed,
-        report_to=[],
         max_length=None,  # never cut a sample's image tokens
         remove_unused_columns=False,
     )
@@ -138,7 +109,7 @@ def main(argv=None) -> None:
         train_dataset=train,
         eval_dataset=held_out,
         processing_class=processor,
-        callbacks=[Metrics(os.path.join(args.output_dir, "metrics.jsonl"))],
+        callbacks=[TrainerRows(os.path.join(args.output_dir, "metrics.jsonl"))],
         tsp=tsp,
     )
     log.info(
