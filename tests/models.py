@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 from transformers import (
     Gemma3ForCausalLM,
-    GptOssConfig,
-    GptOssForCausalLM,
     Gemma3TextConfig,
     GemmaConfig,
     GemmaForCausalLM,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
