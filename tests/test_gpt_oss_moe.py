@@ -28,11 +28,12 @@ FAMILY = dataclasses.replace(QWEN_MOE, router="router")  # GptOssMLP's router an
 H, F, K, LIMIT = 32, 16, 4, 7.0
 SHAPES = {1: (2, 12), 2: (2, 12), 3: (2, 12), 4: (3, 8)}  # (B, S): 24 tokens, S a multiple of 2D
 EXPERTS = {1: (8,), 2: (8,), 3: (8,), 4: (8, 6)}  # 8 on 3 ranks: 3, 3, 2; 6 on 4: 2, 2, 1, 1
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 SCALE = {"experts.gate_up_proj": 0.7, "router.weight": 0.3}  # else 0.5: some |gate|, |up| > 7
 
 
-def hf_block(n_experts: int) -> GptOssMLP:
-    """``GptOssMLP`` in float64 with random weights and biases, the same on every rank, scaled
+def hf_block(n_experts: int, dtype: torch.dtype) -> GptOssMLP:
+    """``GptOssMLP`` in ``dtype`` with random weights and biases, the same on every rank, scaled
     so that some gate and up values pass the clamp limit."""
     cfg = GptOssConfig(
         hidden_size=H,
@@ -43,7 +44,7 @@ def hf_block(n_experts: int) -> GptOssMLP:
     )
     cfg._experts_implementation = "eager"
     torch.manual_seed(n_experts)
-    block = GptOssMLP(cfg).double()
+    block = GptOssMLP(cfg).to(dtype)
     with torch.no_grad():
         for name, p in block.named_parameters():
             p.normal_(0, SCALE.get(name, 0.5))
@@ -59,15 +60,15 @@ def clamped(block: GptOssMLP, x: torch.Tensor) -> tuple[int, int]:
     return int((hid[..., ::2] > LIMIT).sum()), int((hid[..., 1::2].abs() > LIMIT).sum())
 
 
-def block_case(rank: int, world: int, n_experts: int, schedule: str) -> dict:
+def block_case(rank: int, world: int, n_experts: int, schedule: str, dtype: torch.dtype) -> dict:
     """Errors of the TSP block on this rank's zigzag shard against ``GptOssMLP`` on the whole
     batch: output, every gradient (this rank's experts' slices), decode; and the clamp counts."""
     B, S = SHAPES[world]
-    ref = hf_block(n_experts)
+    ref = hf_block(n_experts, dtype)
     block = copy.deepcopy(ref)
     torch.manual_seed(100)
-    x = torch.randn(B, S, H, dtype=torch.float64)
-    dy = torch.randn(B, S, H, dtype=torch.float64)
+    x = torch.randn(B, S, H, dtype=dtype)
+    dy = torch.randn(B, S, H, dtype=dtype)
     xr = x.clone().requires_grad_()
     y_ref, _ = ref(xr)
     y_ref.backward(dy)
@@ -93,8 +94,15 @@ def block_case(rank: int, world: int, n_experts: int, schedule: str) -> dict:
     return {"errs": errs, "clamped": clamped(ref, x), "experts": tsp.experts.down_proj.shape[0]}
 
 
+def cases(world: int) -> list[tuple[int, str, torch.dtype]]:
+    """``(E, schedule, dtype)`` of each case at D = world: float64 for every E and schedule, and
+    at D = 2 float32 (the grouped GEMMs, ``torch._grouped_mm`` on CPU) on both schedules."""
+    out = [(E, s, torch.float64) for E in EXPERTS[world] for s in SCHEDULES]
+    return out + [(8, s, torch.float32) for s in SCHEDULES if world == 2]
+
+
 def worker(rank: int, world: int) -> dict:
-    return {(E, s): block_case(rank, world, E, s) for E in EXPERTS[world] for s in SCHEDULES}
+    return {case: block_case(rank, world, *case) for case in cases(world)}
 
 
 @functools.cache
@@ -105,10 +113,10 @@ def results(workers, world: int) -> list[dict]:
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_gpt_oss_block_output_grads_and_decode_match_hf(workers, world):
     for rank, run in enumerate(results(workers, world)):
-        assert set(run) == {(E, s) for E in EXPERTS[world] for s in SCHEDULES}
-        for (E, schedule), case in run.items():
-            bad = {k: v for k, v in case["errs"].items() if not v < 1e-10}
-            assert not bad, f"D={world} rank={rank} E={E} {schedule}: {bad}"
+        assert list(run) == cases(world)
+        for (E, schedule, dtype), case in run.items():
+            bad = {k: v for k, v in case["errs"].items() if not v < TOL[dtype]}
+            assert not bad, f"D={world} rank={rank} E={E} {schedule} {dtype}: {bad}"
             gates, ups = case["clamped"]
             assert gates > 0 and ups > 0, (E, gates, ups)  # the clamps' gradients are exercised
             mine = split_range(E, world, rank)
