@@ -20,7 +20,7 @@ from tsp_ext import TSPConfig, ZigzagLayout
 from tsp_ext.engine.moe_traffic import SCHEDULES
 from tsp_ext.engine.partition import split_range
 from tsp_ext.hf.families import QWEN_MOE
-from tsp_ext.hf.moe import TSPSparseMoe
+from tsp_ext.hf.moe import TSPSparseMoe, check_moe_block
 
 pytestmark = pytest.mark.multiproc
 
@@ -121,3 +121,15 @@ def test_gpt_oss_block_output_grads_and_decode_match_hf(workers, world):
             assert gates > 0 and ups > 0, (E, gates, ups)  # the clamps' gradients are exercised
             mine = split_range(E, world, rank)
             assert case["experts"] == mine.stop - mine.start
+
+
+def test_check_moe_block_takes_gpt_oss_biases_of_the_config_shapes():
+    block = hf_block(8, torch.float64)
+    check_moe_block("GptOssForCausalLM", 1, block, FAMILY)
+    wrong = copy.deepcopy(block)
+    wrong.experts.down_proj_bias = torch.nn.Parameter(torch.zeros(8, H + 1))
+    with pytest.raises(ValueError, match=r"down_proj_bias is \(8, 33\), the config says \(8, 32\)"):
+        check_moe_block("GptOssForCausalLM", 1, wrong, FAMILY)
+    block.router.bias = torch.nn.Parameter(torch.zeros(7))
+    with pytest.raises(ValueError, match=r"router's bias is \(7,\); TSP takes a router bias \[8\]"):
+        check_moe_block("GptOssForCausalLM", 1, block, FAMILY)

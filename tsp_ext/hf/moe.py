@@ -301,6 +301,13 @@ def check_moe_block(name: str, i: int, block: nn.Module, family: Family) -> None
             f"{name} layer {i}: the router {type(router).__name__} is not a top-k router with a "
             f"weight [{E}, {h}]; TSP runs the top-k softmax routers of {supported}"
         )
+    bias = _bias(router)
+    if bias is not None and (not gpt_oss or tuple(bias.shape) != (E,)):
+        have = tuple(bias.shape)
+        raise ValueError(
+            f"{name} layer {i}: the router's bias is {have}; TSP takes a router bias [{E}] only "
+            "with gpt-oss's experts"
+        )
     if not 1 <= router.top_k <= E:
         raise ValueError(
             f"{name} layer {i}: num_experts_per_tok={router.top_k} must be between 1 and the "
