@@ -173,6 +173,7 @@ class Family:
             (self.mlp, self.mlp_norm, self.mlp_post_norm, mlp),
         ):
             out = call(getattr(layer, module), x if pre is None else getattr(layer, pre)(x))
+            out = out[0] if isinstance(out, tuple) else out  # gpt-oss's MLP: (out, scores)
             x = x + (out if post is None else getattr(layer, post)(out))
         return x
 

@@ -145,9 +145,12 @@ class TSPSparseMoe(nn.Module):
         top_k_first: bool = False,
         shared_expert: TSPGatedMLP | None = None,
         shared_expert_gate: nn.Module | None = None,
+        router_name: str = "gate",
     ) -> None:
         super().__init__()
-        self.gate, self.experts, self.group = gate, experts, group
+        self.router_name = router_name  # the router keeps its Hugging Face name (gpt-oss: router)
+        self.add_module(router_name, gate)
+        self.experts, self.group = experts, group
         self.top_k, self.normalize, self.float32_weights = top_k, normalize, float32_weights
         self.top_k_first = top_k_first
         self.shared_expert, self.shared_expert_gate = shared_expert, shared_expert_gate
@@ -176,7 +179,13 @@ class TSPSparseMoe(nn.Module):
             top_k_first=gpt_oss,
             shared_expert=shared,
             shared_expert_gate=getattr(block, "shared_expert_gate", None),
+            router_name=family.router,
         )
+
+    @property
+    def gate(self) -> nn.Module:
+        """The router (Hugging Face's module, under its Hugging Face name)."""
+        return getattr(self, self.router_name)
 
     def routers(self) -> list[nn.Parameter]:
         """The replicated weights that pick and weigh experts: the router's (and gpt-oss's
@@ -208,7 +217,8 @@ class TSPSparseMoe(nn.Module):
         y = self.experts(x, index, weight)
         if self.shared_expert is not None:
             y = y + self._shared_gate(x) * self.shared_expert(x)
-        return y
+        # gpt-oss's decoder layer unpacks (output, router scores), as its MLP returns them
+        return (y, None) if self.top_k_first else y
 
     def _shared_gate(self, x: torch.Tensor) -> torch.Tensor:
         """Qwen2-MoE's ``sigmoid(x · w)`` ``[B, S/D, 1]`` (``w [1, h]`` replicated; x kept as
