@@ -22,14 +22,15 @@ TOL = 1e-10
 WINDOW = 6
 CASES = ((2, 29), (1, 38))  # (batch, sequence length): longer than the window, odd lengths
 DECODE_STEPS = 3
+PACKED = ((19, 29), (30, 5, 13))  # two rows' documents (48 tokens: no padding at D <= 4, D = 3)
 
 
-def make_config(world: int) -> GptOssConfig:
-    heads = (6, 3) if world == 3 else (4, 2)  # query / KV heads: split by every D
+def make_config() -> GptOssConfig:
+    """4 query / 2 KV heads: at D = 3 groups of 2, 1, 1 query heads, KV head 1 shared by two."""
     return GptOssConfig(
         hidden_size=64,
-        num_attention_heads=heads[0],
-        num_key_value_heads=heads[1],
+        num_attention_heads=4,
+        num_key_value_heads=2,
         head_dim=16,
         sliding_window=WINDOW,
         num_hidden_layers=2,  # layer 0 sliding, layer 1 full
@@ -41,11 +42,16 @@ def make_config(world: int) -> GptOssConfig:
     )
 
 
-def hf_mask(S: int, window: int | None) -> torch.Tensor:
-    """The additive ``[1, 1, S, S]`` mask of causal (windowed) attention."""
+def hf_mask(pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """The additive ``[B, 1, S, S]`` mask of causal (windowed) attention within the documents of
+    the per-document positions ``pos [B, S]``."""
+    S = pos.shape[1]
     i, j = torch.arange(S)[:, None], torch.arange(S)
-    hidden = (j > i) | ((j <= i - window) if window else False)
-    return torch.zeros(S, S, dtype=torch.float64).masked_fill(hidden, -torch.inf)[None, None]
+    doc = (pos == 0).cumsum(-1)
+    hidden = (j > i) | (doc[:, :, None] != doc[:, None, :])
+    if window is not None:
+        hidden = hidden | (j <= i - window)
+    return torch.zeros(hidden.shape, dtype=torch.float64).masked_fill(hidden, -torch.inf)[:, None]
 
 
 def hf_layer(cfg: GptOssConfig, layer: int) -> GptOssAttention:
@@ -63,20 +69,29 @@ def tsp_rope(rope: GptOssRotaryEmbedding, x: torch.Tensor, pos: torch.Tensor):
     return tuple(torch.cat([t, t], dim=-1) for t in rope(x, pos))
 
 
-def _training_case(rank, world, layer, B, S) -> dict:
-    cfg = make_config(world)
+def doc_positions(docs: tuple[tuple[int, ...], ...]) -> torch.Tensor:
+    """Per-document positions ``[B, S]`` of rows packed with documents of lengths ``docs[b]``."""
+    return torch.stack([torch.cat([torch.arange(n) for n in row]) for row in docs])
+
+
+def _training_case(rank, world, layer, B, S, docs=None) -> dict:
+    """One causal stream of S tokens, or (``docs``: each row's document lengths) packed rows."""
+    cfg = make_config()
     attn, rope = hf_layer(cfg, layer), GptOssRotaryEmbedding(cfg)
     torch.manual_seed(100 + S)
     x = torch.randn(B, S, cfg.hidden_size, dtype=torch.float64)
     dy = torch.randn_like(x)
-    cos, sin = rope(x, torch.arange(S)[None].expand(B, S))
+    full_pos = torch.arange(S).expand(B, S) if docs is None else doc_positions(docs)
     xr = x.clone().requires_grad_()
-    yr, _ = attn(xr, (cos, sin), hf_mask(S, attn.sliding_window))
+    yr, _ = attn(xr, rope(x, full_pos), hf_mask(full_pos, attn.sliding_window))
     (yr * dy).sum().backward()
 
     lay = ZigzagLayout(padded_length(S, world), world)
     pos = lay.positions(rank)
     real = pos < S
+    kw = {}
+    if docs is not None:  # S a multiple of 2D: no padding
+        pos = kw["position_ids"] = lay.shard(full_pos, rank)
     t_attn = TSPAttention.from_hf(attn, dist.group.WORLD, TSPConfig(attn_block=4))
     assert t_attn.spec.window == attn.sliding_window and t_attn.sinks is not None
 
@@ -84,7 +99,7 @@ def _training_case(rank, world, layer, B, S) -> dict:
         return lay.shard(pad_sequence(t, world, 0.0), rank)[:, real]
 
     xl = lay.shard(pad_sequence(x, world, 0.0), rank).requires_grad_()
-    yl, _ = t_attn(xl, position_embeddings=tsp_rope(rope, x, pos[None].expand(B, -1)))
+    yl, _ = t_attn(xl, position_embeddings=tsp_rope(rope, x, pos.expand(B, -1)), **kw)
     (yl * lay.shard(pad_sequence(dy, world, 0.0), rank)).sum().backward()
     errs = {
         "out": rel_err(yl[:, real], local(yr.detach())),
@@ -99,15 +114,14 @@ def _training_case(rank, world, layer, B, S) -> dict:
 def _inference_case(rank, world, layer, B, S) -> dict:
     """Prefill of S tokens, then ``DECODE_STEPS`` single tokens, against the HF module on all
     S + steps tokens (causal: each position's output is the same either way)."""
-    cfg = make_config(world)
+    cfg = make_config()
     attn, rope = hf_layer(cfg, layer), GptOssRotaryEmbedding(cfg)
     L = S + DECODE_STEPS
     torch.manual_seed(200 + S)
     x = torch.randn(B, L, cfg.hidden_size, dtype=torch.float64)
     with torch.no_grad():
-        ref, _ = attn(
-            x, rope(x, torch.arange(L)[None].expand(B, L)), hf_mask(L, attn.sliding_window)
-        )
+        full_pos = torch.arange(L).expand(B, L)
+        ref, _ = attn(x, rope(x, full_pos), hf_mask(full_pos, attn.sliding_window))
     t_attn = TSPAttention.from_hf(attn, dist.group.WORLD, TSPConfig(attn_block=4))
     c = t_attn.spec.kv_replicas
     cache = TSPCacheLayer(c, rank % c, t_attn.spec.window)
@@ -132,6 +146,7 @@ def sinks_worker(rank, world):
         for B, S in CASES:
             out[("train", layer, S)] = _training_case(rank, world, layer, B, S)
             out[("infer", layer, S)] = _inference_case(rank, world, layer, B, S)
+        out[("packed", layer, 48)] = _training_case(rank, world, layer, 2, 48, PACKED)
     return out
 
 
@@ -146,5 +161,5 @@ def test_sinks_match_hf(workers, world):
         for case, errs in per_case.items():
             bad = {k: v for k, v in errs.items() if not v < TOL}
             assert not bad, f"D={world} rank={rank} {case}: {bad}"
-            if case[0] == "train":  # out, dx and the grads of 4 weights, 4 biases, the sinks
+            if case[0] != "infer":  # out, dx and the grads of 4 weights, 4 biases, the sinks
                 assert {"sinks", "o_proj.bias", "q_proj.bias"} <= errs.keys() and len(errs) == 11
