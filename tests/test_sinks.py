@@ -14,9 +14,10 @@ from transformers import GptOssConfig
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention, GptOssRotaryEmbedding
 
 from tsp_ext import TSPAttention, TSPConfig, ZigzagLayout, pad_sequence, padded_length
+from tsp_ext.engine.attention_backends import BACKENDS, available_backends
+from tsp_ext.engine.chunked_attention import chunked_attention_backward, chunked_attention_forward
+from tsp_ext.engine.lse import add_sink, sink_grad
 from tsp_ext.hf.cache import TSPCacheLayer
-
-pytestmark = pytest.mark.multiproc
 
 TOL = 1e-10
 WINDOW = 6
@@ -155,6 +156,7 @@ def results(workers, world):
     return workers.run(sinks_worker, world)
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_sinks_match_hf(workers, world):
     for rank, per_case in enumerate(results(workers, world)):
@@ -163,3 +165,56 @@ def test_sinks_match_hf(workers, world):
             assert not bad, f"D={world} rank={rank} {case}: {bad}"
             if case[0] != "infer":  # out, dx and the grads of 4 weights, 4 biases, the sinks
                 assert {"sinks", "o_proj.bias", "q_proj.bias"} <= errs.keys() and len(errs) == 11
+
+
+def _kernel_errors(kernel, dtype, device, window) -> dict:
+    """A kernel's chunked attention of zigzag rank 1 of D = 2 (S = 256) with ``add_sink``, its
+    backward fed (out', lse') and ``sink_grad``, against autograd of a float64 dense softmax
+    with the sink as one more logit: max relative errors of out', dq, dk, dv, dσ."""
+    S, B, hq, hk, d = 256, 2, 4, 2, 64
+    spans = list(ZigzagLayout(S, 2).spans(1))
+    gen = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(B, S // 2, hq, d, generator=gen, dtype=torch.float64) for _ in "qg")
+    k, v = (torch.randn(B, S, hk, d, generator=gen, dtype=torch.float64) for _ in "kv")
+    sink = torch.randn(hq, generator=gen, dtype=torch.float64)
+    scale = d**-0.5
+    ref = [t.clone().requires_grad_() for t in (q, k, v, sink)]
+    i = torch.cat([torch.arange(s.start, s.stop) for s in spans])[:, None]
+    j = torch.arange(S)
+    hidden = (j > i) | ((j <= i - window) if window else False)
+    logits = torch.einsum("bthd,bshd->bhts", ref[0], ref[1].repeat_interleave(hq // hk, 2))
+    logits = (logits * scale).masked_fill(hidden, -torch.inf)
+    column = ref[3][None, :, None, None].expand(B, hq, S // 2, 1)
+    probs = torch.softmax(torch.cat([logits, column], -1), -1)[..., :-1]
+    out_ref = torch.einsum("bhts,bshd->bthd", probs, ref[2].repeat_interleave(hq // hk, 2))
+    out_ref.backward(dout)
+
+    q, k, v, dout = (t.to(device, dtype) for t in (q, k, v, dout))
+    sink = sink.to(device, dtype)
+    out, lse = chunked_attention_forward(kernel, q, spans, k, v, scale, window)
+    out, lse = add_sink(out, lse, sink)
+    dq, dk, dv = chunked_attention_backward(kernel, dout, q, spans, k, v, out, lse, scale, window)
+    ds = sink_grad(dout.transpose(1, 2), out.transpose(1, 2), lse, sink)
+    got = dict(out=out, dq=dq, dk=dk, dv=dv, dsink=ds)
+    want = [out_ref.detach(), *(t.grad for t in ref)]
+    return {n: rel_err(g.cpu(), w) for (n, g), w in zip(got.items(), want)}
+
+
+@pytest.mark.parametrize("name", available_backends("cpu", torch.float64))
+@pytest.mark.parametrize("window", [None, 37])
+def test_every_cpu_kernel_with_sinks(name, window):
+    errs = _kernel_errors(BACKENDS[name], torch.float64, torch.device("cpu"), window)
+    assert max(errs.values()) < TOL, errs
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["cuda_flash", "cuda_cudnn", "cuda_efficient", "flash_attn"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("window", [None, 37])
+def test_cuda_kernels_with_sinks(name, dtype, window):
+    kernel, cuda = BACKENDS[name], torch.device("cuda")
+    if not kernel.supports(cuda, dtype):
+        pytest.skip(f"{name} cannot run {dtype} here")
+    errs = _kernel_errors(kernel, dtype, cuda, window)
+    assert max(errs.values()) < (1e-4 if dtype == torch.float32 else 3e-2), errs
