@@ -17,8 +17,8 @@ the c ranks sharing a KV head each cache 1/c of its tokens
 (32-token blocks, round robin); each computes the partial attention of all c groups' queries
 (one all-gather of q) on its tokens, and one all-gather of the partial (out, lse) lets each rank
 merge its own heads' c partials by log-sum-exp, in float32 at least; attention sinks (gpt-oss)
-join the merged rows once, by the heads' owner. In uneven layouts a KV head
-used by two groups is cached in full by both.
+join the merged rows once, by the heads' owner. In uneven layouts a KV head used by two groups
+is cached in full by both.
 """
 
 from __future__ import annotations
