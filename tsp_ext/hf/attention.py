@@ -42,8 +42,9 @@ class TSPAttention(ShardedModule):
     returns ``(output [B, S/D, h], None)``. ``position_ids`` restarting at 0 per document (packed
     rows, ``engine.documents``) make attention causal within each document and blocked across
     documents; plain global positions give one causal stream. Parameters keep the Hugging Face
-    names; q/k/v_proj hold rows, o_proj columns of this rank's head group; o_proj's bias and
-    the q/k norms (if any) are replicated, their gradients summed over the TSP group. A projection
+    names; q/k/v_proj hold rows, o_proj columns of this rank's head group; o_proj's bias, the
+    q/k norms and gpt-oss's ``sinks [n_heads]`` (one logit per query head in its softmax's
+    denominator; if any) are replicated, their gradients summed over the TSP group. A projection
     may be a ``TSPLoraLinear`` (PEFT LoRA, ``hf.lora``): its adapter joins the schedule.
     """
 
@@ -68,6 +69,7 @@ class TSPAttention(ShardedModule):
         o_bias: bool = False,
         q_norm: nn.Module | None = None,
         k_norm: nn.Module | None = None,
+        sinks: bool = False,
         dtype=None,
         device=None,
     ) -> None:
@@ -91,13 +93,15 @@ class TSPAttention(ShardedModule):
         self.v_proj = nn.Linear(h, nk, bias=qkv_bias, **kw)
         self.o_proj = nn.Linear(nq, h, bias=o_bias, **kw)
         self.q_norm, self.k_norm = q_norm, k_norm
+        self.sinks = nn.Parameter(torch.zeros(spec.n_heads, **kw)) if sinks else None
 
     @classmethod
     def from_hf(
         cls, attn: nn.Module, group, config: TSPConfig | None = None, family: Family = LLAMA
     ) -> TSPAttention:
         """Build from a Hugging Face attention module of ``family``, copying this rank's slices
-        of its weights (its sliding window and q/k norms' kind read through the family)."""
+        of its weights (its sliding window and q/k norms' kind read through the family; its
+        attention sinks, gpt-oss's ``sinks``, copied whole)."""
         cfg = attn.config
         D, p = comm.size_and_rank(group)
         # replicated per-head norms (Qwen3): private copies, so the HF module can be discarded
@@ -127,6 +131,7 @@ class TSPAttention(ShardedModule):
             o_bias=attn.o_proj.bias is not None,
             q_norm=q_norm,
             k_norm=k_norm,
+            sinks=getattr(attn, "sinks", None) is not None,
             dtype=w.dtype,
             device=w.device,
         )
@@ -214,7 +219,7 @@ class TSPAttention(ShardedModule):
             rms = qk_rms(x, own["wq"], own["wk"], self.spec, self.group, self.options)
         y = tsp_attention_prefill(
             x, rope_phases(cos, sin, x.dtype), own, *self._qk_norms(),
-            self.spec, self.group, self.options, keep, key_valid, rms,
+            self.spec, self.group, self.options, keep, key_valid, rms, self.sinks,
         )  # fmt: skip
         return self._with_o_bias(y)
 
@@ -248,8 +253,11 @@ class TSPAttention(ShardedModule):
             allowed = allowed & (index[None, :] > q_index[:, None] - self.spec.window)
         if valid is not None:
             allowed = allowed & valid[:, None, index]
+        sinks = None
+        if self.sinks is not None:
+            sinks = self.sinks[self.spec.q_heads(dist.get_rank(self.group))]
         a = decode_attention(
-            q, keys.transpose(1, 2), values.transpose(1, 2), allowed, self.spec, self.group
+            q, keys.transpose(1, 2), values.transpose(1, 2), allowed, self.spec, self.group, sinks
         )
         y = row_parallel(a.flatten(2), own["wo"], self.group, self.options.accum_for(x.dtype))
         return self._with_o_bias(y)
@@ -301,9 +309,10 @@ class TSPAttention(ShardedModule):
                     "(OLMo-2) is not supported under TSP: target the other projections"
                 )
             rms = qk_rms(x, own["wq"], own["wk"], self.spec, self.group, self.options)
+        sinks = None if self.sinks is None else comm.replicated(self.sinks, self.group)
         y = tsp_attention(
             x, cos, sin, own, q_norm, k_norm, self.spec, self.group, self.options, spans,
-            plan, lora_a, b_out, rms,
+            plan, lora_a, b_out, rms, sinks,
         )  # fmt: skip
         if self.o_proj.bias is not None:
             y = y + comm.replicated(self.o_proj.bias, self.group)
