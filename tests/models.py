@@ -163,6 +163,7 @@ MOE_FAMILIES = {
             sliding_window=4,
             layer_types=["sliding_attention", "full_attention"],
             swiglu_limit=0.5,
+            attn_implementation="eager",  # Hugging Face's gpt-oss runs its sinks in eager only
         ),
     ),
 }

@@ -34,6 +34,17 @@ from .sharding import Role, ShardedModule
 SPANS_KWARG = "tsp_query_spans"
 
 
+def full_width(
+    cos: torch.Tensor, sin: torch.Tensor, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary tables over the whole head: gpt-oss's give one angle per pair of halves
+    (``[..., d/2]``, applied to the two halves of each head), the same rotation as rotate-half
+    RoPE with the angles repeated."""
+    if cos.shape[-1] * 2 != head_dim:
+        return cos, sin
+    return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+
+
 class TSPAttention(ShardedModule):
     """Self-attention of any supported family on a TSP axis; holds head group p of every projection.
 
@@ -212,7 +223,7 @@ class TSPAttention(ShardedModule):
                     index,
                 )
 
-        cos, sin = position_embeddings
+        cos, sin = full_width(*position_embeddings, self.spec.head_dim)
         own = self._own(merged=True)
         rms = None
         if self.spec.qk_norm_full:
@@ -236,7 +247,7 @@ class TSPAttention(ShardedModule):
         rank) at global indices ``q_index [Tq]`` over this rank's cached heads, whose new K/V join
         ``cache_layer``; ``valid [B, L + Tq]`` (bool) marks the non-padding tokens. Returns
         ``[B, Tq, h]``, the same on every rank."""
-        cos, sin = position_embeddings
+        cos, sin = full_width(*position_embeddings, self.spec.head_dim)
         own = self._own(merged=True)
         phases = rope_phases(cos, sin, x.dtype)
         q_norm, k_norm = self._qk_norms()
@@ -281,7 +292,7 @@ class TSPAttention(ShardedModule):
                 "TSP attention is causal by global position and takes no attention_mask; right "
                 "padding needs none (padded tokens come last and carry ignored labels)"
             )
-        cos, sin = position_embeddings
+        cos, sin = full_width(*position_embeddings, self.spec.head_dim)
         spans, pos = kwargs.get(SPANS_KWARG), kwargs.get("position_ids")
         if spans is None and pos is not None:  # called without the model's input check
             D, p = comm.size_and_rank(self.group)

@@ -182,15 +182,14 @@ class TSPSparseMoe(nn.Module):
             router_name=family.router,
         )
 
-    @property
-    def gate(self) -> nn.Module:
+    def router_module(self) -> nn.Module:
         """The router (Hugging Face's module, under its Hugging Face name)."""
         return getattr(self, self.router_name)
 
     def routers(self) -> list[nn.Parameter]:
         """The replicated weights that pick and weigh experts: the router's (and gpt-oss's
         router bias) and, in Qwen2-MoE, the shared expert's gate."""
-        gates = [g for g in (self.gate, self.shared_expert_gate) if g is not None]
+        gates = [g for g in (self.router_module(), self.shared_expert_gate) if g is not None]
         return [g.weight for g in gates] + [g.bias for g in gates if _bias(g) is not None]
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,9 +207,9 @@ class TSPSparseMoe(nn.Module):
         return (top if self.float32_weights else top.to(logits.dtype)), index
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = _bias(self.gate)
+        bias = _bias(self.router_module())
         bias = None if bias is None else comm.replicated(bias, self.group)
-        logits = router_logits(x, comm.replicated(self.gate.weight, self.group), bias)
+        logits = router_logits(x, comm.replicated(self.router_module().weight, self.group), bias)
         if _collected is not None:
             _collected.append(logits)
         weight, index = self.route(logits)
@@ -231,7 +230,7 @@ class TSPSparseMoe(nn.Module):
         """Inference: the block on tokens ``x [B, Tq, h]`` that every rank holds (a decode
         step), each rank with its experts (and its slice of the shared expert); the same on
         every rank."""
-        logits = F.linear(x.reshape(-1, x.shape[-1]), self.gate.weight, _bias(self.gate))
+        logits = F.linear(x.reshape(-1, x.shape[-1]), *_weight_and_bias(self.router_module()))
         weight, index = self.route(logits)
         y = self.experts.decode(x, index, weight)
         if self.shared_expert is not None:
@@ -239,6 +238,10 @@ class TSPSparseMoe(nn.Module):
                 self.shared_expert.decode(x)
             )
         return y
+
+
+def _weight_and_bias(gate: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return gate.weight, _bias(gate)
 
 
 def _bias(gate: nn.Module) -> torch.Tensor | None:
