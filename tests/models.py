@@ -8,6 +8,8 @@ from transformers import (
     Gemma3TextConfig,
     GemmaConfig,
     GemmaForCausalLM,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -147,6 +149,23 @@ MOE_FAMILIES = {
             shared_expert_intermediate_size=24,
         ),
     ),
+    # attention sinks, q/k/v/o biases, a windowed and a full layer; biased router and experts,
+    # gate / up interleaved, a SwiGLU clamp low enough to clip some activations
+    "gpt_oss": (
+        GptOssForCausalLM,
+        GptOssConfig,
+        dict(
+            **MOE,
+            head_dim=8,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=16,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"],
+            swiglu_limit=0.5,
+            attn_implementation="eager",  # Hugging Face's gpt-oss runs its sinks in eager only
+        ),
+    ),
 }
 
 
@@ -157,9 +176,9 @@ def build(name: str, dtype: torch.dtype = torch.float64, seed: int = 0, **overri
     model = model_cls(cfg_cls(**{**BASE, **kw, **overrides})).to(dtype)
     with torch.no_grad():  # make norms and biases non-trivial so their gradients are tested
         for n, p in model.named_parameters():
-            if p.dim() == 1:
+            if p.dim() == 1 or n.endswith("_bias"):  # gpt-oss's experts' biases are [E, .]
                 p.add_(torch.randn_like(p) * 0.2)
-            elif n.endswith("mlp.gate.weight"):  # routers start at zero: no ties in top-k
+            elif n.endswith(("mlp.gate.weight", "mlp.router.weight")):  # zero: ties in top-k
                 p.normal_(0, 1.0)
     return model
 

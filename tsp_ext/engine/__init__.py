@@ -31,7 +31,8 @@ MLP, experts, vocabulary, decode:
 
 - ``mlp``: ring gated-MLP schedule
 - ``moe``: mixture-of-experts layers, experts on the ring or tokens by all-to-all
-  (``moe_traffic``: what each moves, the per-call choice; no torch)
+  (``moe_traffic``: what each moves, the per-call choice; no torch; ``moe_clamped``: gpt-oss's
+  biased experts and clamped SwiGLU)
 - ``vocab``: embedding row exchange, ring LM head + fused cross-entropy
 - ``pointwise``: RMSNorm, RoPE, gate activations, GEMM helpers
 - ``decode``: the TP decode schedules on the TSP shards (attention, MLP, embedding, logits)

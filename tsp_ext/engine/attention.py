@@ -37,57 +37,19 @@ from typing import NamedTuple
 import torch
 
 from . import comm
-from .chunked_attention import chunked_attention_backward, chunked_attention_forward
+from .chunked_attention import segments_backward, segments_forward
 from .head_groups import AttentionCall, HeadGroup
 from .heads import AttentionSpec
 from .kv_exchange import expand_kv, fold_kv, share_kv
 from .kv_exchange import heads_major as heads_major  # noqa: F401  (re-exported)
 from .layout import RowSpans, Span
 from .lora import LoraPlan, SeededDropout
+from .lse import add_sink, sink_grad
 from .masked_attention import masked_chunked_attention
 from .nf4 import ShardCodec
 from .options import EngineOptions
 from .pointwise import add_matmul, from_saved, matmul, rope_phases, to_save
 from .qkv import project_qkv, project_qkv_backward, split_kv
-
-
-def _in_segment(q_spans, base: int, stop: int):
-    """The query spans whose keys lie in the segment ``[base, stop)``, in its coordinates."""
-
-    def shift(spans):
-        return tuple(
-            Span(s.offset, s.start - base, s.length, max(s.first_key - base, 0))
-            for s in spans
-            if base <= s.start and s.stop <= stop
-        )
-
-    if isinstance(q_spans, RowSpans):
-        return RowSpans(tuple(shift(row) for row in q_spans.rows))
-    return shift(q_spans)
-
-
-def segments_forward(kernel, q, q_spans, segments, scale: float, window: int | None):
-    """``chunked_attention_forward`` of ``q [B, T, Hq, d]`` over K/V ``segments`` ``(base, K,
-    V)``; a query's keys are all in one segment (rows of other segments' spans stay 0, -inf)."""
-    out = lse = None
-    for base, k, v in segments:
-        spans = _in_segment(q_spans, base, base + k.shape[1])
-        o, l = chunked_attention_forward(kernel, q, spans, k, v, scale, window)
-        out, lse = (o, l) if out is None else (out.add_(o), torch.maximum(lse, l))
-    return out, lse
-
-
-def segments_backward(kernel, da, q, q_spans, segments, a, lse, scale, window):
-    """Gradients of ``segments_forward``: dq and ``[(dK, dV)]`` per segment."""
-    dq, grads = None, []
-    for base, k, v in segments:
-        spans = _in_segment(q_spans, base, base + k.shape[1])
-        g_q, g_k, g_v = chunked_attention_backward(
-            kernel, da, q, spans, k, v, a, lse, scale, window
-        )
-        dq = g_q if dq is None else dq.add_(g_q)
-        grads.append((g_k, g_v))
-    return dq, grads
 
 
 def output_backward(
@@ -120,10 +82,11 @@ def tsp_attention_forward(
     kv_sink: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
     key_valid: torch.Tensor | None = None,
     rms: tuple[torch.Tensor, torch.Tensor] | None = None,
+    sinks: torch.Tensor | None = None,
 ):
     """Forward schedule (RoPE by ``phases``, ``pointwise.rope_phases`` of the tokens' cos/sin;
     ``rms``: the tokens' full-width q/k reciprocal RMS, ``engine.qk_rms``, with
-    ``spec.qk_norm_full``).
+    ``spec.qk_norm_full``; ``sinks [n_h]``: every head's sink logit, ``lse.add_sink``, or None).
     Returns ``Y_p [B, T, h]`` plus, if ``keep``, ``A [B, n_h, T, d]`` and ``lse [B, n_h, T]`` of
     every group's heads (what backward needs), else None for both. LoRA: ``lora_a`` the
     replicated A's of the adapted q/k/v (the rest: ``sched.adapters.begin``).
@@ -161,6 +124,8 @@ def tsp_attention_forward(
             a, lse = masked_chunked_attention(
                 q, sched.q_spans, k_all, v_all, key_valid, spec.scaling, spec.window
             )
+        if sinks is not None:  # A and lse with the sink, as kept for backward
+            a, lse = add_sink(a, lse, sinks[spec.q_heads(r)])
         if keep:
             if lse_all is None:
                 lse_all = lse.new_empty(B, spec.n_heads, T)
@@ -178,7 +143,7 @@ class AttentionGrads(NamedTuple):
     """What ``tsp_attention_backward`` returns: ``dX_p``, the fully reduced gradients of this
     rank's own shards in ``sched.trainable``, and this rank's partial gradients of the
     replicated ones (None where absent): the q/k norm weights, the LoRA A's, o's LoRA B and the
-    full-width norms' ``rq, rk`` (``engine.qk_rms``)."""
+    full-width norms' ``rq, rk`` (``engine.qk_rms``) and the sinks ``[n_h]``."""
 
     dx: torch.Tensor
     d_own: dict[str, torch.Tensor]
@@ -186,6 +151,7 @@ class AttentionGrads(NamedTuple):
     d_lora: list[torch.Tensor] | None
     d_b_out: torch.Tensor | None
     d_rms: list[torch.Tensor] | None
+    d_sinks: torch.Tensor | None
 
 
 class _Attended(NamedTuple):
@@ -206,8 +172,10 @@ class _Backward:
     """The backward schedule's state (``tsp_attention_backward``): dX, the norms' gradients, the
     reductions of the groups' weight gradients in flight, the adapters' pass."""
 
-    def __init__(self, sched, dy, saved_x, phases, own, norms, a_all, lse_all, lora_a, rms):
+    def __init__(self, sched, dy, saved_x, phases, own, norms, a_all, lse_all, lora_a, rms, sinks):
         B, T, h = saved_x[0].shape
+        self.sinks = sinks
+        self.d_sinks = None if sinks is None else torch.zeros_like(sinks, dtype=lse_all.dtype)
         self.sched, self.own, self.norms, self.rms = sched, own, norms, rms
         self.a_all, self.lse_all, self.saved_x, self.phases = a_all, lse_all, saved_x, phases
         self.names = [n for n in own if n in sched.trainable]  # the gradients reduced to owners
@@ -247,6 +215,8 @@ class _Backward:
         da, dwo = output_backward(self.dy, wo, a, sched.acc, weight_grad)
         d_lo = self.adapters.output_backward(r, w.get("lo"), a, da)
         d_out = {n: t for n, t in (("wo", dwo), ("lo", d_lo)) if n in sched.trainable}
+        if self.sinks is not None:  # this rank's tokens' part
+            self.d_sinks[heads] += sink_grad(da, a, self.lse_all[:, heads], self.sinks[heads])
         segments = [(b, *expand_kv(k, v, spec.kv_map(r))) for b, k, v in group.kv()]
         q, _, lin, weight = group.projected
         del group
@@ -336,7 +306,9 @@ class _Backward:
         d_lora, d_b_out = self.adapters.finish(
             self.dx.view(B * T, h), self.dy.view(B * T, h), lambda: self.x_p().reshape(B * T, h)
         )
-        return AttentionGrads(self.dx.to(self.dy.dtype), d_own, d_norm, d_lora, d_b_out, d_rms)
+        d_sinks = None if self.sinks is None else self.d_sinks.to(self.sinks.dtype)
+        dx = self.dx.to(self.dy.dtype)
+        return AttentionGrads(dx, d_own, d_norm, d_lora, d_b_out, d_rms, d_sinks)
 
 
 def tsp_attention_backward(
@@ -351,8 +323,10 @@ def tsp_attention_backward(
     lse_all,
     lora_a=None,
     rms=None,
+    sinks=None,
 ) -> AttentionGrads:
-    """Backward schedule (``AttentionGrads``; ``rms``: the full-width norms' ``rq, rk``).
+    """Backward schedule (``AttentionGrads``; ``rms``: the full-width norms' ``rq, rk``;
+    ``sinks [n_h]`` as in forward, whose saved ``a_all, lse_all`` include them).
     ``saved_x``: what ``pointwise.to_save`` made of X_p. With ``overlap`` X_p is rebuilt once;
     without, for each use (a group's projection, then its weight gradients), so that it is not
     alive during the kernels (memory before speed).
@@ -365,7 +339,7 @@ def tsp_attention_backward(
     (``spec.shared_kv``) are summed among its users only (``comm.sum_among``), so every copy gets
     the sum over all of its users and no buffer exceeds a group's own rows."""
     norms = (q_norm, k_norm)
-    state = _Backward(sched, dy, saved_x, phases, own, norms, a_all, lse_all, lora_a, rms)
+    state = _Backward(sched, dy, saved_x, phases, own, norms, a_all, lse_all, lora_a, rms, sinks)
     return state.run()
 
 
@@ -381,29 +355,35 @@ def tsp_attention_prefill(
     kv_sink: Callable[[int, torch.Tensor, torch.Tensor], None],
     key_valid: torch.Tensor | None = None,
     rms: tuple[torch.Tensor, torch.Tensor] | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Inference: the forward schedule of a prompt's tokens ``x [B, S'/D, h]`` (zigzag, one
     causal stream) with nothing kept for backward; ``Y_p [B, S'/D, h]`` (no o bias).
-    ``weights``: the head-group shards, adapters merged; ``kv_sink``, ``key_valid`` and ``rms``
-    as in ``tsp_attention_forward``."""
+    ``weights``: the head-group shards, adapters merged; ``kv_sink``, ``key_valid``, ``rms`` and
+    ``sinks`` as in ``tsp_attention_forward``."""
     sched = AttentionCall(spec, group, options, x, gather_all=True)
     y, *_ = tsp_attention_forward(
-        sched, x, phases, weights, q_norm, k_norm, False, None, kv_sink, key_valid, rms
+        sched, x, phases, weights, q_norm, k_norm, False, None, kv_sink, key_valid, rms, sinks
     )
     return y
 
 
 # The autograd function's inputs before the ``n_lora`` replicated LoRA A's and the shards.
-_INPUTS = ("sched", "names", "n_lora", "x", "cos", "sin", "q_norm", "k_norm", "rq", "rk", "b_out")
+_INPUTS = (
+    "sched", "names", "n_lora", "x", "cos", "sin", "q_norm", "k_norm", "rq", "rk", "b_out",
+    "sinks",
+)  # fmt: skip
 
 
 class _TSPAttentionFunction(torch.autograd.Function):
     """Autograd boundary of the schedule: saves only local tensors, re-communicates in backward.
     Inputs: ``_INPUTS`` (the full-width norms' ``rq, rk`` or None, o's replicated LoRA B or
-    None), the ``n_lora`` replicated LoRA A's, then the shards ``names``."""
+    None, the sinks or None), the ``n_lora`` replicated LoRA A's, then the shards ``names``."""
 
     @staticmethod
-    def forward(ctx, sched, names, n_lora, x, cos, sin, q_norm, k_norm, rq, rk, b_out, *tensors):
+    def forward(
+        ctx, sched, names, n_lora, x, cos, sin, q_norm, k_norm, rq, rk, b_out, sinks, *tensors
+    ):
         lora_a, weights = list(tensors[:n_lora]), tensors[n_lora:]
         own = dict(zip(names, weights))
         keep = any(ctx.needs_input_grad)
@@ -415,18 +395,18 @@ class _TSPAttentionFunction(torch.autograd.Function):
         phases = rope_phases(cos, sin, x.dtype)
         rms = None if rq is None else (rq, rk)
         y, a_all, lse_all = tsp_attention_forward(
-            sched, x, phases, own, q_norm, k_norm, keep, lora_a, rms=rms
+            sched, x, phases, own, q_norm, k_norm, keep, lora_a, rms=rms, sinks=sinks
         )
         ctx.sched, ctx.names, ctx.n_lora = sched, names, n_lora
         if keep:  # X_p as its norm's input when it is a norm's output (rebuilt in backward)
             x, norm_weight, ctx.norm = to_save(x)
-            saved = (x, norm_weight, cos, sin, q_norm, k_norm, rq, rk, a_all, lse_all, b_out)
+            saved = (x, norm_weight, cos, sin, q_norm, k_norm, rq, rk, a_all, lse_all, b_out, sinks)
             ctx.save_for_backward(*saved, *tensors)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, norm_weight, cos, sin, q_norm, k_norm, rq, rk, a_all, lse_all, b_out, *tensors = (
+        x, norm_weight, cos, sin, q_norm, k_norm, rq, rk, a_all, lse_all, b_out, sinks, *tensors = (
             ctx.saved_tensors
         )
         lora_a, weights = tensors[: ctx.n_lora], tensors[ctx.n_lora :]
@@ -435,9 +415,9 @@ class _TSPAttentionFunction(torch.autograd.Function):
         rms = None if rq is None else (rq, rk)
         g = tsp_attention_backward(
             ctx.sched, dy, (x, norm_weight, ctx.norm), phases, own, q_norm, k_norm, a_all,
-            lse_all, lora_a, rms,
+            lse_all, lora_a, rms, sinks,
         )  # fmt: skip
-        grads = {"x": g.dx, "b_out": g.d_b_out}
+        grads = {"x": g.dx, "b_out": g.d_b_out, "sinks": g.d_sinks}
         grads.update(zip(("q_norm", "k_norm"), g.d_norm or ()))
         grads.update(zip(("rq", "rk"), g.d_rms or ()))
         return (
@@ -462,6 +442,7 @@ def tsp_attention(
     lora_a: list[torch.Tensor] | None = None,
     b_out: torch.Tensor | None = None,
     rms: tuple[torch.Tensor, torch.Tensor] | None = None,
+    sinks: torch.Tensor | None = None,
 ):
     """TSP attention of this rank's tokens: ``x [B, S/D, h]`` -> ``Y_p [B, S/D, h]`` (no o bias).
 
@@ -476,7 +457,8 @@ def tsp_attention(
     the B rows ``lq, lk, lv`` ``[rows, r]`` of the adapted q/k/v and o's A columns ``lo [r,
     n_q·d]``, ``lora_a`` the replicated A's ``[r, h]`` of ``lora.inputs`` and ``b_out`` o's
     replicated B ``[h, r]`` (their gradients are this rank's part: wrap them in
-    ``comm.replicated``).
+    ``comm.replicated``). ``sinks [n_h]``: every head's replicated sink logit (gpt-oss), or None;
+    its gradient is this rank's part too.
     """
     sched = AttentionCall(spec, group, options, x, q_spans, lora)
     B, T, _ = x.shape
@@ -489,6 +471,6 @@ def tsp_attention(
     lora_a = list(lora_a or ())
     rq, rk = rms if rms is not None else (None, None)
     return _TSPAttentionFunction.apply(
-        sched, tuple(weights), len(lora_a), x, cos, sin, q_norm, k_norm, rq, rk, b_out, *lora_a,
-        *weights.values(),
+        sched, tuple(weights), len(lora_a), x, cos, sin, q_norm, k_norm, rq, rk, b_out, sinks,
+        *lora_a, *weights.values(),
     )  # fmt: skip

@@ -228,3 +228,42 @@ def chunked_attention_backward(
                 dv[:, keys] += g_v
             dq[:, s.offset + block.start : s.offset + block.stop] = dq_b
     return dq, dk, dv
+
+
+def _in_segment(q_spans, base: int, stop: int):
+    """The query spans whose keys lie in the segment ``[base, stop)``, in its coordinates."""
+
+    def shift(spans):
+        return tuple(
+            Span(s.offset, s.start - base, s.length, max(s.first_key - base, 0))
+            for s in spans
+            if base <= s.start and s.stop <= stop
+        )
+
+    if isinstance(q_spans, RowSpans):
+        return RowSpans(tuple(shift(row) for row in q_spans.rows))
+    return shift(q_spans)
+
+
+def segments_forward(kernel, q, q_spans, segments, scale: float, window: int | None):
+    """``chunked_attention_forward`` of ``q [B, T, Hq, d]`` over K/V ``segments`` ``(base, K,
+    V)``; a query's keys are all in one segment (rows of other segments' spans stay 0, -inf)."""
+    out = lse = None
+    for base, k, v in segments:
+        spans = _in_segment(q_spans, base, base + k.shape[1])
+        o, l = chunked_attention_forward(kernel, q, spans, k, v, scale, window)
+        out, lse = (o, l) if out is None else (out.add_(o), torch.maximum(lse, l))
+    return out, lse
+
+
+def segments_backward(kernel, da, q, q_spans, segments, a, lse, scale, window):
+    """Gradients of ``segments_forward``: dq and ``[(dK, dV)]`` per segment."""
+    dq, grads = None, []
+    for base, k, v in segments:
+        spans = _in_segment(q_spans, base, base + k.shape[1])
+        g_q, g_k, g_v = chunked_attention_backward(
+            kernel, da, q, spans, k, v, a, lse, scale, window
+        )
+        dq = g_q if dq is None else dq.add_(g_q)
+        grads.append((g_k, g_v))
+    return dq, grads

@@ -16,8 +16,9 @@ When every group uses one whole KV head shared by c = D / n_kv_heads groups (``k
 the c ranks sharing a KV head each cache 1/c of its tokens
 (32-token blocks, round robin); each computes the partial attention of all c groups' queries
 (one all-gather of q) on its tokens, and one all-gather of the partial (out, lse) lets each rank
-merge its own heads' c partials by log-sum-exp, in float32 at least. In uneven layouts a KV head
-used by two groups is cached in full by both.
+merge its own heads' c partials by log-sum-exp, in float32 at least; attention sinks (gpt-oss)
+join the merged rows once, by the heads' owner. In uneven layouts a KV head used by two groups
+is cached in full by both.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 from . import comm
 from .heads import AttentionSpec
 from .kv_exchange import expand_kv
-from .lse import merge_partials
+from .lse import add_sink, merge_partials
 from .masked_attention import partial_attention
 from .pointwise import gate_activation
 
@@ -49,6 +50,7 @@ def decode_attention(
     allowed: torch.Tensor,
     spec: AttentionSpec,
     group,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of this rank's query heads to its KV cache.
 
@@ -57,6 +59,7 @@ def decode_attention(
         k, v: ``[B, L_p, n_kv(p), d]``, this rank's cached tokens (all of them unless
             ``spec.kv_replicas > 1``, then its share of its KV head's tokens).
         allowed: ``[B, Tq, L_p]`` bool, which cached tokens each query sees (causal, not padding).
+        sinks: ``[n_q(p)]``, this rank's heads' sink logits (gpt-oss, ``lse.add_sink``) or None.
     Returns:
         ``[B, Tq, n_q(p), d]`` in q's dtype: exact attention over the whole cache.
     """
@@ -64,7 +67,10 @@ def decode_attention(
     D, p = comm.size_and_rank(group)
     if c == 1:
         k, v = expand_kv(k, v, spec.kv_map(p))
-        return partial_attention(q, k, v, allowed, spec.scaling)[0].to(q.dtype)
+        out, lse = partial_attention(q, k, v, allowed, spec.scaling)
+        if sinks is not None:
+            out, _ = add_sink(out, lse, sinks)
+        return out.to(q.dtype)
     first, j, hp = p // c * c, p % c, spec.max_q
     # the queries of the c groups sharing this KV head: [B, Tq, c·n_h/D, d]
     q_all, _ = comm.all_gather_seq(q, group)
@@ -73,7 +79,9 @@ def decode_attention(
     # (out, lse) of every rank in one message: [D, B, Tq, c·n_h/D, d + 1]
     parts, _ = comm.all_gather_seq(torch.cat([out, lse.transpose(1, 2)[..., None]], -1), group)
     mine = parts[first : first + c, :, :, j * hp : (j + 1) * hp]  # [c, B, Tq, n_h/D, d + 1]
-    out, _ = merge_partials(list(zip(mine[..., :-1], mine[..., -1])))
+    out, lse = merge_partials(list(zip(mine[..., :-1], mine[..., -1])))
+    if sinks is not None:  # once, on the merged rows
+        out, _ = add_sink(out, lse.transpose(1, 2), sinks)
     return out.to(q.dtype)
 
 

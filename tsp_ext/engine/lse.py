@@ -1,5 +1,5 @@
-"""Softmax statistics of attention: their dtype, and the exact log-sum-exp merge of partial
-attentions of the same queries over disjoint key sets."""
+"""Softmax statistics of attention: their dtype, the exact log-sum-exp merge of partial
+attentions of the same queries over disjoint key sets, and attention sinks (gpt-oss)."""
 
 from __future__ import annotations
 
@@ -38,3 +38,21 @@ def merge_partials(parts: Sequence[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tens
 
 def _empty_as_neg_inf(lse: Tensor) -> Tensor:
     return torch.where(torch.isnan(lse) | (lse == float("inf")), _NEG_INF, lse)
+
+
+def add_sink(out: Tensor, lse: Tensor, sink: Tensor) -> tuple[Tensor, Tensor]:
+    """Attention ``out [B, T, H, d]``, ``lse [B, H, T]`` of all of a row's keys with a sink per
+    head ``sink [H]`` (gpt-oss: one more key of logit σ_h and value 0 in every row's softmax):
+    ``out·sigmoid(lse - σ)`` in out's dtype and ``logaddexp(lse, σ)``. Applied once per row,
+    after every partial is merged; a row with no key gets out 0. The plain attention backward
+    fed these (out', lse') is exact for q, k, v; ``sink_grad`` gives σ's gradient."""
+    s = sink.to(lse.dtype)[:, None]
+    w = torch.sigmoid(lse - s).transpose(1, 2)[..., None]
+    return (out.to(lse.dtype) * w).to(out.dtype), torch.logaddexp(lse, s)
+
+
+def sink_grad(dout: Tensor, out: Tensor, lse: Tensor, sink: Tensor) -> Tensor:
+    """``dσ [H]`` (in lse's dtype) of ``add_sink`` from the heads-major ``dout, out [B, H, T, d]``
+    (out and lse as it returned them): ``-Σ_{b,t} exp(σ - lse')·⟨dout, out'⟩``."""
+    dot = torch.einsum("bhtd,bhtd->bht", dout.to(lse.dtype), out.to(lse.dtype))
+    return -(torch.exp(sink.to(lse.dtype)[:, None] - lse) * dot).sum((0, 2))

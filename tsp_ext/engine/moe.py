@@ -14,11 +14,12 @@ own n tokens: ``index, weight [n, k]``. Two schedules give the same result:
             Y_p[X_e] += w_e · FFN_e(X_e)         send each out row back
         wait; cur = next                         Y_p[token] += weight · out row
 
-with ``FFN_e(X) = (act(X·G_eᵀ) ⊙ (X·U_eᵀ))·Dn_eᵀ``. Neither drops a token (no capacity). A rank
-moves ``3·E·F·h`` weight elements a step through the ring (forward, and weights plus their
-gradients in backward) against ``n·k·h`` activation rows per transfer for the all-to-all (two
-forward, three backward); ``traffic`` counts both and ``schedule_for`` takes the cheaper one
-per call (``TSPConfig(moe_schedule=...)`` fixes it).
+with ``FFN_e(X) = (act(X·G_eᵀ) ⊙ (X·U_eᵀ))·Dn_eᵀ`` (gpt-oss's biased, clamped form:
+``moe_clamped``; its biases travel with their experts' weights). Neither drops a token (no
+capacity). A rank moves ``3·E·F·h`` weight elements a step through the ring (forward, and
+weights plus their gradients in backward) against ``n·k·h`` activation rows per transfer for
+the all-to-all (two forward, three backward); ``traffic`` counts both and ``schedule_for``
+takes the cheaper one per call (``TSPConfig(moe_schedule=...)`` fixes it).
 
 Backward mirrors each: the ring runs again with the dense MLP's gradient ring one step behind;
 the all-to-all sends the rows of X and dY (and the routing weights) to the owners, which compute
@@ -28,6 +29,8 @@ X_p and the routing ``[n, k]``.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -104,18 +107,25 @@ def sum_mm(a: torch.Tensor, b: torch.Tensor, counts: list[int], out: torch.Tenso
         add_matmul(out[g], a[:, rows], b[rows])
 
 
-def _ffn(x, gu, dn, counts: list[int], kind: str, acc) -> torch.Tensor:
+def _ffn(x, ws, counts: list[int], kind, acc) -> torch.Tensor:
     """``(act(x·G_gᵀ) ⊙ (x·U_gᵀ))·Dn_gᵀ`` ``[m, h]`` in ``acc`` of rows ``x [m, h]`` in groups of
-    ``counts`` (one per expert), with the experts' ``gu = [G; U]`` ``[G, 2F, h]`` and ``dn [G,
-    h, F]``."""
+    ``counts`` (one per expert), with the experts' ``ws = (gu, dn)``: ``[G; U]`` ``[G, 2F, h]``
+    and ``dn [G, h, F]`` (a ``kind`` that is not an activation's name computes its own form:
+    ``moe_clamped.ClampedSwiGLU``)."""
+    if not isinstance(kind, str):
+        return kind.ffn(x, ws, counts, acc)
+    gu, dn = ws
     hg, hu = rows_mm(x, gu.transpose(1, 2), counts, acc).chunk(2, dim=-1)
     return rows_mm(gate_activation(hg, kind).mul_(hu), dn.transpose(1, 2), counts, acc)
 
 
-def _ffn_backward(x, dy, w, gu, dn, counts: list[int], kind: str, acc, grads=None):
+def _ffn_backward(x, dy, w, ws, counts: list[int], kind, acc, grads=None):
     """Backward of ``w · FFN(x)`` (``_ffn``) for rows ``x, dy [m, h]`` with weights ``w [m]``
-    (acc): returns ``dX [m, h]`` and ``dw [m]`` (acc) and adds ``[dG; dU]`` and ``dDn`` into
-    ``grads`` (``(d_gu [G, 2F, h], d_dn [G, h, F])``, acc) if given."""
+    (acc): returns ``dX [m, h]`` and ``dw [m]`` (acc) and adds each weight's gradient into
+    ``grads`` (``(d_gu [G, 2F, h], d_dn [G, h, F])``, acc, as ``ws``) if given."""
+    if not isinstance(kind, str):
+        return kind.ffn_backward(x, dy, w, ws, counts, acc, grads)
+    gu, dn = ws
     d_out = rows_mm(dy, dn, counts, acc)  # dY·Dn before the routing weight
     hid = rows_mm(x, gu.transpose(1, 2), counts, acc)
     dh, act = swiglu_pointwise_backward(d_out * w[:, None], hid, kind=kind)
@@ -128,12 +138,15 @@ def _ffn_backward(x, dy, w, gu, dn, counts: list[int], kind: str, acc, grads=Non
 
 class _Experts:
     """The layout of one call: every rank's expert count ``sizes [D]`` and first expert, the
-    experts' shapes, the gate's activation and the accumulation dtype."""
+    shapes of one expert's weights ``shapes`` (as ``ws``: ``(gu, dn)`` or gpt-oss's four), the
+    gate's activation (or ``ClampedSwiGLU``) and the accumulation dtype."""
 
-    def __init__(self, group, options: EngineOptions, x, down, n_experts: int, kind: str):
+    def __init__(self, group, options: EngineOptions, x, ws, n_experts: int, kind):
         self.group, self.options, self.kind = group, options, kind
         self.D, self.p = comm.size_and_rank(group)
-        self.n_experts, self.h, self.F = n_experts, down.shape[1], down.shape[2]
+        self.n_experts, self.h = n_experts, x.shape[-1]
+        self.shapes = [tuple(t.shape[1:]) for t in ws]
+        self.per_expert = [math.prod(s) for s in self.shapes]
         self.sizes = split_sizes(n_experts, self.D)
         self.first = [split_range(n_experts, self.D, q).start for q in range(self.D)]
         self.acc = options.accum_for(x.dtype)
@@ -145,22 +158,25 @@ class _Experts:
     # --- ring: the experts travel ---
 
     def numel(self, n_experts: int) -> int:
-        return 3 * n_experts * self.F * self.h
+        return n_experts * sum(self.per_expert)
 
-    def views(self, flat: torch.Tensor, n_experts: int):
-        """``[G; U]`` ``[n_e, 2F, h]`` and ``Dn [n_e, h, F]`` of a ring buffer."""
-        n = 2 * n_experts * self.F * self.h
-        gu = flat[:n].view(n_experts, 2 * self.F, self.h)
-        return gu, flat[n : self.numel(n_experts)].view(n_experts, self.h, self.F)
+    def views(self, flat: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, ...]:
+        """The weights of ``n_experts`` experts (as ``ws``: ``[G; U]`` ``[n_e, 2F, h]`` and
+        ``Dn [n_e, h, F]``, ...) laid end to end in a ring buffer."""
+        out, start = [], 0
+        for shape, n in zip(self.shapes, self.per_expert):
+            out.append(flat[start : start + n_experts * n].view(n_experts, *shape))
+            start += n_experts * n
+        return tuple(out)
 
-    def shards(self, gate_up, down):
-        """Yield ``(t, q, [G; U], Dn)`` of owner q = p - t (views of the ring buffer, valid
-        until the next step); the next owner's experts arrive while the caller works."""
-        packed = comm.pack([gate_up, down], numel=self.numel(max(self.sizes)))
+    def shards(self, ws):
+        """Yield ``(t, q, ws_q)`` of owner q = p - t (views of the ring buffer, valid until the
+        next step); the next owner's experts arrive while the caller works."""
+        packed = comm.pack(list(ws), numel=self.numel(max(self.sizes)))
         overlap = self.options.overlap
         for t, cur in circulate(comm.Ring(self.group), packed, overlap, reuse=True):
             q = (self.p - t) % self.D
-            yield (t, q, *self.views(cur, self.sizes[q]))
+            yield t, q, self.views(cur, self.sizes[q])
 
     # --- all-to-all: the tokens travel ---
 
@@ -210,28 +226,28 @@ class _Exchange:
                 yield block[r], self.got[r], None
 
 
-def _add_experts(y, x2, routing: Routing, rows: slice, counts, gu, dn, scale, kind) -> None:
+def _add_experts(y, x2, routing: Routing, rows: slice, counts, ws, scale, kind) -> None:
     """``y[token] += scale · FFN_e(x2[token])`` (``y`` in the accumulation dtype) for the
-    assignments ``rows`` of ``routing``, ``counts`` of them for each expert of ``gu, dn``."""
+    assignments ``rows`` of ``routing``, ``counts`` of them for each expert of ``ws``."""
     if rows.stop > rows.start:
         tokens = routing.tokens[rows]
-        out = _ffn(x2.index_select(0, tokens), gu, dn, counts, kind, y.dtype)
+        out = _ffn(x2.index_select(0, tokens), ws, counts, kind, y.dtype)
         y.index_add_(0, tokens, out.mul_(scale[rows, None]))
 
 
-def _ring_forward(lay: _Experts, x2, gate_up, down, routing, scale):
+def _ring_forward(lay: _Experts, x2, ws, routing, scale):
     y = torch.zeros(x2.shape, dtype=lay.acc, device=x2.device)
-    for _, q, gu, dn in lay.shards(gate_up, down):
-        _add_experts(y, x2, routing, *lay.owned(routing, q), gu, dn, scale, lay.kind)
+    for _, q, wq in lay.shards(ws):
+        _add_experts(y, x2, routing, *lay.owned(routing, q), wq, scale, lay.kind)
     return y
 
 
-def _ring_backward(lay: _Experts, dy2, x2, gate_up, down, routing, scale, weight_grads):
+def _ring_backward(lay: _Experts, dy2, x2, ws, routing, scale, weight_grads):
     dx = torch.zeros(x2.shape, dtype=lay.acc, device=x2.device)
     d_scale = torch.zeros_like(scale)
     owner_grads = GradientRing(comm.Ring(lay.group))
     numel = lay.numel(max(lay.sizes))
-    for t, q, gu, dn in lay.shards(gate_up, down):
+    for t, q, wq in lay.shards(ws):
         grads = None
         if weight_grads:
             share = torch.zeros(numel, dtype=lay.acc, device=x2.device)
@@ -241,7 +257,7 @@ def _ring_backward(lay: _Experts, dy2, x2, gate_up, down, routing, scale, weight
             tokens = routing.tokens[rows]
             xe, dye = x2.index_select(0, tokens), dy2.index_select(0, tokens)
             dxe, d_scale[rows] = _ffn_backward(
-                xe, dye, scale[rows], gu, dn, counts, lay.kind, lay.acc, grads
+                xe, dye, scale[rows], wq, counts, lay.kind, lay.acc, grads
             )
             dx.index_add_(0, tokens, dxe)
         if weight_grads:
@@ -250,7 +266,7 @@ def _ring_backward(lay: _Experts, dy2, x2, gate_up, down, routing, scale, weight
     return dx, d_scale, own
 
 
-def _all_to_all_forward(lay: _Experts, x2, gate_up, down, routing, scale):
+def _all_to_all_forward(lay: _Experts, x2, ws, routing, scale):
     ex = lay.exchange(routing)
     sent = x2.index_select(0, routing.tokens)
     rows, arriving = ex.post(sent)
@@ -260,18 +276,18 @@ def _all_to_all_forward(lay: _Experts, x2, gate_up, down, routing, scale):
             arriving.wait()
             continue
         src = sent[own] if own is not None else rows[r]
-        out[r] = _ffn(src, gate_up, down, counts, lay.kind, lay.acc)
+        out[r] = _ffn(src, ws, counts, lay.kind, lay.acc)
     y = torch.zeros(x2.shape, dtype=lay.acc, device=x2.device)
     return y.index_add_(0, routing.tokens, ex.back(out).mul_(scale[:, None]))
 
 
-def _all_to_all_backward(lay: _Experts, dy2, x2, gate_up, down, routing, scale, weight_grads):
+def _all_to_all_backward(lay: _Experts, dy2, x2, ws, routing, scale, weight_grads):
     ex, h = lay.exchange(routing), lay.h
     sent = [t.index_select(0, routing.tokens) for t in (x2, dy2)] + [scale]
     posted = [ex.post(t) for t in sent]
     grads = None
     if weight_grads:
-        grads = (torch.zeros_like(gate_up, dtype=lay.acc), torch.zeros_like(down, dtype=lay.acc))
+        grads = tuple(torch.zeros_like(t, dtype=lay.acc) for t in ws)
     out = torch.empty(posted[0][0].shape[0], h + 1, dtype=lay.acc, device=x2.device)  # [dX|dw]
     for r, counts, own in ex.in_order():
         if r is None:
@@ -279,9 +295,7 @@ def _all_to_all_backward(lay: _Experts, dy2, x2, gate_up, down, routing, scale, 
                 arriving.wait()
             continue
         x, dy, w = (t[own] for t in sent) if own is not None else (t[r] for t, _ in posted)
-        out[r, :h], out[r, h] = _ffn_backward(
-            x, dy, w, gate_up, down, counts, lay.kind, lay.acc, grads
-        )
+        out[r, :h], out[r, h] = _ffn_backward(x, dy, w, ws, counts, lay.kind, lay.acc, grads)
     back = ex.back(out)
     dx = torch.zeros(x2.shape, dtype=lay.acc, device=x2.device)
     dx.index_add_(0, routing.tokens, back[:, :h])
@@ -295,54 +309,48 @@ _BACKWARD = {"ring": _ring_backward, "all_to_all": _all_to_all_backward}
 class _ExpertsFunction(torch.autograd.Function):
     """Autograd boundary of both schedules: saves X_p (as its RMSNorm's input when it is a
     norm's output: ``pointwise.to_save``), the routing (its sorted ``slots [n·k]``, and the
-    weights ``[n, k]``) and the rank's own experts."""
+    weights ``[n, k]``) and the rank's own experts ``ws``."""
 
     @staticmethod
-    def forward(ctx, group, options, n_experts, kind, schedule, x, index, weight, gate_up, down):
-        lay = _Experts(group, options, x, down, n_experts, kind)
+    def forward(ctx, group, options, n_experts, kind, schedule, x, index, weight, *ws):
+        lay = _Experts(group, options, x, ws, n_experts, kind)
         routing = Routing.of(index, n_experts)
         scale = weight.reshape(-1)[routing.slots].to(lay.acc)
-        y = _FORWARD[schedule](lay, x.reshape(-1, lay.h), gate_up, down, routing, scale)
+        y = _FORWARD[schedule](lay, x.reshape(-1, lay.h), ws, routing, scale)
         ctx.lay, ctx.schedule = lay, schedule
         ctx.routing = (routing.k, routing.counts, routing.dispatch)  # python ints, no tensor
         saved, norm_weight, ctx.norm = to_save(x)
-        ctx.save_for_backward(saved, norm_weight, routing.slots, weight, gate_up, down)
+        ctx.save_for_backward(saved, norm_weight, routing.slots, weight, *ws)
         return y.to(x.dtype).view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
-        x, norm_weight, slots, weight, gate_up, down = ctx.saved_tensors
+        x, norm_weight, slots, weight, *ws = ctx.saved_tensors
         lay = ctx.lay
         x = from_saved(x, norm_weight, ctx.norm)
         routing = Routing(slots, *ctx.routing)
         scale = weight.reshape(-1)[routing.slots].to(lay.acc)
-        weight_grads = any(ctx.needs_input_grad[8:10])
+        weight_grads = any(ctx.needs_input_grad[8:])
         dx, d_scale, grads = _BACKWARD[ctx.schedule](
-            lay,
-            dy.reshape(-1, lay.h),
-            x.reshape(-1, lay.h),
-            gate_up,
-            down,
-            routing,
-            scale,
-            weight_grads,
+            lay, dy.reshape(-1, lay.h), x.reshape(-1, lay.h), ws, routing, scale, weight_grads
         )
         d_weight = torch.zeros_like(scale).index_put_((routing.slots,), d_scale)
         d_weight = d_weight.view(weight.shape).to(weight.dtype)
-        d_gu, d_dn = (None, None) if grads is None else (g.to(gate_up.dtype) for g in grads)
-        return (None,) * 5 + (dx.to(x.dtype).view(x.shape), None, d_weight, d_gu, d_dn)
+        d_ws = [None] * len(ws) if grads is None else [g.to(t.dtype) for g, t in zip(grads, ws)]
+        return (None,) * 5 + (dx.to(x.dtype).view(x.shape), None, d_weight, *d_ws)
 
 
 class _RouterLogits(torch.autograd.Function):
-    """``x·Wᵀ`` ``[n, E]`` of ``x [B, T, h]``, saving x as its RMSNorm's input when it is a
+    """``x·Wᵀ (+ b)`` ``[n, E]`` of ``x [B, T, h]``, saving x as its RMSNorm's input when it is a
     norm's output (``pointwise.to_save``): the router (and Qwen2-MoE's shared-expert gate)
     adds no ``[B, T, h]`` tensor to what a layer saves."""
 
     @staticmethod
-    def forward(ctx, x, weight):
+    def forward(ctx, x, weight, bias):
         saved, norm_weight, ctx.norm = to_save(x)
         ctx.save_for_backward(saved, norm_weight, weight)
-        return x.reshape(-1, x.shape[-1]) @ weight.t()
+        logits = x.reshape(-1, x.shape[-1]) @ weight.t()
+        return logits if bias is None else logits + bias
 
     @staticmethod
     def backward(ctx, d_logits):
@@ -350,53 +358,53 @@ class _RouterLogits(torch.autograd.Function):
         x = from_saved(x, norm_weight, ctx.norm)
         dx = (d_logits @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
         dw = d_logits.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
-        return dx, dw
+        db = d_logits.sum(dim=0) if ctx.needs_input_grad[2] else None
+        return dx, dw, db
 
 
-def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The router's logits ``[B·T, E]`` of tokens ``x [B, T, h]`` (``weight [E, h]``)."""
-    return _RouterLogits.apply(x, weight)
+def router_logits(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The router's logits ``[B·T, E]`` of tokens ``x [B, T, h]`` (``weight [E, h]``, gpt-oss's
+    ``bias [E]``)."""
+    return _RouterLogits.apply(x, weight, bias)
 
 
 def tsp_experts(
     x: torch.Tensor,
     index: torch.Tensor,
     weight: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
+    ws: tuple[torch.Tensor, ...],
     group,
     options: EngineOptions,
     n_experts: int,
-    activation: str = "silu",
+    activation="silu",
     schedule: str = "auto",
 ) -> torch.Tensor:
     """Routed experts of this rank's tokens: ``x [B, S/D, h]`` -> ``[B, S/D, h]``, each token the
     sum of its experts ``index [n, k]`` (``n = B·S/D``, rows in x's order) times their routing
-    weights ``weight [n, k]`` (differentiable). ``gate_up [E_p, 2F, h]``, ``down [E_p, h, F]``:
-    this rank's experts of ``n_experts`` (``split_range``); ``activation``: the gate's
-    (``pointwise.GATE_ACTIVATIONS``); ``schedule``: ``"ring"``, ``"all_to_all"`` or ``"auto"``
-    (``schedule_for``)."""
+    weights ``weight [n, k]`` (differentiable). ``ws``: this rank's experts of ``n_experts``
+    (``split_range``), ``(gate_up [E_p, 2F, h], down [E_p, h, F])``, or gpt-oss's four
+    (``moe_clamped``); ``activation``: the gate's (``pointwise.GATE_ACTIVATIONS``) or a
+    ``moe_clamped.ClampedSwiGLU``; ``schedule``: ``"ring"``, ``"all_to_all"`` or ``"auto"``
+    (``schedule_for``, on the GEMM weights' traffic)."""
     D = comm.size_and_rank(group)[0]
     n, k = index.shape
-    F = down.shape[2]
+    F = ws[0].shape[1] * ws[0].shape[2] // (2 * x.shape[-1])  # [2F, h] or [h, 2F]
     run = schedule_for(schedule, n, k, n_experts, F, x.shape[-1], D)
-    return _ExpertsFunction.apply(
-        group, options, n_experts, activation, run, x, index, weight, gate_up, down
-    )
+    return _ExpertsFunction.apply(group, options, n_experts, activation, run, x, index, weight, *ws)
 
 
-def decode_experts(
-    x, index, weight, gate_up, down, first: int, n_experts: int, group, acc, activation="silu"
-):
+def decode_experts(x, index, weight, ws, first: int, n_experts: int, group, acc, activation="silu"):
     """Routed experts of the replicated decode tokens ``x [B, Tq, h]`` (routing ``index, weight
-    [B·Tq, k]``, the same on every rank): each rank adds its experts' rows (``gate_up, down``:
-    experts ``first`` on, of ``n_experts``), then one all-reduce; ``[B, Tq, h]`` in x's dtype,
-    identical on every rank."""
+    [B·Tq, k]``, the same on every rank): each rank adds its experts' rows (``ws``, as
+    ``tsp_experts``: experts ``first`` on, of ``n_experts``), then one all-reduce; ``[B, Tq,
+    h]`` in x's dtype, identical on every rank."""
     x2 = x.reshape(-1, x.shape[-1])
     routing = Routing.of(index, n_experts)
     scale = weight.reshape(-1)[routing.slots].to(acc)
     y = torch.zeros(x2.shape, dtype=acc, device=x.device)
-    rows, counts = routing.rows_of(first, gate_up.shape[0])
-    _add_experts(y, x2, routing, rows, counts, gate_up, down, scale, activation)
+    rows, counts = routing.rows_of(first, ws[0].shape[0])
+    _add_experts(y, x2, routing, rows, counts, ws, scale, activation)
     comm.all_reduce(y, group)
     return y.to(x.dtype).view(x.shape)

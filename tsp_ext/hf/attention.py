@@ -34,6 +34,17 @@ from .sharding import Role, ShardedModule
 SPANS_KWARG = "tsp_query_spans"
 
 
+def full_width(
+    cos: torch.Tensor, sin: torch.Tensor, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary tables over the whole head: gpt-oss's give one angle per pair of halves
+    (``[..., d/2]``, applied to the two halves of each head), the same rotation as rotate-half
+    RoPE with the angles repeated."""
+    if cos.shape[-1] * 2 != head_dim:
+        return cos, sin
+    return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+
+
 class TSPAttention(ShardedModule):
     """Self-attention of any supported family on a TSP axis; holds head group p of every projection.
 
@@ -42,8 +53,9 @@ class TSPAttention(ShardedModule):
     returns ``(output [B, S/D, h], None)``. ``position_ids`` restarting at 0 per document (packed
     rows, ``engine.documents``) make attention causal within each document and blocked across
     documents; plain global positions give one causal stream. Parameters keep the Hugging Face
-    names; q/k/v_proj hold rows, o_proj columns of this rank's head group; o_proj's bias and
-    the q/k norms (if any) are replicated, their gradients summed over the TSP group. A projection
+    names; q/k/v_proj hold rows, o_proj columns of this rank's head group; o_proj's bias, the
+    q/k norms and gpt-oss's ``sinks [n_heads]`` (one logit per query head in its softmax's
+    denominator; if any) are replicated, their gradients summed over the TSP group. A projection
     may be a ``TSPLoraLinear`` (PEFT LoRA, ``hf.lora``): its adapter joins the schedule.
     """
 
@@ -68,6 +80,7 @@ class TSPAttention(ShardedModule):
         o_bias: bool = False,
         q_norm: nn.Module | None = None,
         k_norm: nn.Module | None = None,
+        sinks: bool = False,
         dtype=None,
         device=None,
     ) -> None:
@@ -91,13 +104,15 @@ class TSPAttention(ShardedModule):
         self.v_proj = nn.Linear(h, nk, bias=qkv_bias, **kw)
         self.o_proj = nn.Linear(nq, h, bias=o_bias, **kw)
         self.q_norm, self.k_norm = q_norm, k_norm
+        self.sinks = nn.Parameter(torch.zeros(spec.n_heads, **kw)) if sinks else None
 
     @classmethod
     def from_hf(
         cls, attn: nn.Module, group, config: TSPConfig | None = None, family: Family = LLAMA
     ) -> TSPAttention:
         """Build from a Hugging Face attention module of ``family``, copying this rank's slices
-        of its weights (its sliding window and q/k norms' kind read through the family)."""
+        of its weights (its sliding window and q/k norms' kind read through the family; its
+        attention sinks, gpt-oss's ``sinks``, copied whole)."""
         cfg = attn.config
         D, p = comm.size_and_rank(group)
         # replicated per-head norms (Qwen3): private copies, so the HF module can be discarded
@@ -127,6 +142,7 @@ class TSPAttention(ShardedModule):
             o_bias=attn.o_proj.bias is not None,
             q_norm=q_norm,
             k_norm=k_norm,
+            sinks=getattr(attn, "sinks", None) is not None,
             dtype=w.dtype,
             device=w.device,
         )
@@ -207,14 +223,14 @@ class TSPAttention(ShardedModule):
                     index,
                 )
 
-        cos, sin = position_embeddings
+        cos, sin = full_width(*position_embeddings, self.spec.head_dim)
         own = self._own(merged=True)
         rms = None
         if self.spec.qk_norm_full:
             rms = qk_rms(x, own["wq"], own["wk"], self.spec, self.group, self.options)
         y = tsp_attention_prefill(
             x, rope_phases(cos, sin, x.dtype), own, *self._qk_norms(),
-            self.spec, self.group, self.options, keep, key_valid, rms,
+            self.spec, self.group, self.options, keep, key_valid, rms, self.sinks,
         )  # fmt: skip
         return self._with_o_bias(y)
 
@@ -231,7 +247,7 @@ class TSPAttention(ShardedModule):
         rank) at global indices ``q_index [Tq]`` over this rank's cached heads, whose new K/V join
         ``cache_layer``; ``valid [B, L + Tq]`` (bool) marks the non-padding tokens. Returns
         ``[B, Tq, h]``, the same on every rank."""
-        cos, sin = position_embeddings
+        cos, sin = full_width(*position_embeddings, self.spec.head_dim)
         own = self._own(merged=True)
         phases = rope_phases(cos, sin, x.dtype)
         q_norm, k_norm = self._qk_norms()
@@ -248,8 +264,11 @@ class TSPAttention(ShardedModule):
             allowed = allowed & (index[None, :] > q_index[:, None] - self.spec.window)
         if valid is not None:
             allowed = allowed & valid[:, None, index]
+        sinks = None
+        if self.sinks is not None:
+            sinks = self.sinks[self.spec.q_heads(dist.get_rank(self.group))]
         a = decode_attention(
-            q, keys.transpose(1, 2), values.transpose(1, 2), allowed, self.spec, self.group
+            q, keys.transpose(1, 2), values.transpose(1, 2), allowed, self.spec, self.group, sinks
         )
         y = row_parallel(a.flatten(2), own["wo"], self.group, self.options.accum_for(x.dtype))
         return self._with_o_bias(y)
@@ -273,7 +292,7 @@ class TSPAttention(ShardedModule):
                 "TSP attention is causal by global position and takes no attention_mask; right "
                 "padding needs none (padded tokens come last and carry ignored labels)"
             )
-        cos, sin = position_embeddings
+        cos, sin = full_width(*position_embeddings, self.spec.head_dim)
         spans, pos = kwargs.get(SPANS_KWARG), kwargs.get("position_ids")
         if spans is None and pos is not None:  # called without the model's input check
             D, p = comm.size_and_rank(self.group)
@@ -301,9 +320,10 @@ class TSPAttention(ShardedModule):
                     "(OLMo-2) is not supported under TSP: target the other projections"
                 )
             rms = qk_rms(x, own["wq"], own["wk"], self.spec, self.group, self.options)
+        sinks = None if self.sinks is None else comm.replicated(self.sinks, self.group)
         y = tsp_attention(
             x, cos, sin, own, q_norm, k_norm, self.spec, self.group, self.options, spans,
-            plan, lora_a, b_out, rms,
+            plan, lora_a, b_out, rms, sinks,
         )  # fmt: skip
         if self.o_proj.bias is not None:
             y = y + comm.replicated(self.o_proj.bias, self.group)

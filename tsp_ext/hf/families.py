@@ -173,6 +173,7 @@ class Family:
             (self.mlp, self.mlp_norm, self.mlp_post_norm, mlp),
         ):
             out = call(getattr(layer, module), x if pre is None else getattr(layer, pre)(x))
+            out = out[0] if isinstance(out, tuple) else out  # gpt-oss's MLP: (out, scores)
             x = x + (out if post is None else getattr(layer, post)(out))
         return x
 
@@ -219,6 +220,9 @@ OLMO2 = Family(
 # Qwen2-MoE adds a shared expert)
 QWEN_MOE = Family("Qwen-MoE", ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"), moe=True)
 MIXTRAL = Family("Mixtral", ("MixtralForCausalLM",), moe=True, router_float32=True)
+# Llama's layout with attention sinks and q/k/v/o biases, alternating sliding-window and full
+# layers, and a MoE block of biased experts behind a biased top-k-then-softmax router
+GPT_OSS = Family("gpt-oss", ("GptOssForCausalLM",), moe=True, router="router")
 # vision-language models: a language model of the Llama layout (Qwen2 with q/k/v biases, Qwen3
 # with q/k norms, or any stock one) under ``model.language_model``, its 3-D M-RoPE table
 # computed by the Hugging Face module, and a vision side (``hf.vision``)
@@ -242,7 +246,19 @@ LLAVA = Family(
         modules=("vision_tower", "multi_modal_projector"), grids=False, mrope=False, videos=False
     ),
 )
-FAMILIES = (LLAMA, GEMMA, GEMMA3, PHI3, OLMO2, QWEN_MOE, MIXTRAL, QWEN25_VL, QWEN3_VL, LLAVA)
+FAMILIES = (
+    LLAMA,
+    GEMMA,
+    GEMMA3,
+    PHI3,
+    OLMO2,
+    QWEN_MOE,
+    MIXTRAL,
+    GPT_OSS,
+    QWEN25_VL,
+    QWEN3_VL,
+    LLAVA,
+)
 
 
 def _part_rows(parts: tuple[str, ...], config) -> list[int]:

@@ -1,10 +1,11 @@
-"""``TSPSparseMoe``: a Hugging Face mixture-of-experts block (Qwen3-MoE, Qwen2-MoE, Mixtral) with
-E/D whole experts per rank, and the global load-balancing loss.
+"""``TSPSparseMoe``: a Hugging Face mixture-of-experts block (Qwen3-MoE, Qwen2-MoE, Mixtral,
+gpt-oss) with E/D whole experts per rank, and the global load-balancing loss.
 
 The schedules (experts on a ring, or tokens by all-to-all) are ``tsp_ext.engine.moe``. The
 router ``[E, h]`` is replicated (its gradient summed over the TSP group) and routes each rank's
-own tokens as Hugging Face's does; Qwen2-MoE's shared expert is a ``TSPGatedMLP`` (its own ring)
-behind its replicated sigmoid gate.
+own tokens as Hugging Face's does (gpt-oss's router has a bias, replicated the same way, and
+takes the top k of the logits, then their softmax); Qwen2-MoE's shared expert is a
+``TSPGatedMLP`` (its own ring) behind its replicated sigmoid gate.
 ``collect_router_logits`` gathers every MoE layer's logits during a call, from which
 ``load_balancing_loss`` gives Hugging Face's auxiliary loss over the whole TSP group's tokens.
 """
@@ -17,11 +18,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 from transformers.utils import ModelOutput
 
 from ..config import TSPConfig
 from ..engine import comm
 from ..engine.moe import decode_experts, router_logits, tsp_experts
+from ..engine.moe_clamped import ClampedSwiGLU
 from ..engine.partition import check_split, split_range, split_sizes
 from .families import Family, expert_intermediate_size, gate_activation
 from .mlp import TSPGatedMLP
@@ -33,10 +36,12 @@ _collected: list[torch.Tensor] | None = None
 class TSPExperts(ShardedModule):
     """This rank's E_p whole experts, ``gate_up_proj [E_p, 2F, h]`` and ``down_proj [E_p, h,
     F]`` as Hugging Face stores them (experts ``split_range(E, D, p)``: ``⌊E/D⌋`` or ``⌈E/D⌉``,
-    the first ``E mod D`` ranks one more). ``schedule``: how tokens and experts meet
-    (``engine.moe``: ``"ring"``, ``"all_to_all"`` or ``"auto"``)."""
+    the first ``E mod D`` ranks one more); with ``activation`` a ``ClampedSwiGLU``, gpt-oss's
+    ``gate_up_proj [E_p, h, 2F]`` (gate/up interleaved), ``gate_up_proj_bias [E_p, 2F]``,
+    ``down_proj [E_p, F, h]`` and ``down_proj_bias [E_p, h]``. ``schedule``: how tokens and
+    experts meet (``engine.moe``: ``"ring"``, ``"all_to_all"`` or ``"auto"``)."""
 
-    shard_dims = {"gate_up_proj": 0, "down_proj": 0}
+    shard_dims = {"gate_up_proj": 0, "down_proj": 0, "gate_up_proj_bias": 0, "down_proj_bias": 0}
 
     def __init__(
         self,
@@ -46,7 +51,7 @@ class TSPExperts(ShardedModule):
         group,
         config: TSPConfig | None = None,
         *,
-        activation: str = "silu",
+        activation: str | ClampedSwiGLU = "silu",
         dtype=None,
         device=None,
     ) -> None:
@@ -65,15 +70,23 @@ class TSPExperts(ShardedModule):
             intermediate_size,
             {"dtype": dtype, "device": device},
         )
-        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * F_, hidden_size, **kw))
-        self.down_proj = nn.Parameter(torch.empty(E, hidden_size, F_, **kw))
+        if isinstance(activation, ClampedSwiGLU):
+            self.gate_up_proj = nn.Parameter(torch.empty(E, hidden_size, 2 * F_, **kw))
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * F_, **kw))
+            self.down_proj = nn.Parameter(torch.empty(E, F_, hidden_size, **kw))
+            self.down_proj_bias = nn.Parameter(torch.empty(E, hidden_size, **kw))
+        else:
+            self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * F_, hidden_size, **kw))
+            self.down_proj = nn.Parameter(torch.empty(E, hidden_size, F_, **kw))
 
     @classmethod
-    def from_hf(cls, experts: nn.Module, group, config: TSPConfig | None, activation: str):
+    def from_hf(cls, experts: nn.Module, group, config: TSPConfig | None, activation):
         """This rank's experts of a Hugging Face experts module (``gate_up_proj [E, 2F, h]``,
-        ``down_proj [E, h, F]``)."""
+        ``down_proj [E, h, F]``; gpt-oss's four with a ``ClampedSwiGLU`` ``activation``)."""
         gate_up = experts.gate_up_proj
         E, F2, h = gate_up.shape
+        if isinstance(activation, ClampedSwiGLU):
+            E, h, F2 = gate_up.shape
         kw = {"activation": activation, "dtype": gate_up.dtype, "device": gate_up.device}
         mod = cls(E, h, F2 // 2, group, config, **kw)
         with torch.no_grad():
@@ -85,6 +98,12 @@ class TSPExperts(ShardedModule):
     def index_of(self, name: str, rank: int) -> tuple[slice, ...]:
         return (split_range(self.n_experts, dist.get_world_size(self.group), rank),)
 
+    def weights(self) -> tuple[nn.Parameter, ...]:
+        """The experts' weights in the engine's order (``engine.moe.tsp_experts``'s ``ws``)."""
+        if isinstance(self.activation, ClampedSwiGLU):
+            return self.gate_up_proj, self.gate_up_proj_bias, self.down_proj, self.down_proj_bias
+        return self.gate_up_proj, self.down_proj
+
     def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """``x [B, S/D, h]`` with each token's experts ``index`` and weights ``weight [B·S/D,
         k]`` -> ``[B, S/D, h]``."""
@@ -92,8 +111,7 @@ class TSPExperts(ShardedModule):
             x,
             index,
             weight,
-            self.gate_up_proj,
-            self.down_proj,
+            self.weights(),
             self.group,
             self.options,
             self.n_experts,
@@ -104,17 +122,16 @@ class TSPExperts(ShardedModule):
     @torch.no_grad()
     def decode(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         acc = self.options.accum_for(x.dtype)
-        w = (self.gate_up_proj, self.down_proj)
-        return decode_experts(
-            x, index, weight, *w, self.first, self.n_experts, self.group, acc, self.activation
-        )
+        w, first, E = self.weights(), self.first, self.n_experts
+        return decode_experts(x, index, weight, w, first, E, self.group, acc, self.activation)
 
 
 class TSPSparseMoe(nn.Module):
     """A sparse MoE block on a TSP axis: ``[B, S/D, h]`` -> ``[B, S/D, h]``, each token the
     weighted sum of its top-k experts (plus, in Qwen2-MoE, the gated shared expert). ``gate``:
-    the replicated router (Hugging Face's module, ``weight [E, h]``), ``experts``: a
-    ``TSPExperts``."""
+    the replicated router (Hugging Face's module, ``weight [E, h]``, gpt-oss's ``bias [E]``),
+    ``experts``: a ``TSPExperts``; ``top_k_first``: gpt-oss's routing (softmax over the top k
+    logits) instead of the top k of the softmax."""
 
     def __init__(
         self,
@@ -125,12 +142,17 @@ class TSPSparseMoe(nn.Module):
         top_k: int,
         normalize: bool,
         float32_weights: bool,
+        top_k_first: bool = False,
         shared_expert: TSPGatedMLP | None = None,
         shared_expert_gate: nn.Module | None = None,
+        router_name: str = "gate",
     ) -> None:
         super().__init__()
-        self.gate, self.experts, self.group = gate, experts, group
+        self.router_name = router_name  # the router keeps its Hugging Face name (gpt-oss: router)
+        self.add_module(router_name, gate)
+        self.experts, self.group = experts, group
         self.top_k, self.normalize, self.float32_weights = top_k, normalize, float32_weights
+        self.top_k_first = top_k_first
         self.shared_expert, self.shared_expert_gate = shared_expert, shared_expert_gate
 
     @classmethod
@@ -139,7 +161,11 @@ class TSPSparseMoe(nn.Module):
     ) -> TSPSparseMoe:
         """Build from a Hugging Face MoE block of ``family`` (checked by ``check_moe_block``)."""
         router, experts = getattr(block, family.router), getattr(block, family.experts)
-        activation = gate_activation(experts.config, family.activation)
+        gpt_oss = isinstance(experts, GptOssExperts)
+        if gpt_oss:
+            activation = ClampedSwiGLU(experts.alpha, experts.limit)
+        else:
+            activation = gate_activation(experts.config, family.activation)
         shared = getattr(block, "shared_expert", None)
         if shared is not None:
             shared = TSPGatedMLP.from_hf(shared, group, config, family)
@@ -150,20 +176,30 @@ class TSPSparseMoe(nn.Module):
             top_k=router.top_k,
             normalize=getattr(router, "norm_topk_prob", True),
             float32_weights=family.router_float32,
+            top_k_first=gpt_oss,
             shared_expert=shared,
             shared_expert_gate=getattr(block, "shared_expert_gate", None),
+            router_name=family.router,
         )
 
+    def router_module(self) -> nn.Module:
+        """The router (Hugging Face's module, under its Hugging Face name)."""
+        return getattr(self, self.router_name)
+
     def routers(self) -> list[nn.Parameter]:
-        """The replicated weights that pick and weigh experts: the router's and, in
-        Qwen2-MoE, the shared expert's gate."""
-        gates = (self.gate, self.shared_expert_gate)
-        return [g.weight for g in gates if g is not None]
+        """The replicated weights that pick and weigh experts: the router's (and gpt-oss's
+        router bias) and, in Qwen2-MoE, the shared expert's gate."""
+        gates = [g for g in (self.router_module(), self.shared_expert_gate) if g is not None]
+        return [g.weight for g in gates] + [g.bias for g in gates if _bias(g) is not None]
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Hugging Face's top-k routing of ``logits [n, E]``: the weights ``[n, k]`` (softmax in
         float32, renormalized over the k if the model does; float32 or the logits' dtype) and
-        the experts' indices ``[n, k]``."""
+        the experts' indices ``[n, k]``. gpt-oss (``top_k_first``): the softmax of the top k
+        logits, in their dtype."""
+        if self.top_k_first:
+            top, index = torch.topk(logits, self.top_k, dim=-1)
+            return F.softmax(top, dim=-1, dtype=top.dtype), index
         probs = F.softmax(logits, dim=-1, dtype=torch.float32)
         top, index = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize:
@@ -171,14 +207,17 @@ class TSPSparseMoe(nn.Module):
         return (top if self.float32_weights else top.to(logits.dtype)), index
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = router_logits(x, comm.replicated(self.gate.weight, self.group))
+        bias = _bias(self.router_module())
+        bias = None if bias is None else comm.replicated(bias, self.group)
+        logits = router_logits(x, comm.replicated(self.router_module().weight, self.group), bias)
         if _collected is not None:
             _collected.append(logits)
         weight, index = self.route(logits)
         y = self.experts(x, index, weight)
         if self.shared_expert is not None:
             y = y + self._shared_gate(x) * self.shared_expert(x)
-        return y
+        # gpt-oss's decoder layer unpacks (output, router scores), as its MLP returns them
+        return (y, None) if self.top_k_first else y
 
     def _shared_gate(self, x: torch.Tensor) -> torch.Tensor:
         """Qwen2-MoE's ``sigmoid(x · w)`` ``[B, S/D, 1]`` (``w [1, h]`` replicated; x kept as
@@ -191,13 +230,23 @@ class TSPSparseMoe(nn.Module):
         """Inference: the block on tokens ``x [B, Tq, h]`` that every rank holds (a decode
         step), each rank with its experts (and its slice of the shared expert); the same on
         every rank."""
-        weight, index = self.route(F.linear(x.reshape(-1, x.shape[-1]), self.gate.weight))
+        logits = F.linear(x.reshape(-1, x.shape[-1]), *_weight_and_bias(self.router_module()))
+        weight, index = self.route(logits)
         y = self.experts.decode(x, index, weight)
         if self.shared_expert is not None:
             y = y + torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * (
                 self.shared_expert.decode(x)
             )
         return y
+
+
+def _weight_and_bias(gate: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return gate.weight, _bias(gate)
+
+
+def _bias(gate: nn.Module) -> torch.Tensor | None:
+    """A router's bias (gpt-oss's), else None."""
+    return getattr(gate, "bias", None)
 
 
 @contextmanager
@@ -244,7 +293,8 @@ def n_experts_of(config) -> int:
 def check_moe_block(name: str, i: int, block: nn.Module, family: Family) -> None:
     """Raise ``ValueError`` naming the model and what is supported unless layer ``i``'s MoE
     ``block`` is one TSP runs: a listed MoE family, a top-k router over the config's experts,
-    experts of the config's shapes without biases, no router jitter."""
+    experts of the config's shapes without biases (gpt-oss's: with theirs), no router
+    jitter."""
     supported = "Qwen3MoeForCausalLM, Qwen2MoeForCausalLM and MixtralForCausalLM"
     if not family.moe:
         raise ValueError(
@@ -252,23 +302,38 @@ def check_moe_block(name: str, i: int, block: nn.Module, family: Family) -> None
             f"blocks of {supported}"
         )
     router, experts = getattr(block, family.router, None), getattr(block, family.experts)
-    cfg = experts.config
-    E, h, F_ = n_experts_of(cfg), cfg.hidden_size, expert_intermediate_size(cfg)
+    gpt_oss = isinstance(experts, GptOssExperts)
+    if gpt_oss:
+        E, h, F_ = experts.num_experts, experts.hidden_size, experts.intermediate_size
+    else:
+        cfg = experts.config
+        E, h, F_ = n_experts_of(cfg), cfg.hidden_size, expert_intermediate_size(cfg)
     weight = getattr(router, "weight", None)
     if weight is None or tuple(weight.shape) != (E, h) or not hasattr(router, "top_k"):
         raise ValueError(
             f"{name} layer {i}: the router {type(router).__name__} is not a top-k router with a "
             f"weight [{E}, {h}]; TSP runs the top-k softmax routers of {supported}"
         )
+    bias = _bias(router)
+    if bias is not None and (not gpt_oss or tuple(bias.shape) != (E,)):
+        have = tuple(bias.shape)
+        raise ValueError(
+            f"{name} layer {i}: the router's bias is {have}; TSP takes a router bias [{E}] only "
+            "with gpt-oss's experts"
+        )
     if not 1 <= router.top_k <= E:
         raise ValueError(
             f"{name} layer {i}: num_experts_per_tok={router.top_k} must be between 1 and the "
             f"number of experts ({E})"
         )
-    shapes = {
-        "gate_up_proj": (E, 2 * F_, h),
-        "down_proj": (E, h, F_),
-    }
+    shapes = {"gate_up_proj": (E, 2 * F_, h), "down_proj": (E, h, F_)}
+    if gpt_oss:
+        shapes = {
+            "gate_up_proj": (E, h, 2 * F_),
+            "gate_up_proj_bias": (E, 2 * F_),
+            "down_proj": (E, F_, h),
+            "down_proj_bias": (E, h),
+        }
     for key, shape in shapes.items():
         got = getattr(experts, key, None)
         if got is None or tuple(got.shape) != shape:
@@ -277,7 +342,7 @@ def check_moe_block(name: str, i: int, block: nn.Module, family: Family) -> None
                 f"{name} layer {i}: experts.{key} is {have}, the config says {shape} (E = {E} "
                 f"experts of intermediate size {F_}); TSP needs experts as the config describes"
             )
-    if any(hasattr(experts, f"{k}_bias") for k in shapes):
+    if not gpt_oss and any(hasattr(experts, f"{k}_bias") for k in shapes):
         raise ValueError(f"{name} layer {i}: expert biases are not supported under TSP")
     if getattr(block, "jitter_noise", 0):
         raise ValueError(
