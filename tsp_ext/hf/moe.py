@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 from transformers.utils import ModelOutput
 
 from ..config import TSPConfig
@@ -161,7 +160,7 @@ class TSPSparseMoe(nn.Module):
     ) -> TSPSparseMoe:
         """Build from a Hugging Face MoE block of ``family`` (checked by ``check_moe_block``)."""
         router, experts = getattr(block, family.router), getattr(block, family.experts)
-        gpt_oss = isinstance(experts, GptOssExperts)
+        gpt_oss = is_gpt_oss_experts(experts)
         if gpt_oss:
             activation = ClampedSwiGLU(experts.alpha, experts.limit)
         else:
@@ -244,6 +243,12 @@ def _weight_and_bias(gate: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None
     return gate.weight, _bias(gate)
 
 
+def is_gpt_oss_experts(experts: nn.Module) -> bool:
+    """Whether a Hugging Face experts module is gpt-oss's (biased, clamped SwiGLU), by its class
+    name: importing transformers' gpt-oss module would pull in Accelerate."""
+    return type(experts).__name__ == "GptOssExperts"
+
+
 def _bias(gate: nn.Module) -> torch.Tensor | None:
     """A router's bias (gpt-oss's), else None."""
     return getattr(gate, "bias", None)
@@ -302,7 +307,7 @@ def check_moe_block(name: str, i: int, block: nn.Module, family: Family) -> None
             f"blocks of {supported}"
         )
     router, experts = getattr(block, family.router, None), getattr(block, family.experts)
-    gpt_oss = isinstance(experts, GptOssExperts)
+    gpt_oss = is_gpt_oss_experts(experts)
     if gpt_oss:
         E, h, F_ = experts.num_experts, experts.hidden_size, experts.intermediate_size
     else:
