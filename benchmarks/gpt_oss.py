@@ -12,7 +12,8 @@ applies its sinks), its sinks drawn from N(0, 1) so that they weigh in the softm
 one random sequence of ``--seq`` tokens, forward + backward of the loss, in one run:
 
 * ``1 process``: the unmodified Hugging Face model on the full sequence;
-* ``tsp`` at each D: ``apply_tsp`` on the same model, ``model(**shard_batch(batch, mesh))``;
+* ``tsp`` at each D: ``apply_tsp`` on the same model, ``model(**shard_batch(batch, mesh,
+  model=model))`` (each rank holds 1/D of the tokens);
 * at the smallest D, each baseline on the model's own forward, with this rank's share of
   ``input_ids``, of the positions ``0..S-1`` and of the labels shifted once over the whole
   sequence (the loss: their cross-entropy summed, over ``S - 1``, all-reduced):
