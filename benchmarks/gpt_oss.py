@@ -30,9 +30,9 @@ one random sequence of ``--seq`` tokens, forward + backward of the loss, in one 
 Per row (max over ranks): the bytes autograd saves (``SavedTensorBytes``, parameters excluded),
 the peak resident-set growth during a step (measured as ``benchmarks.harness`` does, after the
 timing), the step time (median of ``--steps`` after one warm-up) and its ratio to the single
-process's, and the loss; the TSP rows' loss is asserted equal to the single process's to float32
-tolerance. On a machine with fewer cores than D the ranks share cores: step times then include
-that contention.
+process's, and the loss, equal to the single process's when within 1e-5 of it (relative: float32
+tolerance; TSP's is asserted, a baseline's past it is marked wrong). On a machine with fewer
+cores than D the ranks share cores: step times then include that contention.
 """
 
 from __future__ import annotations
@@ -216,7 +216,7 @@ def _row(name: str, D: int, per_rank: list[dict], single: dict | None) -> dict:
     row["loss"] = rows[0]["loss"]
     if single is not None:
         row["vs_1_process"] = row["step_s"] / single["step_s"]
-        tol = 1e-4 * max(1.0, abs(single["loss"]))
+        tol = 1e-5 * max(1.0, abs(single["loss"]))
         row["loss_ok"] = all(abs(r["loss"] - single["loss"]) <= tol for r in rows)
         assert row["loss_ok"] or name not in ("1 process", "tsp"), (
             f"{name} D={D}: losses {[r['loss'] for r in rows]} != {single['loss']}"
