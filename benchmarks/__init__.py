@@ -17,5 +17,8 @@
   step time (``python -m benchmarks.grpo``);
 - ``vision``: a tiny-width Qwen2.5-VL with a long video, one process against TSP and the
   sequence-parallel baselines (``python -m benchmarks.vision``);
+- ``gpt_oss``: a tiny-width gpt-oss (attention sinks, sliding-window and full layers, MoE) on
+  one long sequence, one process against TSP and the sequence-parallel baselines
+  (``python -m benchmarks.gpt_oss``);
 - ``comm_counter``, ``report``, ``plots``: the pieces they share.
 """

@@ -397,3 +397,16 @@ def test_vision_table_is_its_json():
     assert f"{share:.0%}".replace("%", " %") in text
     assert f"D = 2 runs in {tsp[2]['vs_1_process']:.2f}x" in text
     assert all(not r["ok"] for r in rows if r["path"] in ("ulysses", "ring"))
+
+
+def test_gpt_oss_table_is_its_json():
+    """docs/moe.md's gpt-oss benchmark table is ``benchmarks.gpt_oss``'s of its JSON: TSP's loss
+    is the single process's, every other path refuses or answers another."""
+    from benchmarks.gpt_oss import markdown_table
+
+    rows = json.loads((RESULTS / "gpt_oss_cpu.json").read_text())["rows"]
+    lines = (ROOT / "docs" / "moe.md").read_text().splitlines()
+    for line in markdown_table(rows).splitlines():
+        assert line in lines, line
+    assert all(r["ok"] and r["loss_ok"] for r in rows if r["path"] in ("1 process", "tsp"))
+    assert not any(r["ok"] and r["loss_ok"] for r in rows if r["path"] not in ("1 process", "tsp"))
