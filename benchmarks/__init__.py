@@ -20,5 +20,5 @@
 - ``gpt_oss``: a tiny-width gpt-oss (attention sinks, sliding-window and full layers, MoE) on
   one long sequence, one process against TSP and the sequence-parallel baselines
   (``python -m benchmarks.gpt_oss``);
-- ``comm_counter``, ``report``, ``plots``: the pieces they share.
+- ``comm_counter``, ``report``, ``plots``, ``baseline_rows``: the pieces they share.
 """

@@ -36,12 +36,11 @@ import argparse
 import json
 import statistics
 import time
-import traceback
-from pathlib import Path
 
 import torch
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
+from benchmarks.baseline_rows import failure, merged_row
 from benchmarks.harness import memory_now, mmap_large_allocations, peak_memory, reset_peak
 from tsp_ext import apply_tsp, init_tsp_mesh, shard_batch
 from tsp_ext.memory import SavedTensorBytes
@@ -194,30 +193,8 @@ def _baseline_worker(rank, world, name, sizes, steps):
             inputs = dict(zip(("input_ids", "labels", "mm_token_type_ids"), tokens))
             inputs.update({k: batch[k] for k in ("pixel_values_videos", "video_grid_thw")})
             return _measure(model, inputs, steps)
-    except Exception as e:  # the row reports it, and the model's code that raised it
-        tb = traceback.extract_tb(e.__traceback__)
-        frames = [f for f in tb if "/models/" in f.filename and not f.name.startswith("<")]
-        f = frames[-1] if frames else None
-        where = f"{Path(f.filename).name}:{f.lineno} {f.name}" if f else ""
-        return {"error": f"{type(e).__name__}: {e}".splitlines()[0], "where": where}
-
-
-def _row(name: str, D: int, per_rank: list[dict], single: dict | None) -> dict:
-    rows = [r[name] if name in r else r for r in per_rank]
-    rows = [r for r in rows if r]
-    errors = sorted({r["error"] for r in rows if "error" in r})
-    if errors:
-        where = sorted({r["where"] for r in rows if r.get("where")})
-        return {"D": D, "path": name, "ok": False, "error": " | ".join(errors), "where": where}
-    row = {k: max(r[k] for r in rows) for k in rows[0]}
-    row["loss"] = rows[0]["loss"]
-    if single is not None:
-        row["vs_1_process"] = row["step_s"] / single["step_s"]
-        tol = 1e-4 * max(1.0, abs(single["loss"]))
-        assert all(abs(r["loss"] - single["loss"]) <= tol for r in rows), (
-            f"{name} D={D}: losses {[r['loss'] for r in rows]} != {single['loss']}"
-        )
-    return {"D": D, "path": name, "ok": True, **row}
+    except Exception as e:  # the row reports it, where the model raised it
+        return failure(e)
 
 
 def bench(
@@ -239,14 +216,14 @@ def bench(
         per_rank = launch(_worker, D, sizes, steps, single is None, timeout=timeout)
         if single is None:
             single = per_rank[0]["1 process"]
-            rows.append({**_row("1 process", 1, per_rank[:1], None), "vs_1_process": 1.0})
-        rows.append(_row("tsp", D, per_rank, single))
+            rows.append({**merged_row("1 process", 1, per_rank[:1], None), "vs_1_process": 1.0})
+        rows.append(merged_row("tsp", D, per_rank, single))
     D = min(tsp)
     for name in baselines:
         run = run_processes if name == "ulysses" else launch
         try:
             per_rank = run(_baseline_worker, D, name, sizes, steps, timeout=timeout)
-            rows.append(_row(name, D, [{name: r} for r in per_rank], single))
+            rows.append(merged_row(name, D, [{name: r} for r in per_rank], single))
         except RuntimeError as e:  # a rank died or the run hung
             rows.append({"D": D, "path": name, "ok": False, "error": str(e).splitlines()[0]})
     return rows

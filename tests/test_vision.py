@@ -71,6 +71,8 @@ def parity_case(mesh, case: str, config: TSPConfig, freeze: bool, overrides: dic
     data = vlm_batch(name, per_image=5 if overrides else 4)  # the class token: one more
     ref_loss, ref_logits, ref_grads = reference(ref, data)
     apply_tsp(model, mesh, config=config)
+    # which rank encodes which images and where features go follow from the batch alone
+    torch.manual_seed(1000 + torch.distributed.get_rank())
     out = model(**shard_batch(data, mesh, model=model), return_logits=True)
     out.loss.backward()
     logits = gather_sequence(out.logits.detach(), mesh, seq_len=data["input_ids"].shape[1])
