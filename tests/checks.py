@@ -42,3 +42,20 @@ def gemma_norm_tol(family: str, name: str, tol: float) -> float:
     at D > 1) agrees to float32 rounding, not to float64's."""
     gemma = family.startswith("gemma")
     return max(tol, 1e-5) if gemma and name.endswith("norm.weight") else tol
+
+
+def hf_mask(pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """The additive ``[B, 1, S, S]`` mask of causal (windowed) attention within the documents of
+    the per-document positions ``pos [B, S]``."""
+    S = pos.shape[1]
+    i, j = torch.arange(S)[:, None], torch.arange(S)
+    doc = (pos == 0).cumsum(-1)
+    hidden = (j > i) | (doc[:, :, None] != doc[:, None, :])
+    if window is not None:
+        hidden = hidden | (j <= i - window)
+    return torch.zeros(hidden.shape, dtype=torch.float64).masked_fill(hidden, -torch.inf)[:, None]
+
+
+def doc_positions(docs: tuple[tuple[int, ...], ...]) -> torch.Tensor:
+    """Per-document positions ``[B, S]`` of rows packed with documents of lengths ``docs[b]``."""
+    return torch.stack([torch.cat([torch.arange(n) for n in row]) for row in docs])

@@ -28,6 +28,8 @@ from transformers import (
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
 )
 
 BASE = dict(
@@ -169,9 +171,34 @@ MOE_FAMILIES = {
 }
 
 
+# hybrid linear attention (``tests/test_qwen3_next.py``): a Gated DeltaNet layer (4 key / 8 value
+# heads: D = 3 splits them 2, 1, 1) and a gated full-attention layer (RoPE on 2 of 8 dims), both
+# with MoE blocks of 4 experts, top-2, and a gated shared expert
+HYBRID_FAMILIES = {
+    "qwen3_next": (
+        Qwen3NextForCausalLM,
+        Qwen3NextConfig,
+        dict(
+            **MOE,
+            head_dim=8,
+            layer_types=["linear_attention", "full_attention"],
+            linear_num_key_heads=4,
+            linear_num_value_heads=8,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_conv_kernel_dim=4,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=24,
+        ),
+    ),
+}
+
+
 def build(name: str, dtype: torch.dtype = torch.float64, seed: int = 0, **overrides):
     """The same randomly initialised model on every rank (fixed seed), in ``dtype``."""
-    model_cls, cfg_cls, kw = FAMILIES[name] if name in FAMILIES else MOE_FAMILIES[name]
+    model_cls, cfg_cls, kw = {**FAMILIES, **MOE_FAMILIES, **HYBRID_FAMILIES}[name]
     torch.manual_seed(seed)
     model = model_cls(cfg_cls(**{**BASE, **kw, **overrides})).to(dtype)
     with torch.no_grad():  # make norms and biases non-trivial so their gradients are tested

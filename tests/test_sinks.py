@@ -9,7 +9,7 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-from checks import rel_err
+from checks import doc_positions, hf_mask, rel_err
 from transformers import GptOssConfig
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention, GptOssRotaryEmbedding
 
@@ -43,18 +43,6 @@ def make_config() -> GptOssConfig:
     )
 
 
-def hf_mask(pos: torch.Tensor, window: int | None) -> torch.Tensor:
-    """The additive ``[B, 1, S, S]`` mask of causal (windowed) attention within the documents of
-    the per-document positions ``pos [B, S]``."""
-    S = pos.shape[1]
-    i, j = torch.arange(S)[:, None], torch.arange(S)
-    doc = (pos == 0).cumsum(-1)
-    hidden = (j > i) | (doc[:, :, None] != doc[:, None, :])
-    if window is not None:
-        hidden = hidden | (j <= i - window)
-    return torch.zeros(hidden.shape, dtype=torch.float64).masked_fill(hidden, -torch.inf)[:, None]
-
-
 def hf_layer(cfg: GptOssConfig, layer: int) -> GptOssAttention:
     torch.manual_seed(layer)
     attn = GptOssAttention(cfg, layer).to(torch.float64)
@@ -68,11 +56,6 @@ def tsp_rope(rope: GptOssRotaryEmbedding, x: torch.Tensor, pos: torch.Tensor):
     ``[B, T, d/2]``, applied to the halves of a head, the same as rotate-half RoPE with each
     table repeated."""
     return tuple(torch.cat([t, t], dim=-1) for t in rope(x, pos))
-
-
-def doc_positions(docs: tuple[tuple[int, ...], ...]) -> torch.Tensor:
-    """Per-document positions ``[B, S]`` of rows packed with documents of lengths ``docs[b]``."""
-    return torch.stack([torch.cat([torch.arange(n) for n in row]) for row in docs])
 
 
 def _training_case(rank, world, layer, B, S, docs=None) -> dict:

@@ -131,6 +131,8 @@ def tsp_attention_forward(
                 lse_all = lse.new_empty(B, spec.n_heads, T)
             heads = spec.q_heads(r)
             a_all[:, heads], lse_all[:, heads] = a.transpose(1, 2), lse
+        if spec.output_gate:  # Qwen3-Next: A · sigmoid(X · Wg_rᵀ), per head and dim
+            a = a * torch.sigmoid(torch.nn.functional.linear(x, w["wg"])).view(a.shape)
         wo = sched.adapters.out_weight(w)
         add_matmul(y.view(-1, y.shape[-1]), a.reshape(B * T, -1), wo.t())
         adapters.add_group(r, a, w)
@@ -211,10 +213,14 @@ class _Backward:
         # while K/V travel: dA = dY_p · Wo_r ;  dWo_r (partial) = dY_pᵀ · A_r
         heads = spec.q_heads(r)
         a = self.a_all[:, heads]  # [B, n_q(r), T, d]
+        gate = self.gate(w, a) if spec.output_gate else None
+        a_out = a if gate is None else a * gate
         wo, weight_grad = sched.adapters.out_weight(w), "wo" in sched.trainable
-        da, dwo = output_backward(self.dy, wo, a, sched.acc, weight_grad)
-        d_lo = self.adapters.output_backward(r, w.get("lo"), a, da)
+        da, dwo = output_backward(self.dy, wo, a_out, sched.acc, weight_grad)
+        d_lo = self.adapters.output_backward(r, w.get("lo"), a_out, da)
         d_out = {n: t for n, t in (("wo", dwo), ("lo", d_lo)) if n in sched.trainable}
+        if gate is not None:
+            da = self.gate_backward(w, a, gate, da, d_out)
         if self.sinks is not None:  # this rank's tokens' part
             self.d_sinks[heads] += sink_grad(da, a, self.lse_all[:, heads], self.sinks[heads])
         segments = [(b, *expand_kv(k, v, spec.kv_map(r))) for b, k, v in group.kv()]
@@ -229,6 +235,22 @@ class _Backward:
         grads = [tuple(fold_kv(t, spec.kv_map(r), hk) for t in pair) for pair in grads]
         dkv, handle = sched.kv.scatter(grads)
         return _Attended(r, w, weight, lin, dq, dkv, handle, d_out)
+
+    def gate(self, w, a: torch.Tensor) -> torch.Tensor:
+        """The output gate ``sigmoid(X_p · Wg_rᵀ)`` of group r, heads-major like ``a``."""
+        B, nq, T, d = a.shape
+        g = torch.nn.functional.linear(self.x_p(), w["wg"]).view(B, T, nq, d)
+        return torch.sigmoid(g).transpose(1, 2)
+
+    def gate_backward(self, w, a, gate, da_out, d_out) -> torch.Tensor:
+        """Backward of ``A · gate``: returns dA; adds ``dX += dG · Wg_r`` and, if trainable,
+        ``d_out["wg"] = dGᵀ · X_p`` (dG: the gate's pre-sigmoid gradient)."""
+        B, nq, T, d = a.shape
+        dg = (da_out * a * gate * (1 - gate)).transpose(1, 2).reshape(B * T, nq * d)
+        if "wg" in self.sched.trainable:
+            d_out["wg"] = matmul(dg.t(), self.x_p().reshape(B * T, -1), self.sched.acc)
+        add_matmul(self.dx.view(B * T, -1), dg, w["wg"])
+        return da_out * gate
 
     def finish(self, g: _Attended) -> None:
         """Group r's projection backward once its dK/dV arrived: dW_r, whose reduction to r is
@@ -392,7 +414,7 @@ class _TSPAttentionFunction(torch.autograd.Function):
         packed = bool(ShardCodec(own, x.dtype).packed)  # NF4 bytes (QLoRA's base)
         drop = SeededDropout.for_call(sched.adapters.plan.dropout)
         sched.adapters.begin(drop, lora_a, b_out, packed)
-        phases = rope_phases(cos, sin, x.dtype)
+        phases = rope_phases(cos, sin, x.dtype, sched.spec.head_dim)
         rms = None if rq is None else (rq, rk)
         y, a_all, lse_all = tsp_attention_forward(
             sched, x, phases, own, q_norm, k_norm, keep, lora_a, rms=rms, sinks=sinks
@@ -411,7 +433,7 @@ class _TSPAttentionFunction(torch.autograd.Function):
         )
         lora_a, weights = tensors[: ctx.n_lora], tensors[ctx.n_lora :]
         own = dict(zip(ctx.names, weights))
-        phases = rope_phases(cos, sin, x.dtype)
+        phases = rope_phases(cos, sin, x.dtype, ctx.sched.spec.head_dim)
         rms = None if rq is None else (rq, rk)
         g = tsp_attention_backward(
             ctx.sched, dy, (x, norm_weight, ctx.norm), phases, own, q_norm, k_norm, a_all,
@@ -462,9 +484,9 @@ def tsp_attention(
     """
     sched = AttentionCall(spec, group, options, x, q_spans, lora)
     B, T, _ = x.shape
-    if cos.shape[-2:] != (T, spec.head_dim) or cos.shape != sin.shape:
+    if cos.shape[-2:] != (T, spec.rotary) or cos.shape != sin.shape:
         raise ValueError(
-            f"position_embeddings must be (cos, sin) of shape [B, {T}, {spec.head_dim}] "
+            f"position_embeddings must be (cos, sin) of shape [B, {T}, {spec.rotary}] "
             f"for this rank's tokens, got {tuple(cos.shape)} and {tuple(sin.shape)}"
         )
     cos, sin = cos.expand(B, T, -1), sin.expand(B, T, -1)

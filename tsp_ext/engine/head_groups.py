@@ -68,7 +68,7 @@ class AttentionCall:
         its own adapter pieces' ranks)."""
         h, d = self.spec.hidden_size, self.spec.head_dim
         nq, nk = self.spec.n_q(r) * d, self.spec.n_kv(r) * d
-        rows = {"q": nq, "k": nk, "v": nk, "o": nq}
+        rows = {"q": nq, "k": nk, "v": nk, "o": nq, "g": nq}
         sizes = {"wo": (h, nq), **self.adapters.shapes(own, names, rows)}
         for n in names:
             if n[0] == "w" and n != "wo":
@@ -93,7 +93,7 @@ class AttentionCall:
     def stacked(self, w: dict[str, torch.Tensor]):
         """``qkv.stacked_weights`` of group shards ``w`` (merged with their adapters where a
         receiver merges them)."""
-        return stacked_weights(w, self.spec.head_dim, self.adapters.qkv_merge)
+        return stacked_weights(w, self.spec.head_dim, self.adapters.qkv_merge, self.spec.rotary)
 
     def projected_groups(self, own: dict[str, torch.Tensor], project: Callable):
         """Yield ``HeadGroup``s r = 0..D-1: W_r, ``project(r, W_r)`` (a tuple starting ``q, k,

@@ -34,6 +34,8 @@ class AttentionSpec:
     qk_norm_offset: float = 0.0  # those norms as x̂·(offset + w) (Gemma-3's 1 + w)
     qk_norm_full: bool = False  # q/k norms over the whole projection, not per head (OLMo-2)
     window: int | None = None  # sliding window: query i sees keys (i - window, i]; None: causal
+    rotary_dim: int | None = None  # RoPE on each head's first ``rotary_dim`` dims only; None: all
+    output_gate: bool = False  # A · sigmoid(X · Wgᵀ) before o_proj (Qwen3-Next's gated attention)
 
     def __post_init__(self) -> None:
         D = self.tsp_size
@@ -41,6 +43,9 @@ class AttentionSpec:
             raise ValueError(
                 f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}"
             )
+        rot = self.rotary
+        if rot % 2 or not 0 < rot <= self.head_dim:
+            raise ValueError(f"rotary_dim={rot} must be even and in (0, head_dim={self.head_dim}]")
         if self.window is not None and self.window < 2:
             raise ValueError(f"sliding window {self.window} must be >= 2")
         if not 1 <= D <= self.n_heads:
@@ -48,6 +53,11 @@ class AttentionSpec:
                 f"tsp_size={D} but the model has n_heads={self.n_heads}: every TSP rank needs at "
                 f"least one query head; the largest valid TSP size is {self.n_heads}"
             )
+
+    @property
+    def rotary(self) -> int:
+        """Dimensions of each head that RoPE rotates (the first ones; the rest pass through)."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     @property
     def group_size(self) -> int:

@@ -4,6 +4,7 @@ matmuls into an accumulation dtype."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 # Devices whose mm takes half-precision operands with a float32 result (``out_dtype``): the
 # product runs on bf16/fp16 tensor cores, accumulates in float32 and is never rounded to half.
@@ -171,11 +172,14 @@ def from_saved(t: torch.Tensor, weight: torch.Tensor | None, norm: tuple | None)
     return normalize(t, weight, *norm)[0]
 
 
-def rope_phases(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Hugging Face's RoPE tables ``cos, sin [B, T, d]`` as the phases ``cos_i + j·sin_i``
+def rope_phases(
+    cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype, head_dim: int | None = None
+) -> torch.Tensor:
+    """Hugging Face's RoPE tables ``cos, sin [B, T, rot]`` as the phases ``cos_i + j·sin_i``
     ``[B, T, 1, d/2]`` that ``rope`` multiplies by (complex128 for float64, else complex64).
     Hugging Face builds both tables as ``cat(freqs, freqs)``; tables whose halves differ are
-    refused rather than rotated wrongly."""
+    refused rather than rotated wrongly. Partial rotary (``rot < head_dim``): the pairs of the
+    dims past ``rot`` (``qkv.interleave_heads`` puts them last) get the phase 1."""
     half = cos.shape[-1] // 2
     for t in (cos, sin):
         if not torch.equal(t[..., :half], t[..., half:]):
@@ -184,7 +188,10 @@ def rope_phases(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> tor
                 "with i + d/2 by one angle (Hugging Face's rotate_half, tables cat(freqs, freqs))"
             )
     real = torch.float64 if dtype == torch.float64 else torch.float32
-    return torch.complex(cos[..., :half].to(real), sin[..., :half].to(real)).unsqueeze(2)
+    phases = torch.complex(cos[..., :half].to(real), sin[..., :half].to(real))
+    if head_dim is not None and 2 * half < head_dim:
+        phases = F.pad(phases, (0, head_dim // 2 - half), value=1.0)
+    return phases.unsqueeze(2)
 
 
 def rope(x: torch.Tensor, phases: torch.Tensor, out=None) -> torch.Tensor:

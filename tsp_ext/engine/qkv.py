@@ -42,25 +42,42 @@ _B = ("bq", "bk", "bv")
 _L = ("lq", "lk", "lv")  # LoRA B rows of the group (``[rows, r]``), for the adapted projections
 
 
-def interleave_heads(t: torch.Tensor, d: int) -> torch.Tensor:
-    """Rows ``[n·d, ...]`` of n heads -> per head, rows ``0, d/2, 1, d/2 + 1, ...`` (a copy)."""
-    return t.reshape(-1, 2, d // 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+def _pair_order(d: int, rot: int) -> torch.Tensor:
+    """Per head, the source dim of each interleaved position: the rotated pairs (i, i + rot/2) at
+    2i, 2i + 1, then the dims ``rot..d-1`` RoPE leaves alone (partial rotary)."""
+    pairs = torch.arange(rot).view(2, rot // 2).t().reshape(-1)
+    return torch.cat([pairs, torch.arange(rot, d)])
 
 
-def deinterleave_heads(t: torch.Tensor, d: int) -> torch.Tensor:
+def interleave_heads(t: torch.Tensor, d: int, rot: int | None = None) -> torch.Tensor:
+    """Rows ``[n·d, ...]`` of n heads -> per head, rows ``0, rot/2, 1, rot/2 + 1, ...`` then
+    ``rot..d-1`` (``rot``: the rotated dims, default d; a copy)."""
+    if rot is None or rot == d:
+        return t.reshape(-1, 2, d // 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+    heads = t.reshape(-1, d, *t.shape[1:])
+    return heads[:, _pair_order(d, rot).to(t.device)].reshape(t.shape)
+
+
+def deinterleave_heads(t: torch.Tensor, d: int, rot: int | None = None) -> torch.Tensor:
     """Inverse of ``interleave_heads`` (a copy)."""
-    return t.reshape(-1, d // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+    if rot is None or rot == d:
+        return t.reshape(-1, d // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+    heads = t.reshape(-1, d, *t.shape[1:])
+    return heads[:, torch.argsort(_pair_order(d, rot)).to(t.device)].reshape(t.shape)
 
 
-def stacked_weights(w: dict[str, torch.Tensor], d: int, merge: torch.Tensor | None = None):
+def stacked_weights(
+    w: dict[str, torch.Tensor], d: int, merge: torch.Tensor | None = None, rot: int | None = None
+):
     """``(W, b, B)``: ``[Wq; Wk; Wv]`` ``[(n_q + 2 n_kv)·d, h]`` with the q/k heads' rows
     interleaved (``interleave_heads``), the stacked biases alike (or None) and the LoRA B rows of
     ``w`` (``lq, lk, lv``, those present) alike, block-diagonal ``[rows, Σ r]`` (or None).
     ``merge``: the adapters' scaled A's ``[Σ r, h]`` (``lora.scaled_stack``): W is then
-    ``W + B · merge``, the adapted projection (``engine.lora``)."""
+    ``W + B · merge``, the adapted projection (``engine.lora``). ``rot``: the rotated dims of each
+    head (partial rotary; default all)."""
 
     def interleaved(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
-        return interleave_heads(t, d) if t is not None and name[1] in "qk" else t
+        return interleave_heads(t, d, rot) if t is not None and name[1] in "qk" else t
 
     def stack(names):
         return torch.cat([interleaved(n, w[n]) for n in names])
@@ -113,7 +130,7 @@ def project_qkv(x, w, phases, q_norm, k_norm, spec: AttentionSpec, weight=None, 
     ``spec.qk_norm_full`` (``q_norm, k_norm``: then the group's slices of the norm weights)."""
     B, T, _ = x.shape
     d = spec.head_dim
-    W, b, lora = weight if weight is not None else stacked_weights(w, d)
+    W, b, lora = weight if weight is not None else stacked_weights(w, d, rot=spec.rotary)
     lin = F.linear(x, W, b)
     if lora is not None and u is not None:
         add_matmul(lin.view(-1, lin.shape[-1]), u, lora.t())
@@ -122,8 +139,8 @@ def project_qkv(x, w, phases, q_norm, k_norm, spec: AttentionSpec, weight=None, 
         q, k = _full_norm(q, q_norm, rms[0]), _full_norm(k, k_norm, rms[1])
     elif q_norm is not None:
         eps, offset = spec.qk_norm_eps, spec.qk_norm_offset
-        q = rms_norm(q, interleave_heads(q_norm, d), eps, offset)
-        k = rms_norm(k, interleave_heads(k_norm, d), eps, offset)
+        q = rms_norm(q, interleave_heads(q_norm, d, spec.rotary), eps, offset)
+        k = rms_norm(k, interleave_heads(k_norm, d, spec.rotary), eps, offset)
     n_kv = k.shape[2]
     q_out = x.new_empty(B, q.shape[2], T, d).transpose(1, 2)
     kv = x.new_empty(B, 2 * n_kv, T, d)
@@ -180,10 +197,10 @@ def project_qkv_backward(
         d_norms = []
         for pre, g, nw, out in ((q_pre, dq, q_norm, dq_lin), (k_pre, dk, k_norm, dk_lin)):
             r = inv_rms(pre.float(), spec.qk_norm_eps)
-            nw = interleave_heads(nw, d)
+            nw = interleave_heads(nw, d, spec.rotary)
             d_pre, d_w = rms_norm_backward(pre, nw, r, rope(g, inverse), spec.qk_norm_offset)
             out.copy_(d_pre)
-            d_norms.append(deinterleave_heads(d_w.to(acc), d))
+            d_norms.append(deinterleave_heads(d_w.to(acc), d, spec.rotary))
     d2, x2 = d_lin.view(-1, W.shape[0]), x.reshape(-1, h)
     sizes = [w[n].shape[0] for n in _W]
     grads = {}
@@ -198,5 +215,5 @@ def project_qkv_backward(
         grads.update(zip([n for n in _L if n in w], blocks))
     for n in ("wq", "wk", "bq", "bk", "lq", "lk"):
         if n in grads:
-            grads[n] = deinterleave_heads(grads[n], d)
+            grads[n] = deinterleave_heads(grads[n], d, spec.rotary)
     return grads, d_norms, d2

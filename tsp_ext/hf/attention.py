@@ -35,14 +35,29 @@ SPANS_KWARG = "tsp_query_spans"
 
 
 def full_width(
-    cos: torch.Tensor, sin: torch.Tensor, head_dim: int
+    cos: torch.Tensor, sin: torch.Tensor, spec: AttentionSpec
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary tables over the whole head: gpt-oss's give one angle per pair of halves
+    """Rotary tables over the rotated dims: gpt-oss's give one angle per pair of halves
     (``[..., d/2]``, applied to the two halves of each head), the same rotation as rotate-half
     RoPE with the angles repeated."""
-    if cos.shape[-1] * 2 != head_dim:
+    if spec.rotary_dim is not None or cos.shape[-1] * 2 != spec.head_dim:
         return cos, sin
     return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+
+
+def split_gate(w: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-Next's q_proj rows ``[n·2d, h]`` (per head: d query rows, then d gate rows) -> the
+    query rows and the gate rows, ``[n·d, h]`` each (differentiable copies)."""
+    heads = w.view(-1, 2, head_dim, w.shape[-1])
+    return heads[:, 0].reshape(-1, w.shape[-1]), heads[:, 1].reshape(-1, w.shape[-1])
+
+
+def rotary_dim(cfg, head_dim: int) -> int | None:
+    """The dims of each head RoPE rotates when the config's ``partial_rotary_factor`` is below 1
+    (``int(head_dim · factor)``, as Hugging Face's rotary tables), else None."""
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    factor = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
+    return None if factor == 1.0 else int(head_dim * factor)
 
 
 class TSPAttention(ShardedModule):
@@ -99,7 +114,10 @@ class TSPAttention(ShardedModule):
         h, d = spec.hidden_size, spec.head_dim
         kw = {"dtype": dtype, "device": device}
         nq, nk = spec.n_q(p) * d, spec.n_kv(p) * d  # this rank's head group (engine.heads)
-        self.q_proj = nn.Linear(h, nq, bias=qkv_bias, **kw)
+        if spec.output_gate and qkv_bias:
+            raise ValueError("q/k/v biases with an output-gated attention are not supported")
+        # an output gate's rows sit in q_proj after each head's query rows (Qwen3-Next)
+        self.q_proj = nn.Linear(h, nq * (2 if spec.output_gate else 1), bias=qkv_bias, **kw)
         self.k_proj = nn.Linear(h, nk, bias=qkv_bias, **kw)
         self.v_proj = nn.Linear(h, nk, bias=qkv_bias, **kw)
         self.o_proj = nn.Linear(nq, h, bias=o_bias, **kw)
@@ -128,6 +146,8 @@ class TSPAttention(ShardedModule):
             qk_norm_offset=family.norm_offset if q_norm is not None else 0.0,
             qk_norm_full=q_norm is not None and q_norm.weight.numel() != attn.head_dim,
             window=family.sliding_window(attn),
+            rotary_dim=rotary_dim(cfg, attn.head_dim),
+            output_gate=attn.q_proj.weight.shape[0] == 2 * cfg.num_attention_heads * attn.head_dim,
         )
         if spec.qk_norm_full and attn.q_proj.bias is not None:
             raise ValueError(
@@ -158,6 +178,8 @@ class TSPAttention(ShardedModule):
             return (slice(None),)
         q_or_o = name.startswith(("q_", "o_"))
         rows = self.spec.q_rows(rank) if q_or_o else self.spec.kv_rows(rank)
+        if self.spec.output_gate and name.startswith("q_"):  # each head's query and gate rows
+            rows = slice(2 * rows.start, 2 * rows.stop)
         return (slice(None), rows) if self.shard_dims[name] == 1 else (rows,)
 
     def counted_index(self, name: str) -> tuple[slice, ...]:
@@ -187,6 +209,8 @@ class TSPAttention(ShardedModule):
             }
         else:
             own = {n: storage(p) for n, p in projs.items()}
+        if self.spec.output_gate:
+            own["wq"], own["wg"] = split_gate(own["wq"], self.spec.head_dim)
         if self.q_proj.bias is not None:
             own.update(bq=self.q_proj.bias, bk=self.k_proj.bias, bv=self.v_proj.bias)
         return own
@@ -223,13 +247,13 @@ class TSPAttention(ShardedModule):
                     index,
                 )
 
-        cos, sin = full_width(*position_embeddings, self.spec.head_dim)
+        cos, sin = full_width(*position_embeddings, self.spec)
         own = self._own(merged=True)
         rms = None
         if self.spec.qk_norm_full:
             rms = qk_rms(x, own["wq"], own["wk"], self.spec, self.group, self.options)
         y = tsp_attention_prefill(
-            x, rope_phases(cos, sin, x.dtype), own, *self._qk_norms(),
+            x, rope_phases(cos, sin, x.dtype, self.spec.head_dim), own, *self._qk_norms(),
             self.spec, self.group, self.options, keep, key_valid, rms, self.sinks,
         )  # fmt: skip
         return self._with_o_bias(y)
@@ -247,9 +271,9 @@ class TSPAttention(ShardedModule):
         rank) at global indices ``q_index [Tq]`` over this rank's cached heads, whose new K/V join
         ``cache_layer``; ``valid [B, L + Tq]`` (bool) marks the non-padding tokens. Returns
         ``[B, Tq, h]``, the same on every rank."""
-        cos, sin = full_width(*position_embeddings, self.spec.head_dim)
+        cos, sin = full_width(*position_embeddings, self.spec)
         own = self._own(merged=True)
-        phases = rope_phases(cos, sin, x.dtype)
+        phases = rope_phases(cos, sin, x.dtype, self.spec.head_dim)
         q_norm, k_norm = self._qk_norms()
         rms = None
         if self.spec.qk_norm_full:  # this group's slices; the RMS over every group's heads
@@ -269,8 +293,10 @@ class TSPAttention(ShardedModule):
             sinks = self.sinks[self.spec.q_heads(dist.get_rank(self.group))]
         a = decode_attention(
             q, keys.transpose(1, 2), values.transpose(1, 2), allowed, self.spec, self.group, sinks
-        )
-        y = row_parallel(a.flatten(2), own["wo"], self.group, self.options.accum_for(x.dtype))
+        ).flatten(2)
+        if self.spec.output_gate:
+            a = a * torch.sigmoid(F.linear(x, own["wg"]))
+        y = row_parallel(a, own["wo"], self.group, self.options.accum_for(x.dtype))
         return self._with_o_bias(y)
 
     def forward(
@@ -292,7 +318,7 @@ class TSPAttention(ShardedModule):
                 "TSP attention is causal by global position and takes no attention_mask; right "
                 "padding needs none (padded tokens come last and carry ignored labels)"
             )
-        cos, sin = full_width(*position_embeddings, self.spec.head_dim)
+        cos, sin = full_width(*position_embeddings, self.spec)
         spans, pos = kwargs.get(SPANS_KWARG), kwargs.get("position_ids")
         if spans is None and pos is not None:  # called without the model's input check
             D, p = comm.size_and_rank(self.group)
@@ -303,6 +329,11 @@ class TSPAttention(ShardedModule):
             q_norm = comm.replicated(self.q_norm.weight, self.group)
             k_norm = comm.replicated(self.k_norm.weight, self.group)
         adapted = adapters_of(self, ("q_proj", "k_proj", "v_proj", "o_proj"))
+        if self.spec.output_gate and "q_proj" in adapted:
+            raise ValueError(
+                "LoRA on q_proj of an output-gated attention (Qwen3-Next: q_proj holds the gate's "
+                "rows too) is not supported under TSP: target k/v/o_proj and the MLP"
+            )
         plan = plan_of(adapted, ("q_proj", "k_proj", "v_proj"), "o_proj", self.training)
         for n in ("q", "k", "v"):
             if f"{n}_proj" in adapted:

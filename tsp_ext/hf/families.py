@@ -43,6 +43,10 @@ class Family:
     rotary: str = "rotary_emb"
     lm_head: str = "lm_head"  # on the causal LM
     attention: str = "self_attn"  # on a decoder layer
+    # a hybrid model's linear-attention layers hold this module instead (Qwen3-Next's Gated
+    # DeltaNet, ``hf.linear_attention``); None: every layer has ``attention``
+    linear_attention: str | None = None
+    partial_rotary: bool = False  # its attention rotates part of each head (partial_rotary_factor)
     attention_projections: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     mlp: str = "mlp"
     mlp_projections: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
@@ -77,10 +81,20 @@ class Family:
     def layers_of(self, model: nn.Module) -> nn.ModuleList:
         return getattr(self.base_of(model), self.layers)
 
+    def mixer(self, layer: nn.Module) -> str:
+        """The name of a layer's token mixer: ``attention``, or ``linear_attention`` on a hybrid
+        model's linear-attention layers."""
+        if self.linear_attention is not None and hasattr(layer, self.linear_attention):
+            return self.linear_attention
+        return self.attention
+
     def projection_blocks(self, layer: nn.Module) -> tuple[tuple[nn.Module, tuple[str, ...]], ...]:
         """``(attention, its projection names), (MLP, its projection names)`` of a layer (the
-        attention alone where the MLP is a MoE block)."""
+        attention alone where the MLP is a MoE block; no attention on a linear-attention
+        layer)."""
         attention = ((getattr(layer, self.attention), self.attention_projections),)
+        if self.mixer(layer) != self.attention:
+            attention = ()
         if self.is_moe(getattr(layer, self.mlp)):
             return attention
         return (*attention, (getattr(layer, self.mlp), self.mlp_projections))
@@ -92,7 +106,7 @@ class Family:
     def unfuse(self, layer: nn.Module) -> None:
         """Replace a layer's fused projections by their parts (``nn.Linear`` views of its rows),
         as TSP's modules take them."""
-        for module in (getattr(layer, self.attention), getattr(layer, self.mlp)):
+        for module in (getattr(layer, self.mixer(layer)), getattr(layer, self.mlp)):
             for fused, parts in self.fused:
                 linear = getattr(module, fused, None)
                 if linear is None:
@@ -169,7 +183,7 @@ class Family:
         attention, then MLP, each through its pre-norm and post-norm where the family has them,
         added to the residual stream."""
         for module, pre, post, call in (
-            (self.attention, self.attention_norm, self.attention_post_norm, attention),
+            (self.mixer(layer), self.attention_norm, self.attention_post_norm, attention),
             (self.mlp, self.mlp_norm, self.mlp_post_norm, mlp),
         ):
             out = call(getattr(layer, module), x if pre is None else getattr(layer, pre)(x))
@@ -223,6 +237,18 @@ MIXTRAL = Family("Mixtral", ("MixtralForCausalLM",), moe=True, router_float32=Tr
 # Llama's layout with attention sinks and q/k/v/o biases, alternating sliding-window and full
 # layers, and a MoE block of biased experts behind a biased top-k-then-softmax router
 GPT_OSS = Family("gpt-oss", ("GptOssForCausalLM",), moe=True, router="router")
+# Llama's layout with (1 + w) RMSNorms, three Gated DeltaNet layers (``linear_attn``) for each
+# full-attention layer, whose attention has an output gate, per-head q/k norms and partial rotary;
+# MoE blocks with a gated shared expert
+QWEN3_NEXT = Family(
+    "Qwen3-Next",
+    ("Qwen3NextForCausalLM",),
+    norm_eps="eps",
+    norm_offset=1.0,
+    moe=True,
+    linear_attention="linear_attn",
+    partial_rotary=True,
+)
 # vision-language models: a language model of the Llama layout (Qwen2 with q/k/v biases, Qwen3
 # with q/k norms, or any stock one) under ``model.language_model``, its 3-D M-RoPE table
 # computed by the Hugging Face module, and a vision side (``hf.vision``)
@@ -255,6 +281,7 @@ FAMILIES = (
     QWEN_MOE,
     MIXTRAL,
     GPT_OSS,
+    QWEN3_NEXT,
     QWEN25_VL,
     QWEN3_VL,
     LLAVA,
