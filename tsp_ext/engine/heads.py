@@ -46,6 +46,8 @@ class AttentionSpec:
         rot = self.rotary
         if rot % 2 or not 0 < rot <= self.head_dim:
             raise ValueError(f"rotary_dim={rot} must be even and in (0, head_dim={self.head_dim}]")
+        if self.qk_norm_full and rot != self.head_dim:
+            raise ValueError("q/k norms over the whole projection with partial rotary")
         if self.window is not None and self.window < 2:
             raise ValueError(f"sliding window {self.window} must be >= 2")
         if not 1 <= D <= self.n_heads:

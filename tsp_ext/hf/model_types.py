@@ -34,6 +34,7 @@ MODEL_TYPES: dict[str, ModelType] = {
     "qwen3_moe": ModelType("Qwen-MoE", qk_norm=True),
     "mixtral": ModelType("Mixtral"),
     "gpt_oss": ModelType("gpt-oss", qkv_bias=True),
+    "qwen3_next": ModelType("Qwen3-Next", qk_norm=True),
 }
 _DEFAULT = ModelType("Llama")  # a model_type not listed: the Llama structure, as ``family_of``
 

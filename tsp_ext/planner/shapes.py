@@ -57,6 +57,12 @@ class ModelShape:
                 "(its vision tower is not in the model; plan the language model with its "
                 "text_config as a config of its own)"
             )
+        if "linear_attention" in (cfg.get("layer_types") or ()):
+            raise ValueError(
+                f"config {name!r} has linear-attention layers (hybrid, e.g. Qwen3-Next): the "
+                "planner models softmax-attention layers only; measure such a model with "
+                "tsp_ext.memory on a short run instead"
+            )
         required = ("hidden_size", "num_hidden_layers", "num_attention_heads")
         missing = [k for k in (*required, "intermediate_size", "vocab_size") if k not in cfg]
         if missing:
