@@ -21,7 +21,7 @@ from transformers import Qwen3NextConfig
 from tsp_ext import ZigzagLayout, pad_sequence, padded_length
 from tsp_ext.engine import linear_attention as engine_la
 from tsp_ext.engine.gated_delta import chunk_gated_delta, recurrent_gated_delta
-from tsp_ext.engine.linear_attention import LinearAttentionSpec
+from tsp_ext.engine.linear_attention import LinearAttentionSpec, group_shapes
 from tsp_ext.hf.linear_attention import LinearStateCacheLayer, TSPGatedDeltaNet
 
 TOL = 1e-10
@@ -87,15 +87,17 @@ def doc_positions(docs) -> torch.Tensor:
 
 
 def _training(rank, world, dtype, twin, B, S, docs=None) -> dict:
-    """TSP layer vs the reference on S tokens (``docs``: packed rows, each document run alone
-    through the reference): output, dx and every parameter's gradient."""
+    """TSP layer vs the reference on S tokens, a few masked (``docs``: packed rows, each
+    document run alone through the reference): output, dx and every parameter's gradient."""
     ref = hf_layer(dtype, twin)
     torch.manual_seed(1)
     x = torch.randn(B, S, ref.hidden_size, dtype=dtype)
     dy = torch.randn_like(x)
     xr = x.clone().requires_grad_()
     if docs is None:
-        yr = ref(xr)
+        mask = torch.ones(B, S, dtype=dtype)
+        mask[0, 10:15] = mask[1, S - 7 :] = 0  # padded tokens: hidden states zeroed
+        yr = ref(xr, attention_mask=mask)
     else:
         rows = []
         for b, row in enumerate(docs):
@@ -104,13 +106,16 @@ def _training(rank, world, dtype, twin, B, S, docs=None) -> dict:
         yr = torch.cat(rows)
     (yr * dy).sum().backward()
     lay = ZigzagLayout(S, world)
-    kw = {} if docs is None else {"position_ids": lay.shard(doc_positions(docs), rank)}
+    if docs is None:
+        kw = {"attention_mask": lay.shard(mask, rank)}
+    else:
+        kw = {"position_ids": lay.shard(doc_positions(docs), rank)}
     mod = TSPGatedDeltaNet.from_hf(ref, dist.group.WORLD)
     xl = lay.shard(x, rank).requires_grad_()
     shapes = []
-    params = {p.data_ptr() for p in mod.parameters()} | {xl.data_ptr()}
+    params = {p.data_ptr() for p in mod.parameters()}
 
-    def pack(t):  # saved tensors besides x and this rank's own parameters
+    def pack(t):  # saved tensors, the head groups' checkpoint inputs included, but parameters
         if t.data_ptr() not in params:
             shapes.append(t.shape)
         return t
@@ -125,7 +130,9 @@ def _training(rank, world, dtype, twin, B, S, docs=None) -> dict:
     full = dict(ref.named_parameters())
     for name, p in mod.named_parameters():
         errs[name] = rel_err(p.grad, mod.local_slice(name, full[name].grad))
-    errs["saved"] = shapes
+    # x-sized tensors and smaller only: nothing of S rows, no broadcast weight shard
+    weights = {w for r in range(world) for w in group_shapes(mod.spec, r)}
+    errs["saved"] = [s for s in shapes if s in weights or (world > 1 and S in s)]
     return errs
 
 
