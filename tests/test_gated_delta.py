@@ -96,7 +96,7 @@ def _training(rank, world, dtype, twin, B, S, docs=None) -> dict:
     xr = x.clone().requires_grad_()
     if docs is None:
         mask = torch.ones(B, S, dtype=dtype)
-        mask[0, 10:15] = mask[1, S - 7 :] = 0  # padded tokens: hidden states zeroed
+        mask[0, 10:15] = mask[-1, S - 7 :] = 0  # padded tokens: hidden states zeroed
         yr = ref(xr, attention_mask=mask)
     else:
         rows = []
@@ -164,6 +164,11 @@ def _inference(rank, world) -> dict:
         y = mod.decode(x[:, t : t + 1], None, cache, torch.tensor([t]), mask[:, : t + 1])
         errs[f"decode{t - PROMPT}"] = rel_err(y, want[:, t : t + 1])
     errs["seq_len"] = cache.get_seq_length() == L and cache.nbytes() > 0
+    full = dict(ref.named_parameters())  # export: every rank's shards assemble HF's tensors
+    errs["gathered"] = all(
+        torch.equal(mod.gather_full(n, p), full[n]) for n, p in mod.named_parameters()
+    )
+    errs["no_cache"] = error_message(lambda: mod(xl, cache=cache))
     return errs
 
 
@@ -180,6 +185,7 @@ def worker(rank, world):
     engine_la.exchange_states = exchange
     out["sent"] = sent
     out[("train", 32)] = _training(rank, world, torch.float32, False, 2, 2 * world * CHUNK)
+    out[("train", 16)] = _training(rank, world, torch.bfloat16, False, 1, 2 * world * CHUNK)
     out[("packed", 64)] = _training(rank, world, torch.float64, True, 2, 168, PACKED)
     out["infer"] = _inference(rank, world)
     return out
@@ -195,14 +201,15 @@ def results(workers, world):
 def test_gated_delta_net_matches_hf(workers, world):
     spec = LinearAttentionSpec(48, 4, 8, 8, 12, 4, 1e-6, world)
     for rank, out in enumerate(results(workers, world)):
-        for case in (("train", 64), ("train", 32), ("packed", 64)):
+        for case in (("train", 64), ("train", 32), ("train", 16), ("packed", 64)):
             errs = dict(out[case])
             assert errs.pop("saved") == [], f"D={world} rank={rank} {case}: saved full tensors"
-            tol = TOL if case[1] == 64 else 1e-5
+            tol = {64: TOL, 32: 1e-5, 16: 3e-2}[case[1]]
             bad = {k: v for k, v in errs.items() if not v < tol}
             assert not bad and len(errs) == 9, f"D={world} rank={rank} {case}: {errs}"
         infer = dict(out["infer"])
-        assert infer.pop("seq_len") is True
+        assert infer.pop("seq_len") is True and infer.pop("gathered") is True
+        assert "no cache in training" in infer.pop("no_cache")
         assert max(infer.values()) < TOL, f"D={world} rank={rank}: {infer}"
         # each exchange: [C | M] of 2 chunks of B = 2 rows, for every head group (fwd + recompute)
         heads = [spec.v_heads(r).stop - spec.v_heads(r).start for r in range(world)]

@@ -174,13 +174,14 @@ def gated_rms(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> 
 
 def causal_conv(rows: torch.Tensor, left: torch.Tensor, w: torch.Tensor, ok: torch.Tensor):
     """Depthwise causal conv + SiLU of ``rows [N, T, C]`` after ``left [N, K-1, C]``, weights
-    ``w [C, K]``; ``ok [N or 1, T, K]``: tap at lag l allowed."""
-    K, T = w.shape[1], rows.shape[1]
-    full = torch.cat([left, rows], dim=1)
+    ``w [C, K]``; ``ok [N or 1, T, K]``: tap at lag l allowed. Sums in the compute dtype,
+    rounds once (as a conv kernel)."""
+    K, T, acc = w.shape[1], rows.shape[1], compute_dtype(rows.dtype)
+    full = torch.cat([left, rows], dim=1).to(acc)
     out = 0
     for j in range(K):  # HF's conv1d: tap j reads lag K-1-j
-        out = out + full[:, j : j + T] * w[:, j] * ok[..., K - 1 - j, None].to(rows.dtype)
-    return F.silu(out)
+        out = out + full[:, j : j + T] * w[:, j].to(acc) * ok[..., K - 1 - j, None].to(acc)
+    return F.silu(out.to(rows.dtype))
 
 
 def project(x: torch.Tensor, w_qkvz: torch.Tensor, w_ba: torch.Tensor, spec, nk: int):
