@@ -26,7 +26,8 @@ from tsp_ext.hf.linear_attention import LinearStateCacheLayer, TSPGatedDeltaNet
 
 TOL = 1e-10
 CHUNK = 37  # tokens per zigzag chunk: S = 2D·37, longer than and not a multiple of 64
-PACKED = ((70, 98), (23, 64, 81))  # two rows' documents, S = 168 (a multiple of 2D, D <= 4)
+# two rows' documents, S = 168 (a multiple of 2D, D <= 4); 84 starts a chunk at every D
+PACKED = ((70, 98), (23, 61, 84))
 PROMPT, STEPS, LEFT_PAD = 101, 3, 5
 
 
@@ -137,8 +138,9 @@ def _training(rank, world, dtype, twin, B, S, docs=None) -> dict:
 
 
 def _inference(rank, world) -> dict:
-    """Prefill of PROMPT tokens (row 0 left-padded), then STEPS decode tokens, against the twin
-    reference on all tokens (causal: each position's output is the same either way)."""
+    """Prefill of PROMPT tokens (row 0 left-padded), then STEPS decode tokens (1, then 2 in one
+    step), against the twin reference on all tokens (causal: each position's output is the same
+    either way)."""
     ref = hf_layer(torch.float64, twin=True)
     B, L = 2, PROMPT + STEPS
     torch.manual_seed(2)
@@ -160,9 +162,10 @@ def _inference(rank, world) -> dict:
             y[:, real], lay.shard(pad_sequence(want[:, :PROMPT], world, 0.0), rank)[:, real]
         )
     }
-    for t in range(PROMPT, L):
-        y = mod.decode(x[:, t : t + 1], None, cache, torch.tensor([t]), mask[:, : t + 1])
-        errs[f"decode{t - PROMPT}"] = rel_err(y, want[:, t : t + 1])
+    for t, n in ((PROMPT, 1), (PROMPT + 1, 2)):  # one token, then two in one step
+        index = torch.arange(t, t + n)
+        y = mod.decode(x[:, t : t + n], None, cache, index, mask[:, : t + n])
+        errs[f"decode{t - PROMPT}"] = rel_err(y, want[:, t : t + n])
     errs["seq_len"] = cache.get_seq_length() == L and cache.nbytes() > 0
     full = dict(ref.named_parameters())  # export: every rank's shards assemble HF's tensors
     errs["gathered"] = all(
@@ -187,6 +190,8 @@ def worker(rank, world):
     out[("train", 32)] = _training(rank, world, torch.float32, False, 2, 2 * world * CHUNK)
     out[("train", 16)] = _training(rank, world, torch.bfloat16, False, 1, 2 * world * CHUNK)
     out[("packed", 64)] = _training(rank, world, torch.float64, True, 2, 168, PACKED)
+    # chunks of 2 tokens: the conv's halo spans several chunks
+    out[("short", 64)] = _training(rank, world, torch.float64, True, 2, 4 * world)
     out["infer"] = _inference(rank, world)
     return out
 
@@ -201,7 +206,7 @@ def results(workers, world):
 def test_gated_delta_net_matches_hf(workers, world):
     spec = LinearAttentionSpec(48, 4, 8, 8, 12, 4, 1e-6, world)
     for rank, out in enumerate(results(workers, world)):
-        for case in (("train", 64), ("train", 32), ("train", 16), ("packed", 64)):
+        for case in (("train", 64), ("train", 32), ("train", 16), ("packed", 64), ("short", 64)):
             errs = dict(out[case])
             assert errs.pop("saved") == [], f"D={world} rank={rank} {case}: saved full tensors"
             tol = {64: TOL, 32: 1e-5, 16: 3e-2}[case[1]]
