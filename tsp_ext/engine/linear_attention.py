@@ -25,7 +25,7 @@ from torch.utils import checkpoint
 
 from . import comm
 from .gated_delta import chunk_gated_delta, compute_dtype
-from .layout import RowSpans, Span, ZigzagLayout
+from .layout import RowSpans, ZigzagLayout
 from .partition import split_range
 from .state_exchange import compose, exchange_states, halo
 
@@ -116,12 +116,10 @@ def documents(spans, layout: ZigzagLayout, p: int, device) -> Documents:
     """``Documents`` of rank ``p`` from its query spans (``Span`` tuple, ``RowSpans`` or None:
     one stream)."""
     pos = layout.positions(p, device)
-    rows = spans.rows if isinstance(spans, RowSpans) else (spans or ())
-    rows = rows if isinstance(spans, RowSpans) else (rows,)
+    rows = spans.rows if isinstance(spans, RowSpans) else (spans or (),)
     first = torch.zeros(len(rows), layout.local_len, dtype=torch.long, device=device)
     for b, row in enumerate(rows):
         for s in row:
-            s: Span
             first[b, s.offset : s.offset + s.length] = s.first_key
     return Documents(first, pos)
 
@@ -230,7 +228,7 @@ def group_forward(
     (own: this rank's shards, broadcast if r is this rank; ``identity [B, T]`` bool: tokens
     whose transition is the identity, a prompt's padded tail; ``keep(r, states, qkv)``: prefill
     hook with the composed states and this rank's pre-conv rows)."""
-    D, _ = comm.size_and_rank(group)
+    D, p = comm.size_and_rank(group)
     w_qkvz, w_ba, w_out = _Broadcast.apply(r, group_shapes(spec, r), group, *own)
     k_heads, v_heads = spec.k_heads(r), spec.v_heads(r)
     nk, B, T = k_heads.stop - k_heads.start, x.shape[0], x.shape[1]
@@ -257,7 +255,6 @@ def group_forward(
     resets = docs.resets.expand(B, T)
     o1, cm = chunk_gated_delta(*map(by_chunk, (q, k, v1, g, beta)), s0, by_chunk(resets))
     states = compose(exchange_states(cm.unflatten(0, (2, B)), group), dv)
-    p = comm.size_and_rank(group)[1]
     s_in = torch.stack([states[p], states[2 * D - 1 - p]]).flatten(0, 1)  # [2B, H, dk, dv]
     o = o1[..., :dv] + torch.einsum("nthk,nhkv->nthv", o1[..., dv:], s_in)
     o = o.unflatten(0, (2, B)).transpose(0, 1).flatten(1, 2).to(x.dtype)  # [B, T, Hv, dv]
