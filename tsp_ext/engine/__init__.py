@@ -27,6 +27,12 @@ Attention:
 - ``masked_attention``: exact attention under a key mask with its lse
 - ``lse``: the softmax statistics' dtype and the log-sum-exp merge of partial attentions
 
+Linear attention (Gated DeltaNet):
+
+- ``gated_delta``: the gated delta rule, chunked (WY) and recurrent kernels, with resets
+- ``linear_attention``: head-group schedule of one layer (``LinearAttentionSpec``), conv, norm
+- ``state_exchange``: the chunk transitions' all-gather and composition, the conv halo
+
 MLP, experts, vocabulary, decode:
 
 - ``mlp``: ring gated-MLP schedule

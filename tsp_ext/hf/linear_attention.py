@@ -1,0 +1,264 @@
+"""``TSPGatedDeltaNet``: Hugging Face's ``Qwen3NextGatedDeltaNet`` replaced by its TSP head group.
+
+The schedule is ``tsp_ext.engine.linear_attention``; this module holds the shards under the
+Hugging Face names (``in_proj_qkvz`` / ``in_proj_ba`` rows and ``out_proj`` columns of this
+rank's head group; ``conv1d.weight``, ``A_log``, ``dt_bias``, ``norm.weight`` replicated), slices
+them from a Hugging Face module and checks the call. ``prefill`` / ``decode`` are its inference
+steps; ``LinearStateCacheLayer`` holds its group's conv and recurrent state.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from transformers.cache_utils import CacheLayerMixin
+
+from ..config import TSPConfig
+from ..engine import comm
+from ..engine.documents import query_spans
+from ..engine.gated_delta import recurrent_gated_delta
+from ..engine.layout import ZigzagLayout
+from ..engine.linear_attention import (
+    Documents,
+    LinearAttentionSpec,
+    causal_conv,
+    documents,
+    gated_rms,
+    group_forward,
+    heads,
+    project,
+    tsp_gated_delta,
+)
+from .attention import SPANS_KWARG
+from .families import LLAMA, Family
+from .sharding import ShardedModule
+
+
+class LinearStateCacheLayer(CacheLayerMixin):
+    """One Gated DeltaNet layer's cache on one TSP rank: its head group's ``conv_state
+    [B, K-1, C_p]`` (the last K-1 pre-conv q|k|v rows) and ``recurrent_state [B, Hv_p, dk, dv]``
+    (float32, float64 for float64), and the global ``seq_len``."""
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv_state: torch.Tensor | None = None
+        self.recurrent_state: torch.Tensor | None = None
+        self.seq_len = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        raise ValueError("a linear attention layer keeps no keys: use prefill / decode")
+
+    def store(self, conv_state: torch.Tensor, recurrent_state: torch.Tensor, seq_len: int) -> None:
+        """Replace the states after ``seq_len`` tokens."""
+        self.conv_state, self.recurrent_state, self.seq_len = conv_state, recurrent_state, seq_len
+        self.is_initialized = True
+
+    def get_seq_length(self) -> int:
+        return self.seq_len
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seq_len + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.conv_state = self.recurrent_state = None
+        self.seq_len = 0
+        self.is_initialized = False
+
+    def nbytes(self) -> int:
+        """Bytes of this rank's states."""
+        if self.conv_state is None:
+            return 0
+        return self.conv_state.nbytes + self.recurrent_state.nbytes
+
+
+class TSPGatedDeltaNet(ShardedModule):
+    """Gated DeltaNet linear attention on a TSP axis; holds head group p.
+
+    ``forward(hidden_states [B, S/D, h], cache=None, attention_mask=None, **kwargs)`` as Hugging
+    Face's (zigzag tokens; ``attention_mask``: an optional local ``[B, S/D]`` 0/1 mask zeroing
+    padded tokens' hidden states; ``kwargs[SPANS_KWARG]``: packed documents' query spans, or
+    ``position_ids``) returns ``[B, S/D, h]``.
+    """
+
+    shard_dims = {"in_proj_qkvz.weight": 0, "in_proj_ba.weight": 0, "out_proj.weight": 1}
+
+    def __init__(
+        self,
+        spec: LinearAttentionSpec,
+        group,
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__()
+        D, p = comm.size_and_rank(group)
+        if D != spec.tsp_size:
+            raise ValueError(
+                f"process group has {D} ranks but the spec is for tsp_size={spec.tsp_size}"
+            )
+        self.spec, self.group = spec, group
+        kw = {"dtype": dtype, "device": device}
+        n = [s.stop - s.start for s in (spec.qkvz_rows(p), spec.ba_rows(p), spec.out_cols(p))]
+        self.in_proj_qkvz = nn.Linear(spec.hidden, n[0], bias=False, **kw)
+        self.in_proj_ba = nn.Linear(spec.hidden, n[1], bias=False, **kw)
+        self.out_proj = nn.Linear(n[2], spec.hidden, bias=False, **kw)
+        channels = 2 * spec.n_k_heads * spec.dk + spec.n_v_heads * spec.dv
+        self.conv1d = nn.Conv1d(channels, channels, spec.conv, groups=channels, bias=False, **kw)
+        self.A_log = nn.Parameter(torch.zeros(spec.n_v_heads, **kw))
+        self.dt_bias = nn.Parameter(torch.ones(spec.n_v_heads, **kw))
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.ones(spec.dv, **kw))
+
+    @classmethod
+    def from_hf(
+        cls, module: nn.Module, group, config: TSPConfig | None = None, family: Family = LLAMA
+    ) -> TSPGatedDeltaNet:
+        """Build from a Hugging Face ``Qwen3NextGatedDeltaNet``, copying this rank's slices
+        (``config`` and ``family`` as ``TSPAttention.from_hf`` takes them; the layer reads
+        neither: its layout is Qwen3-Next's)."""
+        spec = LinearAttentionSpec(
+            hidden=module.hidden_size,
+            n_k_heads=module.num_k_heads,
+            n_v_heads=module.num_v_heads,
+            dk=module.head_k_dim,
+            dv=module.head_v_dim,
+            conv=module.conv_kernel_size,
+            eps=module.norm.variance_epsilon,
+            tsp_size=dist.get_world_size(group),
+        )
+        w = module.in_proj_qkvz.weight
+        mod = cls(spec, group, dtype=w.dtype, device=w.device)
+        full = dict(module.named_parameters())
+        with torch.no_grad():
+            for name, param in mod.named_parameters():
+                param.copy_(mod.local_slice(name, full[name]))
+        return mod
+
+    def index_of(self, name: str, rank: int) -> tuple[slice, ...]:
+        """Index of group ``rank``'s slice in the full Hugging Face tensor behind ``name``."""
+        if name == "in_proj_qkvz.weight":
+            return (self.spec.qkvz_rows(rank),)
+        if name == "in_proj_ba.weight":
+            return (self.spec.ba_rows(rank),)
+        if name == "out_proj.weight":
+            return (slice(None), self.spec.out_cols(rank))
+        return (slice(None),)
+
+    def _own(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.in_proj_qkvz.weight, self.in_proj_ba.weight, self.out_proj.weight
+
+    def _replicated(self) -> tuple[torch.Tensor, ...]:
+        return (self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        cache=None,
+        attention_mask: torch.Tensor | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        x = hidden_states
+        if x.dim() != 3 or x.shape[-1] != self.spec.hidden:
+            raise ValueError(
+                f"hidden_states must be [B, S/D, {self.spec.hidden}], got {tuple(x.shape)}"
+            )
+        if cache is not None or kwargs.get("past_key_values") is not None:
+            raise ValueError("TSP linear attention has no cache in training: use_cache=False")
+        D, p = comm.size_and_rank(self.group)
+        layout = ZigzagLayout.from_local(x.shape[1], D)
+        if attention_mask is not None:
+            if attention_mask.shape != x.shape[:2]:
+                raise ValueError(
+                    f"attention_mask must be this rank's [B, S/D] = {tuple(x.shape[:2])} 0/1 "
+                    f"mask, got {tuple(attention_mask.shape)}"
+                )
+            x = (x * attention_mask[:, :, None]).to(x.dtype)
+        spans, pos = kwargs.get(SPANS_KWARG), kwargs.get("position_ids")
+        if spans is None and pos is not None:
+            spans = query_spans(pos, layout, p)
+        docs = documents(spans, layout, p, x.device)
+        rep = tuple(comm.replicated(t, self.group) for t in self._replicated())
+        return tsp_gated_delta(x, self._own(), rep, self.spec, self.group, docs)
+
+    @torch.no_grad()
+    def prefill(
+        self,
+        x: torch.Tensor,
+        position_embeddings,
+        cache_layer: LinearStateCacheLayer,
+        prompt_len: int,
+        key_valid: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Inference: this rank's prompt tokens ``x [B, S'/D, h]`` (zigzag, right-padded to S';
+        the padded tail is an identity transition); ``key_valid [B, S']`` (bool) marks left
+        padding, whose hidden states are zeroed as Hugging Face does. This rank's group's final
+        state and last K-1 pre-conv rows go to ``cache_layer``. ``position_embeddings`` unused
+        (no rotary). Returns ``[B, S'/D, h]``."""
+        D, p = comm.size_and_rank(self.group)
+        B, T, _ = x.shape
+        pos = ZigzagLayout.from_local(T, D).positions(p, x.device)
+        if key_valid is not None:
+            x = (x * key_valid[:, pos, None]).to(x.dtype)
+        width = self.spec.conv - 1
+        tail = torch.arange(prompt_len - width, prompt_len, device=x.device)  # global rows
+
+        def keep(r: int, states: list[torch.Tensor], qkv: torch.Tensor) -> None:
+            rows = qkv.new_zeros(B, width, qkv.shape[-1])
+            here = (pos[:, None] == tail[None]).nonzero()  # [(local, tail slot)]
+            rows[:, here[:, 1]] = qkv[:, here[:, 0]]
+            comm.reduce(rows, r, self.group)
+            if r == p:
+                cache_layer.store(rows, states[-1], prompt_len)
+
+        docs = Documents(torch.zeros(1, T, dtype=torch.long, device=x.device), pos)
+        identity = (pos >= prompt_len)[None].expand(B, T)
+        y = 0
+        for r in range(D):
+            args = (x, self._own(), *self._replicated(), identity)
+            y = y + group_forward(r, self.spec, self.group, docs, keep, *args)
+        return y
+
+    @torch.no_grad()
+    def decode(
+        self,
+        x: torch.Tensor,
+        position_embeddings,
+        cache_layer: LinearStateCacheLayer,
+        q_index: torch.Tensor,
+        valid: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Inference: TP step of ``x [B, Tq, h]`` (the same on every rank) at global indices
+        ``q_index [Tq]``: this rank's group's projections, conv and recurrent steps from
+        ``cache_layer``, its ``out_proj`` columns, one all-reduce. ``valid [B, L + Tq]`` (bool)
+        zeroes padded tokens. Returns ``[B, Tq, h]``, the same on every rank."""
+        p = dist.get_rank(self.group)
+        spec = self.spec
+        if valid is not None:
+            x = (x * valid[:, q_index, None]).to(x.dtype)
+        w_qkvz, w_ba, w_out = self._own()
+        nk = spec.k_heads(p).stop - spec.k_heads(p).start
+        qkv, z, b, a = project(x, w_qkvz, w_ba, spec, nk)
+        w = torch.cat([self.conv1d.weight[ch, 0] for ch in spec.conv_channels(p)])
+        left = cache_layer.conv_state
+        ok = torch.ones(1, x.shape[1], spec.conv, dtype=torch.bool, device=x.device)
+        mixed = causal_conv(qkv, left, w, ok)
+        v_heads = spec.v_heads(p)
+        q, k, v, g, beta = heads(mixed, b, a, self.A_log[v_heads], self.dt_bias[v_heads], spec, nk)
+        o, state = recurrent_gated_delta(q, k, v, g, beta, cache_layer.recurrent_state)
+        conv_state = torch.cat([left, qkv], dim=1)[:, -(spec.conv - 1) :]
+        cache_layer.store(conv_state, state, int(q_index[-1]) + 1)
+        o = gated_rms(o.to(x.dtype), z, self.norm.weight, spec.eps)
+        y = F.linear(o.flatten(2), w_out)
+        comm.all_reduce(y, self.group)
+        return y
