@@ -6,16 +6,14 @@ what autograd saves and the state exchange sends."""
 from __future__ import annotations
 
 import functools
-import inspect
-import textwrap
-import types
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import transformers.models.qwen3_next.modeling_qwen3_next as mq
-from checks import error_message, rel_err
+from checks import doc_positions, error_message, rel_err
+from hybrid import float64_twin, twins
 from transformers import Qwen3NextConfig
 
 from tsp_ext import ZigzagLayout, pad_sequence, padded_length
@@ -29,27 +27,6 @@ CHUNK = 37  # tokens per zigzag chunk: S = 2D·37, longer than and not a multipl
 # two rows' documents, S = 168 (a multiple of 2D, D <= 4); 84 starts a chunk at every D
 PACKED = ((70, 98), (23, 61, 84))
 PROMPT, STEPS, LEFT_PAD = 101, 3, 5
-
-
-def _exec_twin(src: str, ns: dict, name: str):
-    """Define ``name`` from its source with float32 replaced by float64 (decorators dropped)."""
-    src = textwrap.dedent(src)
-    lines = src.split("\n")
-    while lines[0].lstrip().startswith("@"):
-        lines.pop(0)
-    exec("\n".join(lines).replace("torch.float32", "torch.float64").replace(".float()", ""), ns)
-    return ns[name]
-
-
-@functools.cache
-def _twins() -> dict:
-    ns = dict(vars(mq))
-    for n in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
-        _exec_twin(inspect.getsource(getattr(mq, n)), ns, n)
-    twins = {n: ns[n] for n in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")}
-    twins["norm"] = _exec_twin(inspect.getsource(mq.Qwen3NextRMSNormGated.forward), ns, "forward")
-    twins["layer"] = _exec_twin(inspect.getsource(mq.Qwen3NextGatedDeltaNet.forward), ns, "forward")
-    return twins
 
 
 def make_config() -> Qwen3NextConfig:
@@ -77,14 +54,7 @@ def hf_layer(dtype, twin: bool) -> mq.Qwen3NextGatedDeltaNet:
         mod.dt_bias.normal_(0, 0.5)
         mod.norm.weight.normal_(1, 0.3)
     mod = mod.to(dtype)
-    if twin:
-        mod.forward = types.MethodType(_twins()["layer"], mod)
-        mod.norm.forward = types.MethodType(_twins()["norm"], mod.norm)
-    return mod
-
-
-def doc_positions(docs) -> torch.Tensor:
-    return torch.stack([torch.cat([torch.arange(n) for n in row]) for row in docs])
+    return float64_twin(mod) if twin else mod
 
 
 def _training(rank, world, dtype, twin, B, S, docs=None) -> dict:
@@ -234,7 +204,7 @@ def _kernel_inputs(B=2, T=150, H=3, dk=8, dv=12):
 
 def test_kernels_match_hf_float64_twins():
     q, k, v, g, beta, s0 = _kernel_inputs()
-    ns, qs = _twins(), q * q.shape[-1] ** -0.5
+    ns, qs = twins(), q * q.shape[-1] ** -0.5
     for state in (None, s0):
         o, s = chunk_gated_delta(qs, k, v, g, beta, state)
         for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):

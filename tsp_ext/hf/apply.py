@@ -45,6 +45,7 @@ from .families import (
     supported_names,
 )
 from .generate import tsp_forward, tsp_generate, tsp_vision_forward
+from .linear_attention import TSPGatedDeltaNet, check_linear_attention
 from .lora import (
     attach_adapters,
     check_adapters_agree,
@@ -181,8 +182,10 @@ def _shard_layers(model: nn.Module, f: Family, group, config: TSPConfig, adapter
         f.unfuse(layer)  # Phi-3's qkv_proj / gate_up_proj: their parts, as TSP shards them
     for layer in f.layers_of(model):
         mlp_class = TSPSparseMoe if f.is_moe(getattr(layer, f.mlp)) else TSPGatedMLP
+        mixer = f.mixer(layer)
+        mixer_class = TSPAttention if mixer == f.attention else TSPGatedDeltaNet
         for name, projections, tsp_class in (
-            (f.attention, f.attention_projections, TSPAttention),
+            (mixer, f.attention_projections, mixer_class),
             (f.mlp, f.mlp_projections, mlp_class),
         ):
             taken = detach_adapters(getattr(layer, name), projections)
@@ -251,8 +254,16 @@ def check_supported(model: nn.Module) -> Family:
     family = f = family_of(model)
     cfg = model.config.get_text_config()  # a vision-language model's: its language model's
     for i, layer in enumerate(f.layers_of(model)):
-        attn, mlp = getattr(layer, f.attention, None), getattr(layer, f.mlp, None)
-        if attn is None or not f.has_projections(attn, f.attention_projections):
+        attn, mlp = getattr(layer, f.mixer(layer), None), getattr(layer, f.mlp, None)
+        if f.mixer(layer) != f.attention:
+            check_linear_attention(name, i, attn)
+        elif attn is None and hasattr(layer, "linear_attn"):  # a hybrid of another family
+            check_linear_attention(name, i, layer.linear_attn)
+            raise ValueError(
+                f"{name} layer {i}: linear-attention layers are supported in "
+                "Qwen3NextForCausalLM only"
+            )
+        elif attn is None or not f.has_projections(attn, f.attention_projections):
             raise ValueError(
                 f"{name} layer {i}: attention without {'/'.join(f.attention_projections)} is "
                 "not supported"
@@ -280,17 +291,20 @@ def check_supported(model: nn.Module) -> Family:
                     f"(x / rms(x) * {kind}, with {f.norm_eps}); supported: "
                     f"{supported_names()} and models of the same structure"
                 )
-        window = f.sliding_window(attn)
+        window = f.sliding_window(attn) if f.mixer(layer) == f.attention else None
         if window is not None and window < 2:
             raise ValueError(
                 f"{name} layer {i}: sliding_window={window}; TSP supports windows of 2 or more "
                 "tokens (or None for full causal attention)"
             )
-    kinds = set(getattr(cfg, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}
+    runs = {"full_attention", "sliding_attention"}
+    if f.linear_attention:
+        runs.add("linear_attention")
+    kinds = set(getattr(cfg, "layer_types", None) or ()) - runs
     if kinds:
         raise ValueError(
-            f"{name}: layer types {sorted(kinds)} are not supported; TSP runs full_attention "
-            "and sliding_attention layers"
+            f"{name}: layer types {sorted(kinds)} are not supported; TSP runs {sorted(runs)} "
+            f"layers in the {f.name} family"
         )
     try:
         gate_activation(cfg, f.activation)
@@ -304,7 +318,7 @@ def check_supported(model: nn.Module) -> Family:
     per_type = [p for p in rope.values() if isinstance(p, dict)]  # Gemma-3: one per layer type
     for params in per_type or [rope]:
         partial = params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
-        if partial != 1.0:
+        if partial != 1.0 and not f.partial_rotary:
             raise ValueError(
                 f"{name}: partial_rotary_factor={partial} (RoPE on part of each head) is not "
                 "supported under TSP; it rotates whole heads"
@@ -333,6 +347,8 @@ def _check_split(cfg, D: int, moe: bool) -> None:
         cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim, D, 1.0
     )
     check_split(cfg.intermediate_size, D, "intermediate_size", "use a smaller TSP size")
+    if getattr(cfg, "linear_num_key_heads", None):  # Gated DeltaNet head groups
+        check_split(cfg.linear_num_key_heads, D, "linear_num_key_heads", "use a smaller TSP size")
     if moe:
         hint = "use a smaller TSP size"
         check_split(n_experts_of(cfg), D, "the number of experts", hint)

@@ -14,6 +14,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..engine import comm
 from ..engine.decode import kept_tokens
+from .linear_attention import LinearStateCacheLayer
 
 
 class TSPCacheLayer(CacheLayerMixin):
@@ -117,20 +118,21 @@ class TSPCache(Cache):
     """
 
     def __init__(self, model) -> None:
-        layers = model.tsp.family.layers_of(model)
-        spec = _attention(model, layers[0]).spec
+        self.layout = _layout(model)
         D, p = comm.size_and_rank(model.tsp.group)
-        self.layout = (D, p, len(layers), spec.n_kv_heads, spec.head_dim)
-        c = spec.kv_replicas
-        windows = [_attention(model, layer).spec.window for layer in layers]
-        super().__init__(layers=[TSPCacheLayer(c, p % c, w) for w in windows])
+        caches = []
+        for layer in model.tsp.family.layers_of(model):
+            spec = _attention_spec(model, layer)
+            if spec is None:  # a hybrid model's linear-attention layer: its group's states
+                caches.append(LinearStateCacheLayer())
+            else:
+                c = spec.kv_replicas
+                caches.append(TSPCacheLayer(c, p % c, spec.window))
+        super().__init__(layers=caches)
 
     def check_layout(self, model) -> None:
         """Raise ``ValueError`` if this cache was built for another TSP layout or model."""
-        layers = model.tsp.family.layers_of(model)
-        spec = _attention(model, layers[0]).spec
-        D, p = comm.size_and_rank(model.tsp.group)
-        here = (D, p, len(layers), spec.n_kv_heads, spec.head_dim)
+        here = _layout(model)
         if here != self.layout:
             raise ValueError(
                 f"this TSPCache was built for (tsp_size, rank, layers, kv_heads, head_dim) = "
@@ -142,5 +144,15 @@ class TSPCache(Cache):
         return sum(layer.nbytes() for layer in self.layers)
 
 
-def _attention(model, layer):
-    return getattr(layer, model.tsp.family.attention)
+def _attention_spec(model, layer):
+    """The ``AttentionSpec`` of a layer's attention, or None for a linear-attention layer."""
+    family = model.tsp.family
+    mixer = family.mixer(layer)
+    return getattr(layer, mixer).spec if mixer == family.attention else None
+
+
+def _layout(model) -> tuple[int, ...]:
+    """(tsp_size, rank, layers, KV heads, head_dim) of a TSP model's attention layers."""
+    layers = model.tsp.family.layers_of(model)
+    spec = next(s for s in (_attention_spec(model, x) for x in layers) if s is not None)
+    return (*comm.size_and_rank(model.tsp.group), len(layers), spec.n_kv_heads, spec.head_dim)

@@ -92,9 +92,9 @@ class Family:
         """``(attention, its projection names), (MLP, its projection names)`` of a layer (the
         attention alone where the MLP is a MoE block; no attention on a linear-attention
         layer)."""
-        attention = ((getattr(layer, self.attention), self.attention_projections),)
-        if self.mixer(layer) != self.attention:
-            attention = ()
+        attention = ()
+        if self.mixer(layer) == self.attention:
+            attention = ((getattr(layer, self.attention), self.attention_projections),)
         if self.is_moe(getattr(layer, self.mlp)):
             return attention
         return (*attention, (getattr(layer, self.mlp), self.mlp_projections))

@@ -35,6 +35,30 @@ from .attention import SPANS_KWARG
 from .families import LLAMA, Family
 from .sharding import ShardedModule
 
+# Gated DeltaNet projections in Qwen3-Next's layout (per key head: q | k | v | z rows, then b | a)
+_PROJECTIONS = ("in_proj_qkvz", "in_proj_ba", "conv1d", "out_proj", "A_log", "dt_bias", "norm")
+
+
+def check_linear_attention(name: str, i: int, module: nn.Module | None) -> None:
+    """Raise ``ValueError`` naming the model unless layer ``i``'s linear-attention ``module`` is a
+    Gated DeltaNet in Qwen3-Next's layout that TSP folds: fused ``in_proj_qkvz`` / ``in_proj_ba``
+    (Qwen3.5's separate ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a`` are not
+    supported yet), a bias-free depthwise causal conv and SiLU."""
+    missing = [n for n in _PROJECTIONS if not hasattr(module, n)]
+    if missing:
+        kind = type(module).__name__
+        raise ValueError(
+            f"{name} layer {i}: linear attention {kind} without {'/'.join(missing)}; TSP folds "
+            "Qwen3-Next's Gated DeltaNet (in_proj_qkvz, in_proj_ba); Qwen3.5's separate "
+            "in_proj_qkv / in_proj_z / in_proj_b / in_proj_a layout is not supported yet"
+        )
+    activation = getattr(module, "activation", "silu")
+    if module.conv1d.bias is not None or activation not in ("silu", "swish"):
+        raise ValueError(
+            f"{name} layer {i}: a Gated DeltaNet conv with a bias or a {activation} "
+            "activation is not supported under TSP (Qwen3-Next's: no bias, SiLU)"
+        )
+
 
 class LinearStateCacheLayer(CacheLayerMixin):
     """One Gated DeltaNet layer's cache on one TSP rank: its head group's ``conv_state
