@@ -19,6 +19,8 @@
   sequence-parallel baselines (``python -m benchmarks.vision``);
 - ``gpt_oss``: a tiny-width gpt-oss (attention sinks, sliding-window and full layers, MoE) on
   one long sequence, one process against TSP and the sequence-parallel baselines
-  (``python -m benchmarks.gpt_oss``), run by ``model_paths`` (one model along every path);
+  (``python -m benchmarks.gpt_oss``), and ``qwen3_next``, a tiny-width Qwen3-Next (hybrid
+  linear attention) likewise (``python -m benchmarks.qwen3_next``), both run by ``model_paths``
+  (one model along every path);
 - ``comm_counter``, ``report``, ``plots``, ``baseline_rows``: the pieces they share.
 """

@@ -410,3 +410,24 @@ def test_gpt_oss_table_is_its_json():
         assert line in lines, line
     assert all(r["ok"] and r["loss_ok"] for r in rows if r["path"] in ("1 process", "tsp"))
     assert not any(r["ok"] and r["loss_ok"] for r in rows if r["path"] not in ("1 process", "tsp"))
+
+
+def test_qwen3_next_table_is_its_json():
+    """docs/hybrid.md's benchmark table is ``benchmarks.qwen3_next``'s of its JSON, and its prose
+    ratios are the JSON's: TSP's loss is the single process's, no other path answers it."""
+    from benchmarks.qwen3_next import markdown_table
+
+    rows = json.loads((RESULTS / "qwen3_next_cpu.json").read_text())["rows"]
+    text = (ROOT / "docs" / "hybrid.md").read_text()
+    for line in markdown_table(rows).splitlines():
+        assert line in text.splitlines(), line
+    assert all(r["ok"] and r["loss_ok"] for r in rows if r["path"] in ("1 process", "tsp"))
+    assert not any(r["ok"] and r["loss_ok"] for r in rows if r["path"] not in ("1 process", "tsp"))
+    single, tsp2, tsp4 = rows[0], rows[1], rows[2]
+    assert (tsp2["D"], tsp4["D"]) == (2, 4)
+    saved = [round(single["saved"] / r["saved"]) for r in (tsp2, tsp4)]
+    peak = [single["peak_delta"] / r["peak_delta"] for r in (tsp2, tsp4)]
+    assert f"saves {saved[0]}x (D = 2) and {saved[1]}x (D = 4) less" in text
+    assert f"grows {peak[0]:.1f}x and {peak[1]:.1f}x less" in text
+    assert f"{tsp2['vs_1_process']:.2f}x the single process" in text
+

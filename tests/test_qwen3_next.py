@@ -156,8 +156,15 @@ def error_cases(mesh) -> dict:
         peft = get_peft_model(build("qwen3_next"), LoraConfig(r=2, target_modules=["in_proj_ba"]))
         apply_tsp(peft, mesh)
 
+    def qlora():
+        from peft import LoraConfig, get_peft_model
+
+        peft = get_peft_model(build("qwen3_next"), LoraConfig(r=2, target_modules=["o_proj"]))
+        apply_tsp(peft, mesh, config=TSPConfig(quantize_base="nf4"))
+
     one_key_head = build("qwen3_next", linear_num_key_heads=1)
     return {
+        "qlora": error_message(qlora),
         "qwen3_5": error_message(qwen3_5),
         "heads": error_message(lambda: apply_tsp(one_key_head, mesh)),
         "lora": error_message(lora_in_proj),
@@ -228,3 +235,6 @@ def test_errors(workers, tmp):
     )
     assert "linear_num_key_heads=1 cannot be split over tsp_size=2" in errors["heads"]
     assert "in_proj_ba" in errors["lora"], errors["lora"]
+    assert (
+        "quantize_base='nf4' (QLoRA) of Qwen3NextForCausalLM is not supported" in (errors["qlora"])
+    )

@@ -115,6 +115,12 @@ def apply_tsp(
         model = peft_base(model)
     # 1. check the model, the mesh and the split, before anything is touched
     family = check_supported(model)
+    if config.quantize_base == "nf4" and family.linear_attention is not None:
+        raise ValueError(
+            f"quantize_base='nf4' (QLoRA) of {type(model).__name__} is not supported under TSP "
+            "(its gated q_proj and linear-attention layers are not quantized): use LoRA on a "
+            "bf16 base"
+        )
     mesh, group = _resolve_mesh(mesh, tsp_size or config.tsp_size)
     moe = any(family.is_moe(getattr(x, family.mlp)) for x in family.layers_of(model))
     _check_split(model.config.get_text_config(), dist.get_world_size(group), moe)
