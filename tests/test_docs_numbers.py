@@ -430,4 +430,3 @@ def test_qwen3_next_table_is_its_json():
     assert f"saves {saved[0]}x (D = 2) and {saved[1]}x (D = 4) less" in text
     assert f"grows {peak[0]:.1f}x and {peak[1]:.1f}x less" in text
     assert f"{tsp2['vs_1_process']:.2f}x the single process" in text
-
