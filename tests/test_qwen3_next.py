@@ -34,12 +34,12 @@ from tsp_ext.hf.linear_attention import LinearStateCacheLayer
 
 pytestmark = pytest.mark.multiproc
 
-S = 24
+S = 100  # longer than the gated-delta kernel's 64-token chunk, not a multiple of it
 # Hugging Face runs the attention's q/k norms in float32 even in float64 (test_apply_tsp's rule
 # for Qwen3); the Gated DeltaNet's kernels, gated norm and decay too, which the reference's
 # float64 twins (tests/hybrid.py) undo: the layer alone is float64-exact (test_gated_delta)
 TOL = 1e-6
-PACKED = (11, 13)  # two documents in one row of S tokens
+PACKED = (45, 55)  # two documents in one row of S tokens
 
 
 def twin_reference(model):
@@ -202,9 +202,15 @@ def test_loss_logits_and_grads_match_hf(workers, world, tmp):
         )
 
 
+# the decay's parameters: sums over every token that nearly cancel; Hugging Face's own float32
+# gradients of them are 6e-4 and 9e-4 off the float64 truth on this model
+DECAY = ("linear_attn.A_log", "linear_attn.dt_bias")
+
+
 def test_float32_matches_hf_itself(workers, tmp):
     for rank, run in enumerate(results(workers, 2, tmp)):
-        bad = {k: v for k, v in run["float32"].items() if not v < 1e-4}
+        tol = {k: 2e-3 if k.endswith(DECAY) else 1e-4 for k in run["float32"]}
+        bad = {k: v for k, v in run["float32"].items() if not v < tol[k]}
         assert not bad, (rank, bad)
 
 
