@@ -231,6 +231,33 @@ def test_kernel_resets_match_documents_run_alone():
         assert rel_err(s[b : b + 1], state) < 1e-12
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fla_kernel_matches_the_pytorch_one():
+    """On CUDA with flash-linear-attention installed the chunked kernel is fla's: outputs, final
+    state and the gradients of every input (the initial state's included) against the
+    pure-PyTorch kernel in float32, with resets, on [v | 0] / [0 | I] as the layer calls it."""
+    pytest.importorskip("fla")
+    from tsp_ext.engine.gated_delta import uses_fla
+
+    *inputs, s0 = (t.float() for t in _kernel_inputs(dv=8))
+    q, k, v, g, beta = inputs
+    q = q * q.shape[-1] ** -0.5
+    v = torch.cat([v, torch.zeros_like(v)], dim=-1)
+    s0 = torch.cat([s0, torch.eye(8).expand_as(s0)], dim=-1)
+    resets = torch.zeros(2, 150, dtype=torch.bool)
+    resets[0, 70] = True
+    runs = {}
+    for device in ("cpu", "cuda"):
+        leaves = [t.to(device).requires_grad_() for t in (q, k, v, g, beta, s0)]
+        o, s = chunk_gated_delta(*leaves, resets.to(device))
+        assert uses_fla(leaves[0]) == (device == "cuda")
+        ((o * o.detach().sin()).sum() + (s * s.detach().cos()).sum()).backward()
+        runs[device] = [o, s, *(t.grad for t in leaves)]
+    for name, a, b in zip(("o", "state", "dq", "dk", "dv", "dg", "dbeta", "ds0"), *runs.values()):
+        assert rel_err(b.cpu(), a.detach()) < 1e-4, name
+
+
 def test_spec_refuses_more_ranks_than_key_heads():
     msg = error_message(lambda: LinearAttentionSpec(48, 4, 8, 8, 12, 4, 1e-6, 5))
     assert "cannot be split over tsp_size=5" in msg

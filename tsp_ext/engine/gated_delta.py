@@ -3,14 +3,33 @@
 Per value head, with a state ``S [dk, dv]``: ``S_t = e^{g_t} (I - β_t k_t k_tᵀ) S_{t-1} +
 β_t k_t v_tᵀ`` and ``o_t = S_tᵀ q_t``. Inputs are already l2-normalised (q also scaled by
 ``dk^-1/2``) and expanded to the value heads. Both kernels compute in float64 for float64
-inputs, float32 otherwise (Hugging Face's always cast to float32), and return that dtype.
+inputs, float32 otherwise (Hugging Face's always cast to float32), and return that dtype. On
+CUDA, where flash-linear-attention (``fla``) is installed, the chunked kernel is its Triton
+``chunk_gated_delta_rule`` (states in float32, its own backward) instead.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 CHUNK = 64
+
+
+@functools.cache
+def _fla_chunk():
+    """flash-linear-attention's ``chunk_gated_delta_rule``, or None where it is not installed."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        return None
+    return chunk_gated_delta_rule
+
+
+def uses_fla(x: torch.Tensor) -> bool:
+    """Whether ``chunk_gated_delta`` runs ``x``'s kernel with fla (CUDA, not float64)."""
+    return x.is_cuda and x.dtype != torch.float64 and _fla_chunk() is not None
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -76,6 +95,12 @@ def chunk_gated_delta(
                 )
                 outs.append(o)
             return torch.cat(outs, dim=1), state
+    if uses_fla(q):  # scale 1: q comes scaled; the state in float32, as fla keeps it
+        o, state = _fla_chunk()(
+            q, k, v, g.float(), beta, scale=1.0, initial_state=state.float().contiguous(),
+            output_final_state=True,
+        )  # fmt: skip
+        return o.to(acc), state
     pad = (-T) % CHUNK
     q, k, v, g, beta = (
         torch.nn.functional.pad(
