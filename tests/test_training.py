@@ -61,25 +61,30 @@ def checkpointing_grads(mesh):
     return max(rel_err(grads[n], p.grad) for n, p in ref.named_parameters())
 
 
-def layer_checkpointing(mesh, offload: bool):
+def layer_checkpointing(mesh, offload: bool, device_layers: int = 0):
     """``TSPConfig(checkpoint_layers=True)``, and with ``offload`` the longest-context options
-    (layer inputs offloaded, MLP tiles of 7 tokens, one head group at a time): gradients
-    against the unmodified model, and what the decoder layers keep for backward (device / host
-    bytes)."""
+    (layer inputs offloaded, MLP tiles of 7 tokens, one head group at a time; the first
+    ``device_layers`` inputs kept on the device): gradients against the unmodified model, and
+    what the decoder layers keep for backward (device / host bytes)."""
     model = build("qwen2", torch.float64, num_hidden_layers=3)
     ref = copy.deepcopy(model)
+    data = batch(model.config.vocab_size, 2, 24)
+    inputs = dict(shard_batch(data, mesh))
+    layer_input = inputs["input_ids"].numel() * model.config.hidden_size * 8  # [B, S/D, h]
     config = TSPConfig(checkpoint_layers=True)
     if offload:
         config = TSPConfig(
-            checkpoint_layers=True, offload_checkpoints=True, mlp_tile=7, overlap=False
+            checkpoint_layers=True,
+            offload_checkpoints=True,
+            checkpoint_device_bytes=device_layers * layer_input,
+            mlp_tile=7,
+            overlap=False,
         )
     apply_tsp(model, mesh, config=config).train()
-    data = batch(model.config.vocab_size, 2, 24)
-    inputs = dict(shard_batch(data, mesh))
     with SavedTensorBytes(ignore=model.parameters()) as saved:
         loss = model(**inputs).loss
     store = model.tsp.host_store
-    held = store.held if offload else 0
+    held, device_held = (store.held, store.device_held) if offload else (0, 0)
     loss.backward()
     ref_loss = causal_lm_loss(ref, data)
     ref_loss.backward()
@@ -89,8 +94,9 @@ def layer_checkpointing(mesh, offload: bool):
         "grads": max(rel_err(grads[n], p.grad) for n, p in ref.named_parameters()),
         "saved": saved.nbytes,
         "held": held,
-        "held_after": store.held if offload else 0,
-        "layer_input": inputs["input_ids"].numel() * model.config.hidden_size * 8,  # [B, S/D, h]
+        "device_held": device_held,
+        "held_after": store.held + store.device_held if offload else 0,
+        "layer_input": layer_input,
     }
 
 
@@ -131,6 +137,7 @@ def training_worker(rank, world):
         "checkpointing": checkpointing_grads(mesh),
         "layers": layer_checkpointing(mesh, offload=False),
         "offload": layer_checkpointing(mesh, offload=True),
+        "tiers": layer_checkpointing(mesh, offload=True, device_layers=2),
         "no_layers": saved_without_layers(mesh),
         "bytes": param_bytes(mesh),
     }
@@ -165,13 +172,17 @@ def test_gradient_checkpointing_keeps_exact_grads(workers, world):
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_checkpoint_layers_exact_and_keeps_one_input_per_layer(workers, world):
     for res in results(workers, world):
-        plain, offload = res["layers"], res["offload"]
-        for r in (plain, offload):
+        plain, offload, tiers = res["layers"], res["offload"], res["tiers"]
+        for r in (plain, offload, tiers):
             assert r["loss"] < 1e-12 and r["grads"] < 1e-10, r
         # per decoder layer only its input [B, S/D, h] is kept, on the device or in host memory
         assert plain["saved"] == res["no_layers"] + 3 * plain["layer_input"], plain
         assert offload["saved"] == res["no_layers"], offload
         assert offload["held"] == 3 * offload["layer_input"] and offload["held_after"] == 0
+        # device-then-host tiers: the first two layers' inputs on the device, the third on host
+        n = tiers["layer_input"]
+        assert (tiers["device_held"], tiers["held"], tiers["held_after"]) == (2 * n, n, 0), tiers
+        assert tiers["saved"] == res["no_layers"], tiers
 
 
 @pytest.mark.parametrize("world", [2, 4])

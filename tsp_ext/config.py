@@ -28,6 +28,9 @@ class TSPConfig(EngineOptions):
         offload_checkpoints: keep those layer inputs in host memory until backward (pinned,
             copied on a side stream on CUDA; see ``tsp_ext.hf.checkpointing.HostStore``).
             Needs ``checkpoint_layers``.
+        checkpoint_device_bytes: with ``offload_checkpoints``, the bytes of those inputs kept
+            on the device (the first layers'; the rest go to host memory): a device with room
+            left spends it instead of host memory and copies. 0: all in host memory.
         quantize_base: ``"nf4"`` (QLoRA): store the frozen projection shards of a PEFT LoRA
             model in 4-bit NormalFloat (``engine.nf4``, 0.5625 bytes a weight), send them so on
             the broadcast / ring and dequantize each just before use; None: as loaded.
@@ -37,6 +40,7 @@ class TSPConfig(EngineOptions):
     shard_vocab: bool = True
     checkpoint_layers: bool = False
     offload_checkpoints: bool = False
+    checkpoint_device_bytes: int = 0
     quantize_base: str | None = None
 
     def __post_init__(self) -> None:
@@ -48,6 +52,13 @@ class TSPConfig(EngineOptions):
             raise ValueError(
                 "offload_checkpoints moves the decoder layers' checkpoints to host memory: "
                 "set checkpoint_layers=True too"
+            )
+        if self.checkpoint_device_bytes < 0 or (
+            self.checkpoint_device_bytes and not self.offload_checkpoints
+        ):
+            raise ValueError(
+                f"checkpoint_device_bytes={self.checkpoint_device_bytes}: the device share of "
+                "offloaded layer inputs is >= 0 and needs offload_checkpoints=True"
             )
         super().__post_init__()  # the engine's fields
 

@@ -145,7 +145,9 @@ def apply_tsp(
     # 4. TSP-aware behaviour (masks, cache, loss, inputs, generate), then layer checkpointing
     _switch_behaviour(model, mesh, group, config, family)
     if config.checkpoint_layers:
-        store = enable_layer_checkpointing(model, config.offload_checkpoints)
+        store = enable_layer_checkpointing(
+            model, config.offload_checkpoints, config.checkpoint_device_bytes
+        )
         model.tsp = replace(model.tsp, host_store=store)
     if adapter is not None:
         _patch_peft(peft_model)

@@ -1,7 +1,8 @@
 """Decoder-layer checkpointing of a TSP model: backward keeps only each layer's input
 ``[B, S/D, h]`` and re-runs the layer's forward (its weight broadcasts, K/V gathers and ring
 included) before the layer's backward (``TSPConfig(checkpoint_layers=True)``); with
-``offload_checkpoints=True`` those inputs wait for backward in host memory (``HostStore``)."""
+``offload_checkpoints=True`` those inputs wait for backward in host memory (``HostStore``),
+the first ``checkpoint_device_bytes`` of them on the device (device-then-host tiers)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,20 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .families import family_of
+
+
+class _Kept:
+    """One saved tensor the store keeps on the device (within its device budget), counted."""
+
+    def __init__(self, t: torch.Tensor, store: HostStore) -> None:
+        self.tensor = t
+        self.nbytes = t.numel() * t.element_size()
+        store.device_held += self.nbytes
+        store.device_peak = max(store.device_peak, store.device_held)
+        weakref.finalize(self, store.release_device, self.nbytes)
+
+    def load(self) -> torch.Tensor:
+        return self.tensor
 
 
 class _Offloaded:
@@ -60,7 +75,9 @@ def _bytes_view(t: torch.Tensor) -> torch.Tensor:
 
 
 class HostStore:
-    """Host memory for the layer inputs a checkpointed model keeps for backward.
+    """Host memory for the layer inputs a checkpointed model keeps for backward, after the first
+    ``device_budget`` bytes of them, which stay on the device (device-then-host tiers: a device
+    with room left keeps what it can and the host takes the rest).
 
     On CUDA each input is copied into a pinned host tensor on a side stream that waits for the
     input's producer, so the copy overlaps the next layer's forward; backward copies it back
@@ -68,17 +85,40 @@ class HostStore:
     input is written to a RAM-backed file (``/dev/shm`` where there is one), which keeps it out
     of the process's resident set as a GPU's host memory is outside its device memory — so peak
     RSS measurements on CPU see what a device would. ``held`` / ``peak``: bytes in host memory
-    now / at most since ``reset_peak``.
+    now / at most since ``reset_peak``; ``device_held`` / ``device_peak``: the same of the
+    tensors kept on the device.
     """
 
-    def __init__(self) -> None:
-        self.held = 0
-        self.peak = 0
+    def __init__(self, device_budget: int = 0) -> None:
+        self.device_budget = device_budget
+        self.held = self.peak = 0
+        self.device_held = self.device_peak = 0
         self.cpu_dir = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def reset_peak(self) -> None:
         self.peak = self.held
+        self.device_peak = self.device_held
+
+    def release_device(self, nbytes: int) -> None:
+        """Forget ``nbytes`` kept on the device that backward no longer needs."""
+        self.device_held -= nbytes
+
+    def _pack(self, t: torch.Tensor):
+        """Where a saved tensor waits for backward: on the device while the budget lasts, else in
+        host memory (an empty tensor as it is)."""
+        if not t.numel():
+            return t
+        nbytes = t.numel() * t.element_size()
+        if self.device_held + nbytes <= self.device_budget:
+            return _Kept(t, self)
+        if 0 < self.device_budget < nbytes:
+            raise ValueError(
+                f"checkpoint_device_bytes={self.device_budget:,} cannot hold one saved layer input "
+                f"of {nbytes:,} bytes: raise it to at least {nbytes:,}, or set it to 0 (every "
+                "input in host memory)"
+            )
+        return _Offloaded(t, self)
 
     def release(self, nbytes: int, file=None) -> None:
         """Forget ``nbytes`` of a tensor backward no longer needs (and close its file)."""
@@ -103,8 +143,7 @@ class HostStore:
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         """Saved-tensor hooks that put every tensor saved inside them into this store."""
         return torch.autograd.graph.saved_tensors_hooks(
-            lambda t: _Offloaded(t, self) if t.numel() else t,
-            lambda h: h.load() if isinstance(h, _Offloaded) else h,
+            self._pack, lambda h: h.load() if isinstance(h, _Kept | _Offloaded) else h
         )
 
 
@@ -119,10 +158,13 @@ def checkpoint_layer(store: HostStore | None) -> Callable[..., Any]:
     return run
 
 
-def enable_layer_checkpointing(model: nn.Module, offload: bool) -> HostStore | None:
+def enable_layer_checkpointing(
+    model: nn.Module, offload: bool, device_budget: int = 0
+) -> HostStore | None:
     """Checkpoint every decoder layer of ``model`` (Hugging Face ``GradientCheckpointingLayer``s)
-    in training; returns the host store of the offloaded inputs (None without offload)."""
-    store = HostStore() if offload else None
+    in training; returns the host store of the offloaded inputs (None without offload), which
+    keeps the first ``device_budget`` bytes of them on the device."""
+    store = HostStore(device_budget) if offload else None
     for layer in family_of(model).layers_of(model):
         layer.gradient_checkpointing = True
         layer._gradient_checkpointing_func = checkpoint_layer(store)
