@@ -78,3 +78,9 @@ def test_spec_and_config_validation():
         TSPConfig(accum_dtype=torch.int32)
     with pytest.raises(ValueError, match="set checkpoint_layers=True too"):
         TSPConfig(offload_checkpoints=True)
+    with pytest.raises(ValueError, match="checkpoint_every=2: an interval .* needs checkpoint_"):
+        TSPConfig(checkpoint_every=2)
+    with pytest.raises(ValueError, match="checkpoint_every=0: an interval of layers"):
+        TSPConfig(checkpoint_layers=True, checkpoint_every=0)
+    with pytest.raises(ValueError, match="checkpoint_device_bytes=64: .* needs offload_check"):
+        TSPConfig(checkpoint_layers=True, checkpoint_device_bytes=64)

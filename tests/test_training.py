@@ -8,7 +8,7 @@ import functools
 
 import pytest
 import torch
-from checks import rel_err
+from checks import error_message, rel_err
 from models import batch, build, causal_lm_loss
 
 from tsp_ext import TSPConfig, apply_tsp, full_grads, full_state_dict, init_tsp_mesh, shard_batch
@@ -61,20 +61,22 @@ def checkpointing_grads(mesh):
     return max(rel_err(grads[n], p.grad) for n, p in ref.named_parameters())
 
 
-def layer_checkpointing(mesh, offload: bool, device_layers: int = 0):
-    """``TSPConfig(checkpoint_layers=True)``, and with ``offload`` the longest-context options
-    (layer inputs offloaded, MLP tiles of 7 tokens, one head group at a time; the first
-    ``device_layers`` inputs kept on the device): gradients against the unmodified model, and
-    what the decoder layers keep for backward (device / host bytes)."""
+def layer_checkpointing(mesh, offload: bool, device_layers: int = 0, every: int = 1):
+    """``TSPConfig(checkpoint_layers=True)`` (``every``: intervals of that many layers), and with
+    ``offload`` the longest-context options (layer inputs offloaded, MLP tiles of 7 tokens, one
+    head group at a time; the first ``device_layers`` inputs kept on the device): gradients
+    against the unmodified model, and what the decoder layers keep for backward (device / host
+    bytes)."""
     model = build("qwen2", torch.float64, num_hidden_layers=3)
     ref = copy.deepcopy(model)
     data = batch(model.config.vocab_size, 2, 24)
     inputs = dict(shard_batch(data, mesh))
     layer_input = inputs["input_ids"].numel() * model.config.hidden_size * 8  # [B, S/D, h]
-    config = TSPConfig(checkpoint_layers=True)
+    config = TSPConfig(checkpoint_layers=True, checkpoint_every=every)
     if offload:
         config = TSPConfig(
             checkpoint_layers=True,
+            checkpoint_every=every,
             offload_checkpoints=True,
             checkpoint_device_bytes=device_layers * layer_input,
             mlp_tile=7,
@@ -98,6 +100,14 @@ def layer_checkpointing(mesh, offload: bool, device_layers: int = 0):
         "held_after": store.held + store.device_held if offload else 0,
         "layer_input": layer_input,
     }
+
+
+def hidden_states_with_intervals(mesh) -> str:
+    """The error of ``output_hidden_states`` in training with intervals of layers."""
+    model = build("qwen2", torch.float64, num_hidden_layers=3)
+    apply_tsp(model, mesh, config=TSPConfig(checkpoint_layers=True, checkpoint_every=2)).train()
+    inputs = shard_batch(batch(model.config.vocab_size, 2, 24), mesh)
+    return error_message(lambda: model(**inputs, output_hidden_states=True))
 
 
 def saved_without_layers(mesh) -> int:
@@ -138,6 +148,9 @@ def training_worker(rank, world):
         "layers": layer_checkpointing(mesh, offload=False),
         "offload": layer_checkpointing(mesh, offload=True),
         "tiers": layer_checkpointing(mesh, offload=True, device_layers=2),
+        "every2": layer_checkpointing(mesh, offload=False, every=2),
+        "every2_offload": layer_checkpointing(mesh, offload=True, every=2),
+        "hidden_error": hidden_states_with_intervals(mesh),
         "no_layers": saved_without_layers(mesh),
         "bytes": param_bytes(mesh),
     }
@@ -173,7 +186,8 @@ def test_gradient_checkpointing_keeps_exact_grads(workers, world):
 def test_checkpoint_layers_exact_and_keeps_one_input_per_layer(workers, world):
     for res in results(workers, world):
         plain, offload, tiers = res["layers"], res["offload"], res["tiers"]
-        for r in (plain, offload, tiers):
+        every2, every2_offload = res["every2"], res["every2_offload"]
+        for r in (plain, offload, tiers, every2, every2_offload):
             assert r["loss"] < 1e-12 and r["grads"] < 1e-10, r
         # per decoder layer only its input [B, S/D, h] is kept, on the device or in host memory
         assert plain["saved"] == res["no_layers"] + 3 * plain["layer_input"], plain
@@ -183,6 +197,10 @@ def test_checkpoint_layers_exact_and_keeps_one_input_per_layer(workers, world):
         n = tiers["layer_input"]
         assert (tiers["device_held"], tiers["held"], tiers["held_after"]) == (2 * n, n, 0), tiers
         assert tiers["saved"] == res["no_layers"], tiers
+        # intervals of two layers: the inputs of layers 0 and 2 (layer 1 recomputed from 0's)
+        assert every2["saved"] == res["no_layers"] + 2 * n, every2
+        assert every2_offload["held"] == 2 * n and every2_offload["held_after"] == 0
+        assert "output_hidden_states with checkpoint_every=2" in res["hidden_error"]
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -243,6 +243,13 @@ def errors_worker(rank, world):
         ),
         "encoder outputs": error_message(lambda: model(**local, mm_encoder_outputs={})),
         "unsupported": error_message(lambda: apply_tsp(unsupported_vlm(), mesh)),
+        "intervals": error_message(
+            lambda: apply_tsp(
+                build_vlm("qwen3_vl"),
+                mesh,
+                config=TSPConfig(checkpoint_layers=True, checkpoint_every=2),
+            )
+        ),
     }
 
 
@@ -291,6 +298,7 @@ def test_bad_input_raises_the_same_clear_error_on_every_rank(workers, world):
     assert "(mm_encoder_outputs) hold every image on every rank" in errs["encoder outputs"]
     assert "PaliGemmaForConditionalGeneration is a vision-language model" in errs["unsupported"]
     assert "Qwen2_5_VLForConditionalGeneration" in errs["unsupported"]
+    assert "checkpoint_every=2 with Qwen3-VL: its deepstack features" in errs["intervals"]
 
 
 def data_parallel_worker(rank, world):

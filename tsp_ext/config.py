@@ -25,6 +25,9 @@ class TSPConfig(EngineOptions):
         checkpoint_layers: recompute each decoder layer in backward (its weight broadcasts,
             K/V gathers and ring included), keeping only its input ``[B, S/D, h]`` per layer
             instead of the engine's saved projections; one more forward per step.
+        checkpoint_every: with ``checkpoint_layers``, keep only every k-th layer's input and
+            recompute the k layers from it in backward (stored inputs ÷ k; the recomputed
+            layers' saved tensors × k while their backward runs). 1: every layer's.
         offload_checkpoints: keep those layer inputs in host memory until backward (pinned,
             copied on a side stream on CUDA; see ``tsp_ext.hf.checkpointing.HostStore``).
             Needs ``checkpoint_layers``.
@@ -39,6 +42,7 @@ class TSPConfig(EngineOptions):
     tsp_size: int | None = None
     shard_vocab: bool = True
     checkpoint_layers: bool = False
+    checkpoint_every: int = 1
     offload_checkpoints: bool = False
     checkpoint_device_bytes: int = 0
     quantize_base: str | None = None
@@ -52,6 +56,11 @@ class TSPConfig(EngineOptions):
             raise ValueError(
                 "offload_checkpoints moves the decoder layers' checkpoints to host memory: "
                 "set checkpoint_layers=True too"
+            )
+        if self.checkpoint_every < 1 or (self.checkpoint_every > 1 and not self.checkpoint_layers):
+            raise ValueError(
+                f"checkpoint_every={self.checkpoint_every}: an interval of layers recomputed from "
+                "one kept input is >= 1 layers and needs checkpoint_layers=True"
             )
         if self.checkpoint_device_bytes < 0 or (
             self.checkpoint_device_bytes and not self.offload_checkpoints

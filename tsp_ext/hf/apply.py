@@ -121,6 +121,12 @@ def apply_tsp(
             "(its gated q_proj and linear-attention layers are not quantized): use LoRA on a "
             "bf16 base"
         )
+    if config.checkpoint_every > 1 and family.vision is not None and family.vision.deepstack:
+        raise ValueError(
+            f"checkpoint_every={config.checkpoint_every} with {family.name}: its deepstack "
+            "features join the hidden states between layers, inside an interval; use "
+            "checkpoint_every=1"
+        )
     mesh, group = _resolve_mesh(mesh, tsp_size or config.tsp_size)
     moe = any(family.is_moe(getattr(x, family.mlp)) for x in family.layers_of(model))
     _check_split(model.config.get_text_config(), dist.get_world_size(group), moe)
@@ -146,7 +152,10 @@ def apply_tsp(
     _switch_behaviour(model, mesh, group, config, family)
     if config.checkpoint_layers:
         store = enable_layer_checkpointing(
-            model, config.offload_checkpoints, config.checkpoint_device_bytes
+            model,
+            config.offload_checkpoints,
+            config.checkpoint_device_bytes,
+            config.checkpoint_every,
         )
         model.tsp = replace(model.tsp, host_store=store)
     if adapter is not None:

@@ -205,6 +205,13 @@ def check_inputs(model: nn.Module, args: tuple, kwargs: dict):
     """
     if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
         return None
+    every = model.tsp.config.checkpoint_every
+    if every > 1 and model.training and kwargs.get("output_hidden_states"):
+        raise ValueError(
+            f"output_hidden_states with checkpoint_every={every}: the layers inside an interval "
+            "run at its last layer, so their hidden states are not the layers' own; train with "
+            "output_hidden_states=False or checkpoint_every=1"
+        )
     if kwargs.get("fused_lm_head") and kwargs.get("shift_labels") is None:
         return None  # a full batch: hf.log_probs shards it and checks the shards (check_shards)
     return args, check_shards(model, kwargs, args)

@@ -2,7 +2,9 @@
 ``[B, S/D, h]`` and re-runs the layer's forward (its weight broadcasts, K/V gathers and ring
 included) before the layer's backward (``TSPConfig(checkpoint_layers=True)``); with
 ``offload_checkpoints=True`` those inputs wait for backward in host memory (``HostStore``),
-the first ``checkpoint_device_bytes`` of them on the device (device-then-host tiers)."""
+the first ``checkpoint_device_bytes`` of them on the device (device-then-host tiers); with
+``checkpoint_every=k`` only every k-th layer's input is kept and backward recomputes the k layers
+from it (``Interval``): stored bytes ÷ k, the recomputed layers' saved tensors × k."""
 
 from __future__ import annotations
 
@@ -158,14 +160,55 @@ def checkpoint_layer(store: HostStore | None) -> Callable[..., Any]:
     return run
 
 
+class Interval:
+    """``size`` consecutive decoder layers checkpointed as one: the first keeps its input, the
+    ones before the last return their input unchanged and record their call, and the last runs
+    every recorded call from that input under one checkpoint — backward recomputes the interval's
+    layers from the one input (the Hugging Face loop calls the layers in order, so each layer's
+    own arguments, e.g. its layer type's rotary table, are the ones recorded)."""
+
+    def __init__(self, store: HostStore | None) -> None:
+        self.store = store
+        self.calls: list[tuple[Callable[..., Any], tuple]] = []
+        self.first: torch.Tensor | None = None  # the interval's input, until its last layer
+
+    def member(self, last: bool) -> Callable[..., Any]:
+        """The checkpointing function of one layer of the interval (``last``: its last)."""
+
+        def run(function: Callable[..., Any], x: torch.Tensor, *args: Any) -> Any:
+            if not self.calls:
+                self.first = x
+            self.calls.append((function, args))
+            if not last:
+                return x
+            calls, self.calls, x, self.first = self.calls, [], self.first, None
+
+            def layers(h: torch.Tensor) -> torch.Tensor:
+                for fn, rest in calls:
+                    h = fn(h, *rest)
+                return h
+
+            return checkpoint_layer(self.store)(layers, x)
+
+        return run
+
+
 def enable_layer_checkpointing(
-    model: nn.Module, offload: bool, device_budget: int = 0
+    model: nn.Module, offload: bool, device_budget: int = 0, every: int = 1
 ) -> HostStore | None:
-    """Checkpoint every decoder layer of ``model`` (Hugging Face ``GradientCheckpointingLayer``s)
-    in training; returns the host store of the offloaded inputs (None without offload), which
-    keeps the first ``device_budget`` bytes of them on the device."""
+    """Checkpoint the decoder layers of ``model`` (Hugging Face ``GradientCheckpointingLayer``s)
+    in training, every layer or (``every`` = k > 1) intervals of k layers; returns the host store
+    of the offloaded inputs (None without offload), which keeps the first ``device_budget``
+    bytes of them on the device."""
     store = HostStore(device_budget) if offload else None
-    for layer in family_of(model).layers_of(model):
+    layers = family_of(model).layers_of(model)
+    for i, layer in enumerate(layers):
         layer.gradient_checkpointing = True
-        layer._gradient_checkpointing_func = checkpoint_layer(store)
+        if every == 1:
+            layer._gradient_checkpointing_func = checkpoint_layer(store)
+            continue
+        if i % every == 0:
+            interval = Interval(store)
+        last = i % every == every - 1 or i == len(layers) - 1
+        layer._gradient_checkpointing_func = interval.member(last)
     return store
