@@ -56,6 +56,54 @@ def test_max_seq_len_table_for_llama3_8b_on_8_gpus(capsys):
     assert "alst sp=8" in table and "limited by" in table
 
 
+def test_checkpoint_intervals_and_device_tiers_move_the_checkpoints_exactly():
+    """TSP's ``checkpoint_every`` keeps the input of every k-th layer (host bytes of an offloaded
+    run ÷ k, k layers' recomputed saved tensors in backward) and ``checkpoint_device_bytes``
+    moves that many bytes of them from the host to the device."""
+    from tsp_ext.planner.memory import tsp_layer_saved, tsp_memory
+
+    m, lay = planner.PRESETS["llama3-70b"], planner.Layout("tsp", 8, 1, 1)
+    w = long_context("tsp", m, planner.Workload(seq_len=1 << 20), 8)
+    one, two = (tsp_memory(m, replace(w, checkpoint_every=k), lay) for k in (1, 2))
+    inputs = m.num_layers * tsp_layer_saved(m, w, 8)  # 80 layers' offloaded inputs
+    recomputed = tsp_layer_saved(m, replace(w, recompute="selective", offload_checkpoints=False), 8)
+    assert one.host - two.host == pytest.approx(inputs / 2)
+    assert two.transient - one.transient == pytest.approx(recomputed)
+    tier = tsp_memory(m, replace(w, checkpoint_device_bytes=5 * GIB), lay)
+    assert one.host - tier.host == pytest.approx(5 * GIB)
+    assert tier.activations - one.activations == pytest.approx(5 * GIB)
+
+
+def test_checkpoint_intervals_take_70b_past_alst(capsys):
+    """70B on 8 GPUs is host-limited for both at one input per layer (a tie); intervals of two
+    layers halve TSP's offloaded inputs (the planner's model of ``TSPConfig(checkpoint_every=2)``,
+    not yet confirmed by the fake-tensor emulation)."""
+    args = ["--model", "llama3-70b", "--max-seq-len", "--json", "--layouts", "tsp", "alst"]
+    lengths = {}
+    for k in ("1", "2"):
+        assert main([*args, "--checkpoint-every", k]) == 0
+        rows = json.loads(capsys.readouterr().out)["max_seq_len"]
+        lengths[k] = {r["layout"]: r["max_seq_len"] for r in rows}
+    assert lengths["1"]["tsp"] == pytest.approx(lengths["1"]["alst"], rel=0.05)
+    assert lengths["2"]["tsp"] >= 1.5 * lengths["2"]["alst"] == 1.5 * lengths["1"]["alst"]
+
+
+def test_planner_doc_quotes_the_interval_and_tier_lengths(capsys):
+    """docs/planner.md's modelled lengths with intervals / a device tier, on the ALST node."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "planner.md").read_text()
+    host = ["--host-memory-gb", str(ALST_NODE_HOST_GB), "--layouts", "tsp", "--json"]
+    quoted = []
+    for model, devices, option in [
+        *[("llama3-70b", d, ["--checkpoint-every", "2"]) for d in (8, 16, 32)],
+        ("llama3-8b", 8, ["--checkpoint-device-gb", "8"]),
+    ]:
+        args = ["--model", model, "--devices", str(devices), "--max-seq-len", *host, *option]
+        assert main(args) == 0
+        (row,) = json.loads(capsys.readouterr().out)["max_seq_len"]
+        quoted.append(f"{row['max_seq_len'] / 1e6:.2f}M")
+    assert f"({', '.join(quoted[:3])})" in text and f"reaches {quoted[3]} with" in text
+
+
 def test_host_memory_limits_offloaded_checkpoints():
     """Less host memory: TSP's length is capped by its offloaded checkpoints, and says so."""
     m = planner.PRESETS["llama3-8b"]

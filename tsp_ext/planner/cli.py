@@ -80,6 +80,20 @@ def _parser() -> argparse.ArgumentParser:
         help="with --recompute full: layer checkpoints in host memory (TSP, ALST)",
     )
     a(
+        "--checkpoint-every",
+        type=int,
+        default=1,
+        help="TSP, with --recompute full (--max-seq-len sets it): keep every k-th layer's "
+        "input, recompute k layers (TSPConfig(checkpoint_every))",
+    )
+    a(
+        "--checkpoint-device-gb",
+        type=float,
+        default=0.0,
+        help="TSP, with --offload-checkpoints (--max-seq-len sets it): GiB of layer inputs "
+        "kept on each device before the rest go to host (TSPConfig(checkpoint_device_bytes))",
+    )
+    a(
         "--offload-optimizer",
         action="store_true",
         help="optimizer state and float32 master weights in host memory (DeepSpeed)",
@@ -124,6 +138,8 @@ def _inputs(args: argparse.Namespace):
         overlap=not args.no_overlap,
         mlp_tile=args.mlp_tile or None,
         offload_checkpoints=args.offload_checkpoints,
+        checkpoint_every=args.checkpoint_every,
+        checkpoint_device_bytes=args.checkpoint_device_gb * GIB,
         offload_optimizer=args.offload_optimizer,
     )
     if args.calibrate and args.cores and args.peak_tflops is None:

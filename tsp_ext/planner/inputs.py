@@ -34,6 +34,10 @@ class Workload:
         4096  # tokens per MLP tile (TSP's mlp_tile; ALST's TiledMLP); None: untiled
     )
     offload_checkpoints: bool = False  # layer inputs wait for backward in host memory
+    # TSP with recompute="full": only every k-th layer's input kept, the k layers recomputed
+    checkpoint_every: int = 1
+    # TSP with offload_checkpoints: bytes of the inputs each device keeps before the host
+    checkpoint_device_bytes: float = 0.0
     offload_optimizer: bool = False  # optimizer state (and float32 master copies) in host memory
     offload_params: bool = False  # ZeRO-3 weight partitions in host memory (ALST on one device)
     moe_schedule: str = "auto"  # TSP's MoE layers: "ring", "all_to_all" or "auto" (engine.moe)
@@ -54,6 +58,11 @@ class Workload:
             (
                 self.mlp_tile is None or self.mlp_tile >= 1,
                 f"mlp_tile must be >= 1 or None, got {self.mlp_tile}",
+            ),
+            (self.checkpoint_every >= 1, f"checkpoint_every must be >= 1: {self.checkpoint_every}"),
+            (
+                self.checkpoint_device_bytes >= 0,
+                f"checkpoint_device_bytes must be >= 0: {self.checkpoint_device_bytes}",
             ),
             (
                 not self.offload_checkpoints or self.recompute == "full",

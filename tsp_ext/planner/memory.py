@@ -109,8 +109,11 @@ def tsp_memory(m: ModelShape, w: Workload, lay: Layout) -> Memory:
         head += 8 * min(vocab, B * w.seq_len) + (B * T + vocab) * h * w.acc
     else:
         head = _head_saved(m, w, T, m.vocab_size, _tsp_norm_saved)
-    layers = m.num_layers * tsp_layer_saved(m, w, D)
-    host = layers if w.offload_checkpoints else 0.0
+    every = w.checkpoint_every if w.recompute == "full" else 1
+    kept = -(-m.num_layers // every)  # layers whose input is kept (intervals of ``every``)
+    layers = kept * tsp_layer_saved(m, w, D)
+    # offloaded inputs: the device keeps its share first (device-then-host tiers)
+    host = max(0.0, layers - w.checkpoint_device_bytes) if w.offload_checkpoints else 0.0
     acts = layers - host + head
     if w.shard_vocab:  # logits blocks, two shards in flight, dW and the gradient ring, dH
         block = min(w.loss_chunk, B * T) * vocab
@@ -129,8 +132,9 @@ def tsp_layer_working(m: ModelShape, w: Workload, D: int) -> float:
     and the float32 input-gradient accumulator; a normed input rebuilt from its norm's input;
     weight shards and their float32 gradient accumulators (double-buffered with ``overlap``);
     one head group's projections, gathered K/V and their gradients; one MLP tile's
-    intermediates. ``full``: the layer's re-computed saved tensors too (its input, back from
-    the host when offloaded)."""
+    intermediates. ``full``: the re-computed saved tensors of the layer, or of the
+    ``checkpoint_every`` layers of an interval (its input, back from the host when
+    offloaded)."""
     B, T, h, d = w.micro_batch, _tsp_seq(w, D) / D, m.hidden_size, m.head_dim
     # a ring step's intermediates per token: the largest MLP slice, or (MoE) the k experts'
     # width over the D owners whose experts the ring brings
@@ -147,7 +151,7 @@ def tsp_layer_working(m: ModelShape, w: Workload, D: int) -> float:
         + 6 * tile * F / D * w.beta
     )
     if w.recompute == "full":
-        working += tsp_layer_saved(
+        working += w.checkpoint_every * tsp_layer_saved(
             m, replace(w, recompute="selective", offload_checkpoints=False), D
         )
         if not w.offload_checkpoints:  # its input is the checkpoint, counted as saved
