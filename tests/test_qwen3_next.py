@@ -199,15 +199,19 @@ def results(workers, world, path):
     return workers.run(worker, world, path, timeout=300)
 
 
+def assert_parity(errs: dict, world: int, label: str) -> None:
+    bad = {k: v for k, v in errs.items() if not v < TOL}
+    assert not bad, f"{label}: {bad}"
+    if world <= 2:  # whole KV heads per group: all but the float32 (1 + w) norms' gradients
+        bad = {k: v for k, v in errs.items() if not k.endswith("norm.weight") and v >= 1e-10}
+        assert not bad, f"{label}: {bad}"
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_loss_logits_and_grads_match_hf(workers, world, tmp):
     for rank, run in enumerate(results(workers, world, tmp)):
         errs = run["parity"]
-        bad = {k: v for k, v in errs.items() if not v < TOL}
-        assert not bad, f"D={world} rank={rank}: {bad}"
-        if world <= 2:  # whole KV heads per group: all but the float32 (1 + w) norms' gradients
-            bad = {k: v for k, v in errs.items() if not k.endswith("norm.weight") and v >= 1e-10}
-            assert not bad, f"D={world} rank={rank}: {bad}"
+        assert_parity(errs, world, f"D={world} rank={rank}")
         assert {"model.layers.0.linear_attn.A_log", "model.layers.1.self_attn.q_proj.weight"} < (
             errs.keys()
         )
@@ -260,8 +264,7 @@ def test_qwen3_5_matches_hf(workers, world, tmp):
     for rank, runs in enumerate(results(workers, world, tmp)):
         for name, run in runs["qwen3_5"].items():
             errs = run["parity"]
-            bad = {k: v for k, v in errs.items() if not v < TOL}
-            assert not bad, f"{name} D={world} rank={rank}: {bad}"
+            assert_parity(errs, world, f"{name} D={world} rank={rank}")
             assert "model.layers.0.linear_attn.in_proj_qkv.weight" in errs, name
 
 
