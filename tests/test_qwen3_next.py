@@ -34,7 +34,7 @@ from tsp_ext import (
     shard_batch,
 )
 from tsp_ext.engine.moe_traffic import SCHEDULES
-from tsp_ext.hf.linear_attention import LinearStateCacheLayer
+from tsp_ext.hf.linear_attention import LinearStateCacheLayer, TSPGatedDeltaNet
 
 pytestmark = pytest.mark.multiproc
 
@@ -142,6 +142,10 @@ def checkpoint_case(rank, mesh, path, name: str = "qwen3_next") -> dict:
 
 
 def error_cases(mesh) -> dict:
+    def unsplit():
+        module = build("qwen3_5").model.layers[0].linear_attn
+        TSPGatedDeltaNet.from_hf(module, mesh["tsp"].get_group())
+
     def no_in_proj_a():
         model = build("qwen3_5")
         del model.model.layers[0].linear_attn.in_proj_a
@@ -163,6 +167,7 @@ def error_cases(mesh) -> dict:
     return {
         "qlora": error_message(qlora),
         "layout": error_message(no_in_proj_a),
+        "unsplit": error_message(unsplit),
         "heads": error_message(lambda: apply_tsp(one_key_head, mesh)),
         "lora": error_message(lora_in_proj),
     }
@@ -251,6 +256,7 @@ def test_export_and_shard_on_read_loading(workers, tmp):
 def test_errors(workers, tmp):
     errors = results(workers, 2, tmp)[0]["errors"]
     assert "Qwen3.5's in_proj_qkv / in_proj_z / in_proj_b / in_proj_a" in errors["layout"]
+    assert "in_proj_qkv must be split into in_proj_q" in errors["unsplit"], errors["unsplit"]
     assert "linear_num_key_heads=1 cannot be split over tsp_size=2" in errors["heads"]
     assert "in_proj_ba" in errors["lora"], errors["lora"]
     assert (

@@ -164,6 +164,11 @@ class TSPGatedDeltaNet(ShardedModule):
         ``in_proj_qkv`` split, ``Family.unfuse``), copying this rank's slices (``config`` and
         ``family`` as ``TSPAttention.from_hf`` takes them; the layer reads neither: its layout
         is the module's)."""
+        if hasattr(module, "in_proj_qkv"):
+            raise ValueError(
+                "a Qwen3.5 Gated DeltaNet's in_proj_qkv must be split into in_proj_q / in_proj_k "
+                "/ in_proj_v first (Family.unfuse, as apply_tsp does)"
+            )
         spec = LinearAttentionSpec(
             hidden=module.hidden_size,
             n_k_heads=module.num_k_heads,
