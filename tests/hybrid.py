@@ -1,15 +1,16 @@
-"""Float64 twins of Hugging Face's Qwen3-Next Gated DeltaNet, whose kernels, gated norm and gate
-``g`` compute in float32 even in a float64 model: the same source with float32 replaced by
-float64, the reference of the float64 parity tests (``test_gated_delta``, ``test_qwen3_next``)."""
+"""Float64 twins of Hugging Face's Gated DeltaNets (Qwen3-Next's, Qwen3.5's), whose kernels, gated
+norm and gate ``g`` compute in float32 even in a float64 model: the same source with float32
+replaced by float64, the reference of the float64 parity tests (``test_gated_delta``,
+``test_qwen3_next``)."""
 
 from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import textwrap
 import types
 
-import transformers.models.qwen3_next.modeling_qwen3_next as mq
 from torch import nn
 
 
@@ -24,19 +25,26 @@ def exec_twin(src: str, ns: dict, name: str):
 
 
 @functools.cache
-def twins() -> dict:
-    ns = dict(vars(mq))
-    for n in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
-        exec_twin(inspect.getsource(getattr(mq, n)), ns, n)
-    out = {n: ns[n] for n in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")}
-    out["norm"] = exec_twin(inspect.getsource(mq.Qwen3NextRMSNormGated.forward), ns, "forward")
-    out["layer"] = exec_twin(inspect.getsource(mq.Qwen3NextGatedDeltaNet.forward), ns, "forward")
+def twins(cls: type) -> dict:
+    """The twins of Gated DeltaNet class ``cls``'s forward, its gated norm's and its kernels,
+    defined in its modeling module's namespace."""
+    mod = sys.modules[cls.__module__]
+    ns = dict(vars(mod))
+    kernels = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+    for n in kernels:
+        exec_twin(inspect.getsource(getattr(mod, n)), ns, n)
+    out = {n: ns[n] for n in kernels}
+    norm = next(v for k, v in vars(mod).items() if k.endswith("RMSNormGated"))
+    out["norm"] = exec_twin(inspect.getsource(norm.forward), ns, "forward")
+    out["layer"] = exec_twin(inspect.getsource(cls.forward), ns, "forward")
     return out
 
 
 def float64_twin(module: nn.Module) -> nn.Module:
-    """``module`` (a ``Qwen3NextGatedDeltaNet``) computing in float64: its forward, its gated
-    norm's and its kernels are the twins (in place; returns it)."""
-    module.forward = types.MethodType(twins()["layer"], module)
-    module.norm.forward = types.MethodType(twins()["norm"], module.norm)
+    """``module`` (a ``Qwen3NextGatedDeltaNet`` or ``Qwen3_5GatedDeltaNet``) computing in
+    float64: its forward, its gated norm's and its kernels are the twins (in place; returns
+    it)."""
+    found = twins(type(module))
+    module.forward = types.MethodType(found["layer"], module)
+    module.norm.forward = types.MethodType(found["norm"], module.norm)
     return module

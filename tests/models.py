@@ -24,6 +24,10 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen2MoeConfig,
     Qwen2MoeForCausalLM,
+    Qwen3_5ForCausalLM,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
@@ -173,26 +177,32 @@ MOE_FAMILIES = {
 
 # hybrid linear attention (``tests/test_qwen3_next.py``): a Gated DeltaNet layer (4 key / 8 value
 # heads: D = 3 splits them 2, 1, 1) and a gated full-attention layer (RoPE on 2 of 8 dims), both
-# with MoE blocks of 4 experts, top-2, and a gated shared expert
+# with MoE blocks of 4 experts, top-2, and a gated shared expert (Qwen3.5: dense MLPs)
+HYBRID = dict(
+    head_dim=8,
+    layer_types=["linear_attention", "full_attention"],
+    linear_num_key_heads=4,
+    linear_num_value_heads=8,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+)
+HYBRID_MOE = dict(
+    **MOE,
+    **HYBRID,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    shared_expert_intermediate_size=24,
+)
 HYBRID_FAMILIES = {
-    "qwen3_next": (
-        Qwen3NextForCausalLM,
-        Qwen3NextConfig,
-        dict(
-            **MOE,
-            head_dim=8,
-            layer_types=["linear_attention", "full_attention"],
-            linear_num_key_heads=4,
-            linear_num_value_heads=8,
-            linear_key_head_dim=8,
-            linear_value_head_dim=8,
-            linear_conv_kernel_dim=4,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=16,
-            shared_expert_intermediate_size=24,
-        ),
+    "qwen3_next": (Qwen3NextForCausalLM, Qwen3NextConfig, HYBRID_MOE),
+    "qwen3_5": (
+        Qwen3_5ForCausalLM,
+        Qwen3_5TextConfig,
+        dict(num_attention_heads=4, num_key_value_heads=2, **HYBRID),
     ),
+    "qwen3_5_moe": (Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, HYBRID_MOE),
 }
 
 

@@ -204,7 +204,7 @@ def _kernel_inputs(B=2, T=150, H=3, dk=8, dv=12):
 
 def test_kernels_match_hf_float64_twins():
     q, k, v, g, beta, s0 = _kernel_inputs()
-    ns, qs = twins(), q * q.shape[-1] ** -0.5
+    ns, qs = twins(mq.Qwen3NextGatedDeltaNet), q * q.shape[-1] ** -0.5
     for state in (None, s0):
         o, s = chunk_gated_delta(qs, k, v, g, beta, state)
         for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):

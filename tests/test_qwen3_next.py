@@ -2,7 +2,9 @@
 with MoE blocks. Loss, logits and every gradient against Hugging Face at D = 1, 2, 3 (uneven:
 4 key heads, 4 query heads and 4 experts on 3 ranks), 4; packed documents against each document
 run alone; greedy ``generate`` token for token; export and shard-on-read loading; the states a
-rank caches; FSDP2 data parallelism beside TSP; clear errors for what TSP does not fold."""
+rank caches; FSDP2 data parallelism beside TSP; clear errors for what TSP does not fold.
+Qwen3.5 (dense and MoE; its Gated DeltaNet's q, k, v, z, b, a projections apart): the same
+parity at every D, packed documents, ``generate``, export and loading."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from dp_reference import CLIP, STEPS, adamw, param_errors, reference, replica_ba
 from hybrid import float64_twin
 from models import batch, build, lm_loss
 from test_generate import prompt
-from transformers import AutoModelForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+from transformers import AutoModelForCausalLM
 
 from tsp_ext import (
     TSPConfig,
@@ -32,7 +34,7 @@ from tsp_ext import (
     shard_batch,
 )
 from tsp_ext.engine.moe_traffic import SCHEDULES
-from tsp_ext.hf.linear_attention import LinearStateCacheLayer
+from tsp_ext.hf.linear_attention import LinearStateCacheLayer, TSPGatedDeltaNet
 
 pytestmark = pytest.mark.multiproc
 
@@ -53,10 +55,15 @@ def twin_reference(model):
     return ref
 
 
-def parity_case(mesh, world: int, dtype=torch.float64) -> dict:
+QWEN3_5 = ("qwen3_5", "qwen3_5_moe")
+# Qwen3.5's parity: the kernel's chunks are Qwen3-Next's (S above); its layout needs fewer tokens
+S_QWEN3_5 = 40
+
+
+def parity_case(mesh, world: int, dtype=torch.float64, name: str = "qwen3_next", S: int = S):
     """A TSP model against the reference (float64: the twins; float32: Hugging Face's own) on
-    one batch: loss, logits, every gradient, eval logits."""
-    model = build("qwen3_next", dtype)
+    one batch of ``S`` tokens: loss, logits, every gradient, eval logits."""
+    model = build(name, dtype)
     ref = twin_reference(model) if dtype == torch.float64 else copy.deepcopy(model)
     data = batch(model.config.vocab_size, 2, S)
     out = ref(input_ids=data["input_ids"])
@@ -81,10 +88,10 @@ def parity_case(mesh, world: int, dtype=torch.float64) -> dict:
     return errs
 
 
-def packed_case(mesh) -> dict:
+def packed_case(mesh, name: str = "qwen3_next") -> dict:
     """One row packing two documents (positions restart): TSP's logits against each document
     run alone through the reference (the state and the conv stop at the document start)."""
-    model = build("qwen3_next")
+    model = build(name)
     ref = twin_reference(model).eval()
     ids = batch(model.config.vocab_size, 1, S)["input_ids"]
     pos = doc_positions((PACKED,))
@@ -99,10 +106,10 @@ def packed_case(mesh) -> dict:
     return {"packed": rel_err(got, torch.cat(parts, dim=1))}
 
 
-def generate_case(rank, mesh) -> dict:
+def generate_case(rank, mesh, name: str = "qwen3_next") -> dict:
     """Greedy decoding of two left-padded prompts against Hugging Face's own generate, and the
     bytes of this rank's linear-attention states."""
-    model = build("qwen3_next")
+    model = build(name)
     ids, mask = prompt(2, 15, 3)
     ref = copy.deepcopy(model).generate(ids, attention_mask=mask, max_new_tokens=8)
     apply_tsp(model, mesh)
@@ -111,10 +118,10 @@ def generate_case(rank, mesh) -> dict:
     return {"tokens": out.sequences, "ref": ref, "state_bytes": sum(c.nbytes() for c in states)}
 
 
-def checkpoint_case(rank, mesh, path) -> dict:
-    """Export a TSP Qwen3-Next and load it back: one plain Hugging Face process and
-    shard-on-read loading give the original's logits."""
-    model = build("qwen3_next")
+def checkpoint_case(rank, mesh, path, name: str = "qwen3_next") -> dict:
+    """Export a TSP Qwen3-Next (Qwen3.5: its in_proj_qkv stacked back) and load it back: one
+    plain Hugging Face process and shard-on-read loading give the original's logits."""
+    model = build(name)
     ref = copy.deepcopy(model).eval()
     ids = batch(model.config.vocab_size, 1, S)["input_ids"]
     apply_tsp(model, mesh)
@@ -135,22 +142,14 @@ def checkpoint_case(rank, mesh, path) -> dict:
 
 
 def error_cases(mesh) -> dict:
-    def qwen3_5():
-        cfg = Qwen3_5TextConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            vocab_size=96,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=8,
-            linear_value_head_dim=8,
-            layer_types=["linear_attention", "full_attention"],
-        )
-        apply_tsp(Qwen3_5ForCausalLM(cfg), mesh)
+    def unsplit():
+        module = build("qwen3_5").model.layers[0].linear_attn
+        TSPGatedDeltaNet.from_hf(module, mesh["tsp"].get_group())
+
+    def no_in_proj_a():
+        model = build("qwen3_5")
+        del model.model.layers[0].linear_attn.in_proj_a
+        apply_tsp(model, mesh)
 
     def lora_in_proj():
         from peft import LoraConfig, get_peft_model
@@ -167,7 +166,8 @@ def error_cases(mesh) -> dict:
     one_key_head = build("qwen3_next", linear_num_key_heads=1)
     return {
         "qlora": error_message(qlora),
-        "qwen3_5": error_message(qwen3_5),
+        "layout": error_message(no_in_proj_a),
+        "unsplit": error_message(unsplit),
         "heads": error_message(lambda: apply_tsp(one_key_head, mesh)),
         "lora": error_message(lora_in_proj),
     }
@@ -182,6 +182,20 @@ def worker(rank, world, path):
         out["generate"] = generate_case(rank, mesh)
         out["checkpoint"] = checkpoint_case(rank, mesh, os.path.join(path, "qwen3_next"))
         out["errors"] = error_cases(mesh)
+    out["qwen3_5"] = qwen3_5_cases(rank, mesh, world, path)
+    return out
+
+
+def qwen3_5_cases(rank, mesh, world, path) -> dict:
+    """Qwen3.5 dense and MoE: parity at every D; at D = 2 packed documents, ``generate``,
+    export and loading."""
+    out = {}
+    for name in QWEN3_5:
+        out[name] = {"parity": parity_case(mesh, world, name=name, S=S_QWEN3_5)}
+        if world == 2:
+            out[name]["packed"] = packed_case(mesh, name)
+            out[name]["generate"] = generate_case(rank, mesh, name)
+            out[name]["checkpoint"] = checkpoint_case(rank, mesh, os.path.join(path, name), name)
     return out
 
 
@@ -190,15 +204,19 @@ def results(workers, world, path):
     return workers.run(worker, world, path, timeout=300)
 
 
+def assert_parity(errs: dict, world: int, label: str) -> None:
+    bad = {k: v for k, v in errs.items() if not v < TOL}
+    assert not bad, f"{label}: {bad}"
+    if world <= 2:  # whole KV heads per group: all but the float32 (1 + w) norms' gradients
+        bad = {k: v for k, v in errs.items() if not k.endswith("norm.weight") and v >= 1e-10}
+        assert not bad, f"{label}: {bad}"
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_loss_logits_and_grads_match_hf(workers, world, tmp):
     for rank, run in enumerate(results(workers, world, tmp)):
         errs = run["parity"]
-        bad = {k: v for k, v in errs.items() if not v < TOL}
-        assert not bad, f"D={world} rank={rank}: {bad}"
-        if world <= 2:  # whole KV heads per group: all but the float32 (1 + w) norms' gradients
-            bad = {k: v for k, v in errs.items() if not k.endswith("norm.weight") and v >= 1e-10}
-            assert not bad, f"D={world} rank={rank}: {bad}"
+        assert_parity(errs, world, f"D={world} rank={rank}")
         assert {"model.layers.0.linear_attn.A_log", "model.layers.1.self_attn.q_proj.weight"} < (
             errs.keys()
         )
@@ -237,15 +255,33 @@ def test_export_and_shard_on_read_loading(workers, tmp):
 
 def test_errors(workers, tmp):
     errors = results(workers, 2, tmp)[0]["errors"]
-    assert (
-        "in_proj_qkv / in_proj_z / in_proj_b / in_proj_a layout is not supported"
-        in (errors["qwen3_5"])
-    )
+    assert "Qwen3.5's in_proj_qkv / in_proj_z / in_proj_b / in_proj_a" in errors["layout"]
+    assert "in_proj_qkv must be split into in_proj_q" in errors["unsplit"], errors["unsplit"]
     assert "linear_num_key_heads=1 cannot be split over tsp_size=2" in errors["heads"]
     assert "in_proj_ba" in errors["lora"], errors["lora"]
     assert (
         "quantize_base='nf4' (QLoRA) of Qwen3NextForCausalLM is not supported" in (errors["qlora"])
     )
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_qwen3_5_matches_hf(workers, world, tmp):
+    """Qwen3.5 dense and MoE: loss, logits and every gradient as Qwen3-Next's (test above)."""
+    for rank, runs in enumerate(results(workers, world, tmp)):
+        for name, run in runs["qwen3_5"].items():
+            errs = run["parity"]
+            assert_parity(errs, world, f"{name} D={world} rank={rank}")
+            assert "model.layers.0.linear_attn.in_proj_qkv.weight" in errs, name
+
+
+def test_qwen3_5_packed_generate_and_checkpoint(workers, tmp):
+    runs = [run["qwen3_5"] for run in results(workers, 2, tmp)]
+    for by_name in runs:
+        for name, run in by_name.items():
+            assert run["packed"]["packed"] < TOL, (name, run["packed"])
+            assert torch.equal(run["generate"]["tokens"], runs[0][name]["generate"]["ref"]), name
+            assert run["generate"]["state_bytes"] == 2 * (4 * 8 * 8 + 3 * 64) * 8, name
+            assert all(v < TOL for v in run["checkpoint"].values()), (name, run["checkpoint"])
 
 
 def fsdp_worker(rank, world):

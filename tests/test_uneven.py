@@ -90,7 +90,7 @@ def parity_case(mesh, name, dtype, B, S, pad):
     split = copy.deepcopy(model)  # fused projections (Phi-3) as the parts TSP shards
     family = family_of(split)
     for layer in family.layers_of(split):
-        family.unfuse(layer)
+        family.unfuse(layer, split.config)
     full_bytes = {n: p.numel() * p.element_size() for n, p in split.named_parameters()}
 
     apply_tsp(model, mesh, config=TSPConfig(loss_chunk=5))

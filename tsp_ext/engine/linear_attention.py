@@ -1,11 +1,13 @@
-"""Gated DeltaNet (Qwen3-Next's linear attention) on a TSP axis: head groups folded, tokens
-sharded.
+"""Gated DeltaNet (Qwen3-Next's and Qwen3.5's linear attention) on a TSP axis: head groups
+folded, tokens sharded.
 
 Head group r holds key heads ``split_range(n_k_heads, D, r)`` and their value heads: contiguous
-rows of ``in_proj_qkvz`` / ``in_proj_ba`` and columns of ``out_proj``, which rank r broadcasts in
-turn. Every rank projects its own tokens (zigzag chunks p and 2D-1-p), runs the causal depthwise
-conv with a K-1 row halo (``state_exchange.halo``), computes per chunk its transition ``[C | M]``
-and outputs ``[o⁰ | R]`` in one pass (``v' = [v | 0]``, ``S_in' = [0 | I]``), all-gathers the
+rows of each input projection (Qwen3-Next's fused ``in_proj_qkvz`` / ``in_proj_ba``, or Qwen3.5's
+``in_proj_q`` / ``in_proj_k`` / ``in_proj_v`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``,
+its ``in_proj_qkv`` split by rows) and columns of ``out_proj``, which rank r broadcasts in turn.
+Every rank projects its own tokens (zigzag chunks p and 2D-1-p), runs the causal depthwise conv
+with a K-1 row halo (``state_exchange.halo``), computes per chunk its transition ``[C | M]`` and
+outputs ``[o⁰ | R]`` in one pass (``v' = [v | 0]``, ``S_in' = [0 | I]``), all-gathers the
 transitions, composes them in token order and adds ``R·S_in``; then the gated RMSNorm and its
 share ``o_r · out_projᵣᵀ`` of the output (no all-reduce). Each group runs under activation
 checkpointing: backward re-broadcasts the weights, and autograd saves only ``x`` and the small
@@ -42,6 +44,7 @@ class LinearAttentionSpec:
     conv: int
     eps: float
     tsp_size: int
+    separate: bool = False  # Qwen3.5's layout: one projection per q, k, v, z, b, a
 
     def __post_init__(self) -> None:
         if not 1 <= self.tsp_size <= self.n_k_heads:
@@ -81,6 +84,26 @@ class LinearAttentionSpec:
     def out_cols(self, r: int) -> slice:
         """Columns of ``out_proj`` (value channels of group r)."""
         return self._rows(r, self.ratio * self.dv)
+
+    @property
+    def projections(self) -> tuple[str, ...]:
+        """The input projections of the layout, in the order ``project`` takes them."""
+        if self.separate:
+            return tuple(f"in_proj_{n}" for n in "qkvzba")
+        return ("in_proj_qkvz", "in_proj_ba")
+
+    def rows(self, name: str, r: int) -> slice:
+        """Group r's rows of input projection ``name`` (one of ``projections``)."""
+        per_value_head = {"z": self.dv, "b": 1, "a": 1}
+        if name == "in_proj_qkvz":
+            return self.qkvz_rows(r)
+        if name == "in_proj_ba":
+            return self.ba_rows(r)
+        if name in ("in_proj_q", "in_proj_k"):
+            return self._rows(r, self.dk)
+        if name == "in_proj_v":
+            return self.out_cols(r)
+        return self._rows(r, self.ratio * per_value_head[name[-1]])
 
     def conv_channels(self, r: int) -> list[slice]:
         """Group r's q, k and v channel slices of ``conv1d.weight``."""
@@ -150,14 +173,12 @@ class _Broadcast(torch.autograd.Function):
 
 
 def group_shapes(spec: LinearAttentionSpec, r: int) -> list[torch.Size]:
-    """Shapes of group r's ``in_proj_qkvz``, ``in_proj_ba`` and ``out_proj`` shards."""
-    n = [spec.qkvz_rows(r), spec.ba_rows(r), spec.out_cols(r)]
-    n = [s.stop - s.start for s in n]
-    return [
-        torch.Size((n[0], spec.hidden)),
-        torch.Size((n[1], spec.hidden)),
-        torch.Size((spec.hidden, n[2])),
-    ]
+    """Shapes of group r's input projections' shards (``spec.projections``) and its
+    ``out_proj`` columns."""
+    rows = [spec.rows(name, r) for name in spec.projections]
+    out = spec.out_cols(r)
+    shapes = [torch.Size((s.stop - s.start, spec.hidden)) for s in rows]
+    return [*shapes, torch.Size((spec.hidden, out.stop - out.start))]
 
 
 def gated_rms(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -182,10 +203,15 @@ def causal_conv(rows: torch.Tensor, left: torch.Tensor, w: torch.Tensor, ok: tor
     return F.silu(out.to(rows.dtype))
 
 
-def project(x: torch.Tensor, w_qkvz: torch.Tensor, w_ba: torch.Tensor, spec, nk: int):
-    """Group projections of ``x [B, T, h]``: ``(qkv rows [B, T, C_r], z [B, T, Hv_r, dv],
-    b, a [B, T, Hv_r])`` in Hugging Face's per-key-head layout."""
+def project(x: torch.Tensor, w_in: tuple[torch.Tensor, ...], spec, nk: int):
+    """Group projections of ``x [B, T, h]`` by its input projections' shards ``w_in`` (in
+    ``spec.projections`` order): ``(qkv rows [B, T, C_r], z [B, T, Hv_r, dv], b, a [B, T,
+    Hv_r])``, the q | k | v rows as Hugging Face's conv takes them."""
     B, T, _ = x.shape
+    if spec.separate:
+        q, k, v, z, b, a = (F.linear(x, w) for w in w_in)
+        return torch.cat([q, k, v], dim=-1), z.unflatten(-1, (-1, spec.dv)), b, a
+    w_qkvz, w_ba = w_in
     m = spec.ratio * spec.dv
     q, k, v, z = F.linear(x, w_qkvz).view(B, T, nk, -1).split([spec.dk, spec.dk, m, m], dim=-1)
     b, a = F.linear(x, w_ba).view(B, T, nk, -1).split([spec.ratio, spec.ratio], dim=-1)
@@ -229,11 +255,11 @@ def group_forward(
     whose transition is the identity, a prompt's padded tail; ``keep(r, states, qkv)``: prefill
     hook with the composed states and this rank's pre-conv rows)."""
     D, p = comm.size_and_rank(group)
-    w_qkvz, w_ba, w_out = _Broadcast.apply(r, group_shapes(spec, r), group, *own)
+    *w_in, w_out = _Broadcast.apply(r, group_shapes(spec, r), group, *own)
     k_heads, v_heads = spec.k_heads(r), spec.v_heads(r)
     nk, B, T = k_heads.stop - k_heads.start, x.shape[0], x.shape[1]
     c = T // 2
-    qkv, z, b, a = project(x, w_qkvz, w_ba, spec, nk)
+    qkv, z, b, a = project(x, w_in, spec, nk)
     w = torch.cat([conv_w[ch, 0] for ch in spec.conv_channels(r)])  # [C_r, K]
     rows = qkv.unflatten(1, (2, c)).transpose(0, 1)  # [2, B, c, C_r]
     left = halo(rows, spec.conv - 1, group)
@@ -266,14 +292,14 @@ def group_forward(
 
 def tsp_gated_delta(
     x: torch.Tensor,
-    own: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    own: tuple[torch.Tensor, ...],
     replicated: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     spec: LinearAttentionSpec,
     group: ProcessGroup,
     docs: Documents,
 ) -> torch.Tensor:
-    """Training forward of one layer: ``x [B, S/D, h]`` (zigzag), ``own`` = this rank's
-    ``(in_proj_qkvz rows, in_proj_ba rows, out_proj columns)``, ``replicated`` =
+    """Training forward of one layer: ``x [B, S/D, h]`` (zigzag), ``own`` = this rank's rows of
+    the input projections (``spec.projections``), then its ``out_proj`` columns, ``replicated`` =
     ``(conv1d.weight, A_log, dt_bias, norm.weight)`` (their gradients summed over the group by
     the caller's ``comm.replicated``). Returns ``[B, S/D, h]``; each head group recomputed in
     backward (its weights broadcast again)."""

@@ -4,7 +4,7 @@
 - ``families``: where each model family keeps its parts (read by apply, inference, FSDP2, loading)
 - ``model_types``: what a config's ``model_type`` implies (torch-free; the planner reads it too)
 - ``attention``, ``mlp``, ``moe``, ``vocab``, ``replicated``: the TSP modules
-- ``linear_attention``: Gated DeltaNet (Qwen3-Next) on its head group, its state cache layer
+- ``linear_attention``: Gated DeltaNet (Qwen3-Next, Qwen3.5) on its head group, its cache layer
 - ``lora``, ``nf4``: PEFT LoRA adapters on TSP modules; QLoRA's 4-bit frozen base
 - ``apply``: ``apply_tsp`` (module replacement) and ``check_supported``
 - ``causal_lm``: the global loss, the vocab-sharded ``forward`` and the input check

@@ -39,6 +39,7 @@ from .attention import TSPAttention
 from .causal_lm import TSPCausalLMLoss, check_inputs
 from .checkpointing import HostStore, enable_layer_checkpointing
 from .families import (
+    FAMILIES,
     Family,
     family_of,
     gate_activation,
@@ -196,7 +197,8 @@ def _shard_layers(model: nn.Module, f: Family, group, config: TSPConfig, adapter
     """Each decoder layer's attention (head group p), MLP (slice p, or E/D experts) and norms as
     TSP modules; LoRA adapters move onto the new modules' shards."""
     for layer in f.layers_of(model):
-        f.unfuse(layer)  # Phi-3's qkv_proj / gate_up_proj: their parts, as TSP shards them
+        # Phi-3's qkv_proj / gate_up_proj, Qwen3.5's in_proj_qkv: their parts, as TSP shards them
+        f.unfuse(layer, model.config.get_text_config())
     for layer in f.layers_of(model):
         mlp_class = TSPSparseMoe if f.is_moe(getattr(layer, f.mlp)) else TSPGatedMLP
         mixer = f.mixer(layer)
@@ -276,9 +278,9 @@ def check_supported(model: nn.Module) -> Family:
             check_linear_attention(name, i, attn)
         elif attn is None and hasattr(layer, "linear_attn"):  # a hybrid of another family
             check_linear_attention(name, i, layer.linear_attn)
+            hybrids = ", ".join(c for h in FAMILIES if h.linear_attention for c in h.classes)
             raise ValueError(
-                f"{name} layer {i}: linear-attention layers are supported in "
-                "Qwen3NextForCausalLM only"
+                f"{name} layer {i}: linear-attention layers are supported in {hybrids} only"
             )
         elif attn is None or not f.has_projections(attn, f.attention_projections):
             raise ValueError(
@@ -363,7 +365,8 @@ def _check_split(cfg, D: int, moe: bool) -> None:
     AttentionSpec(
         cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim, D, 1.0
     )
-    check_split(cfg.intermediate_size, D, "intermediate_size", "use a smaller TSP size")
+    if getattr(cfg, "intermediate_size", None):  # none in Qwen3.5-MoE: experts only
+        check_split(cfg.intermediate_size, D, "intermediate_size", "use a smaller TSP size")
     if getattr(cfg, "linear_num_key_heads", None):  # Gated DeltaNet head groups
         check_split(cfg.linear_num_key_heads, D, "linear_num_key_heads", "use a smaller TSP size")
     if moe:

@@ -59,8 +59,9 @@ class Family:
     activation: str = "hidden_act"  # the config's name of the gate's activation
     rope_per_layer_type: bool = False  # rotary(x, pos, layer_type): one table per layer type
     # Hugging Face projections stacking several of TSP's by rows, ``(fused, parts)`` (Phi-3's
-    # ``qkv_proj``, ``gate_up_proj``): split when TSP is applied, stacked again in every
-    # Hugging Face-facing tensor (``hf_tensors``, export, shard-on-read loading)
+    # ``qkv_proj``, ``gate_up_proj``; Qwen3.5's Gated DeltaNet ``in_proj_qkv``): split when TSP
+    # is applied, stacked again in every Hugging Face-facing tensor (``hf_tensors``, export,
+    # shard-on-read loading)
     fused: tuple[tuple[str, tuple[str, ...]], ...] = ()
     moe: bool = False  # layers may hold a sparse MoE block (an ``experts`` module) as MLP
     router: str = "gate"  # on a MoE block: the router, then the experts
@@ -103,9 +104,9 @@ class Family:
         """Whether a layer's MLP module is a mixture-of-experts block."""
         return hasattr(mlp, self.experts)
 
-    def unfuse(self, layer: nn.Module) -> None:
+    def unfuse(self, layer: nn.Module, config) -> None:
         """Replace a layer's fused projections by their parts (``nn.Linear`` views of its rows),
-        as TSP's modules take them."""
+        as TSP's modules take them (``config``: the model's text config, the parts' rows)."""
         for module in (getattr(layer, self.mixer(layer)), getattr(layer, self.mlp)):
             for fused, parts in self.fused:
                 linear = getattr(module, fused, None)
@@ -113,7 +114,7 @@ class Family:
                     continue
                 if linear.bias is not None:
                     raise ValueError(f"a fused {fused} with a bias is not supported")
-                rows = _part_rows(parts, module.config)
+                rows = _part_rows(parts, config)
                 for part, w in zip(parts, linear.weight.split(rows)):
                     piece = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
                     piece.weight = nn.Parameter(w, requires_grad=linear.weight.requires_grad)
@@ -249,6 +250,18 @@ QWEN3_NEXT = Family(
     linear_attention="linear_attn",
     partial_rotary=True,
 )
+# Qwen3-Next's layout (dense MLPs in ``Qwen3_5ForCausalLM``) whose Gated DeltaNet keeps q | k | v
+# in one ``in_proj_qkv`` and z, b, a apart; its M-RoPE table is an ordinary one for text
+QWEN3_5 = Family(
+    "Qwen3.5",
+    ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"),
+    norm_eps="eps",
+    norm_offset=1.0,
+    moe=True,
+    linear_attention="linear_attn",
+    partial_rotary=True,
+    fused=(("in_proj_qkv", ("in_proj_q", "in_proj_k", "in_proj_v")),),
+)
 # vision-language models: a language model of the Llama layout (Qwen2 with q/k/v biases, Qwen3
 # with q/k norms, or any stock one) under ``model.language_model``, its 3-D M-RoPE table
 # computed by the Hugging Face module, and a vision side (``hf.vision``)
@@ -282,6 +295,7 @@ FAMILIES = (
     MIXTRAL,
     GPT_OSS,
     QWEN3_NEXT,
+    QWEN3_5,
     QWEN25_VL,
     QWEN3_VL,
     LLAVA,
@@ -291,12 +305,20 @@ FAMILIES = (
 def _part_rows(parts: tuple[str, ...], config) -> list[int]:
     """Rows of each part of a fused projection, from the model's config."""
     d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    mlp = getattr(config, "intermediate_size", None)  # none in Qwen3.5-MoE: experts only
+    linear = {"k": 0, "v": 0}  # the Gated DeltaNet's key and value widths
+    if getattr(config, "linear_num_key_heads", None):
+        linear["k"] = config.linear_num_key_heads * config.linear_key_head_dim
+        linear["v"] = config.linear_num_value_heads * config.linear_value_head_dim
     rows = {
         "q_proj": config.num_attention_heads * d,
         "k_proj": config.num_key_value_heads * d,
         "v_proj": config.num_key_value_heads * d,
-        "gate_proj": config.intermediate_size,
-        "up_proj": config.intermediate_size,
+        "gate_proj": mlp,
+        "up_proj": mlp,
+        "in_proj_q": linear["k"],
+        "in_proj_k": linear["k"],
+        "in_proj_v": linear["v"],
     }
     return [rows[p] for p in parts]
 

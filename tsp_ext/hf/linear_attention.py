@@ -1,10 +1,13 @@
-"""``TSPGatedDeltaNet``: Hugging Face's ``Qwen3NextGatedDeltaNet`` replaced by its TSP head group.
+"""``TSPGatedDeltaNet``: Hugging Face's ``Qwen3NextGatedDeltaNet`` / ``Qwen3_5GatedDeltaNet``
+replaced by its TSP head group.
 
 The schedule is ``tsp_ext.engine.linear_attention``; this module holds the shards under the
-Hugging Face names (``in_proj_qkvz`` / ``in_proj_ba`` rows and ``out_proj`` columns of this
-rank's head group; ``conv1d.weight``, ``A_log``, ``dt_bias``, ``norm.weight`` replicated), slices
-them from a Hugging Face module and checks the call. ``prefill`` / ``decode`` are its inference
-steps; ``LinearStateCacheLayer`` holds its group's conv and recurrent state.
+Hugging Face names (rows of this rank's head group in each input projection: Qwen3-Next's
+``in_proj_qkvz`` / ``in_proj_ba``, or Qwen3.5's ``in_proj_q`` / ``in_proj_k`` / ``in_proj_v``
+(its ``in_proj_qkv`` split by ``Family.unfuse``) / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``;
+``out_proj`` columns; ``conv1d.weight``, ``A_log``, ``dt_bias``, ``norm.weight`` replicated),
+slices them from a Hugging Face module and checks the call. ``prefill`` / ``decode`` are its
+inference steps; ``LinearStateCacheLayer`` holds its group's conv and recurrent state.
 """
 
 from __future__ import annotations
@@ -35,22 +38,30 @@ from .attention import SPANS_KWARG
 from .families import LLAMA, Family
 from .sharding import ShardedModule
 
-# Gated DeltaNet projections in Qwen3-Next's layout (per key head: q | k | v | z rows, then b | a)
-_PROJECTIONS = ("in_proj_qkvz", "in_proj_ba", "conv1d", "out_proj", "A_log", "dt_bias", "norm")
+_SHARED = ("conv1d", "out_proj", "A_log", "dt_bias", "norm")
+# the Gated DeltaNet input projections TSP folds: Qwen3-Next's (per key head: q | k | v | z rows,
+# then b | a), Qwen3.5's (q of all key heads | k | v, then z, b, a apart; in_proj_qkv split in
+# in_proj_q / in_proj_k / in_proj_v once TSP is applied)
+_LAYOUTS = (
+    ("in_proj_qkvz", "in_proj_ba"),
+    ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
+    ("in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z", "in_proj_b", "in_proj_a"),
+)
 
 
 def check_linear_attention(name: str, i: int, module: nn.Module | None) -> None:
     """Raise ``ValueError`` naming the model unless layer ``i``'s linear-attention ``module`` is a
-    Gated DeltaNet in Qwen3-Next's layout that TSP folds: fused ``in_proj_qkvz`` / ``in_proj_ba``
-    (Qwen3.5's separate ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a`` are not
-    supported yet), a bias-free depthwise causal conv and SiLU."""
-    missing = [n for n in _PROJECTIONS if not hasattr(module, n)]
-    if missing:
+    Gated DeltaNet that TSP folds: Qwen3-Next's fused ``in_proj_qkvz`` / ``in_proj_ba`` or
+    Qwen3.5's ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``, with
+    ``conv1d`` (bias-free, depthwise, causal; SiLU), ``out_proj``, ``A_log``, ``dt_bias`` and a
+    gated ``norm``."""
+    missing = [n for n in _SHARED if not hasattr(module, n)]
+    if missing or not any(all(hasattr(module, n) for n in names) for names in _LAYOUTS):
         kind = type(module).__name__
         raise ValueError(
-            f"{name} layer {i}: linear attention {kind} without {'/'.join(missing)}; TSP folds "
-            "Qwen3-Next's Gated DeltaNet (in_proj_qkvz, in_proj_ba); Qwen3.5's separate "
-            "in_proj_qkv / in_proj_z / in_proj_b / in_proj_a layout is not supported yet"
+            f"{name} layer {i}: linear attention {kind} is not a Gated DeltaNet TSP folds: it "
+            "needs conv1d, out_proj, A_log, dt_bias, norm and either Qwen3-Next's in_proj_qkvz / "
+            "in_proj_ba or Qwen3.5's in_proj_qkv / in_proj_z / in_proj_b / in_proj_a"
         )
     activation = getattr(module, "activation", "silu")
     if module.conv1d.bias is not None or activation not in ("silu", "swish"):
@@ -133,10 +144,11 @@ class TSPGatedDeltaNet(ShardedModule):
             )
         self.spec, self.group = spec, group
         kw = {"dtype": dtype, "device": device}
-        n = [s.stop - s.start for s in (spec.qkvz_rows(p), spec.ba_rows(p), spec.out_cols(p))]
-        self.in_proj_qkvz = nn.Linear(spec.hidden, n[0], bias=False, **kw)
-        self.in_proj_ba = nn.Linear(spec.hidden, n[1], bias=False, **kw)
-        self.out_proj = nn.Linear(n[2], spec.hidden, bias=False, **kw)
+        for name in spec.projections:
+            rows = spec.rows(name, p)
+            setattr(self, name, nn.Linear(spec.hidden, rows.stop - rows.start, bias=False, **kw))
+        cols = spec.out_cols(p)
+        self.out_proj = nn.Linear(cols.stop - cols.start, spec.hidden, bias=False, **kw)
         channels = 2 * spec.n_k_heads * spec.dk + spec.n_v_heads * spec.dv
         self.conv1d = nn.Conv1d(channels, channels, spec.conv, groups=channels, bias=False, **kw)
         self.A_log = nn.Parameter(torch.zeros(spec.n_v_heads, **kw))
@@ -148,9 +160,15 @@ class TSPGatedDeltaNet(ShardedModule):
     def from_hf(
         cls, module: nn.Module, group, config: TSPConfig | None = None, family: Family = LLAMA
     ) -> TSPGatedDeltaNet:
-        """Build from a Hugging Face ``Qwen3NextGatedDeltaNet``, copying this rank's slices
-        (``config`` and ``family`` as ``TSPAttention.from_hf`` takes them; the layer reads
-        neither: its layout is Qwen3-Next's)."""
+        """Build from a Hugging Face ``Qwen3NextGatedDeltaNet`` or ``Qwen3_5GatedDeltaNet`` (its
+        ``in_proj_qkv`` split, ``Family.unfuse``), copying this rank's slices (``config`` and
+        ``family`` as ``TSPAttention.from_hf`` takes them; the layer reads neither: its layout
+        is the module's)."""
+        if hasattr(module, "in_proj_qkv"):
+            raise ValueError(
+                "a Qwen3.5 Gated DeltaNet's in_proj_qkv must be split into in_proj_q / in_proj_k "
+                "/ in_proj_v first (Family.unfuse, as apply_tsp does)"
+            )
         spec = LinearAttentionSpec(
             hidden=module.hidden_size,
             n_k_heads=module.num_k_heads,
@@ -160,9 +178,11 @@ class TSPGatedDeltaNet(ShardedModule):
             conv=module.conv_kernel_size,
             eps=module.norm.variance_epsilon,
             tsp_size=dist.get_world_size(group),
+            separate=hasattr(module, "in_proj_q"),
         )
-        w = module.in_proj_qkvz.weight
-        mod = cls(spec, group, dtype=w.dtype, device=w.device)
+        w = module.out_proj.weight
+        kind = SeparateTSPGatedDeltaNet if spec.separate else cls
+        mod = kind(spec, group, dtype=w.dtype, device=w.device)
         full = dict(module.named_parameters())
         with torch.no_grad():
             for name, param in mod.named_parameters():
@@ -171,16 +191,17 @@ class TSPGatedDeltaNet(ShardedModule):
 
     def index_of(self, name: str, rank: int) -> tuple[slice, ...]:
         """Index of group ``rank``'s slice in the full Hugging Face tensor behind ``name``."""
-        if name == "in_proj_qkvz.weight":
-            return (self.spec.qkvz_rows(rank),)
-        if name == "in_proj_ba.weight":
-            return (self.spec.ba_rows(rank),)
         if name == "out_proj.weight":
             return (slice(None), self.spec.out_cols(rank))
+        if name.endswith(".weight") and name[: -len(".weight")] in self.spec.projections:
+            return (self.spec.rows(name[: -len(".weight")], rank),)
         return (slice(None),)
 
-    def _own(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.in_proj_qkvz.weight, self.in_proj_ba.weight, self.out_proj.weight
+    def _own(self) -> tuple[torch.Tensor, ...]:
+        """This rank's input projection rows (``spec.projections``), then its ``out_proj``
+        columns."""
+        names = (*self.spec.projections, "out_proj")
+        return tuple(getattr(self, n).weight for n in names)
 
     def _replicated(self) -> tuple[torch.Tensor, ...]:
         return (self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight)
@@ -270,9 +291,9 @@ class TSPGatedDeltaNet(ShardedModule):
         spec = self.spec
         if valid is not None:
             x = (x * valid[:, q_index, None]).to(x.dtype)
-        w_qkvz, w_ba, w_out = self._own()
+        *w_in, w_out = self._own()
         nk = spec.k_heads(p).stop - spec.k_heads(p).start
-        qkv, z, b, a = project(x, w_qkvz, w_ba, spec, nk)
+        qkv, z, b, a = project(x, w_in, spec, nk)
         w = torch.cat([self.conv1d.weight[ch, 0] for ch in spec.conv_channels(p)])
         left = cache_layer.conv_state
         ok = torch.ones(1, x.shape[1], spec.conv, dtype=torch.bool, device=x.device)
@@ -286,3 +307,14 @@ class TSPGatedDeltaNet(ShardedModule):
         y = F.linear(o.flatten(2), w_out)
         comm.all_reduce(y, self.group)
         return y
+
+
+class SeparateTSPGatedDeltaNet(TSPGatedDeltaNet):
+    """``TSPGatedDeltaNet`` in Qwen3.5's layout (``spec.separate``; ``from_hf`` builds it for a
+    ``Qwen3_5GatedDeltaNet``): rows of ``in_proj_q`` / ``in_proj_k`` / ``in_proj_v`` /
+    ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``."""
+
+    shard_dims = {
+        **{f"in_proj_{n}.weight": 0 for n in "qkvzba"},
+        "out_proj.weight": 1,
+    }

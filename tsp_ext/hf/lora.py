@@ -99,7 +99,7 @@ def check_peft_model(peft_model: nn.Module) -> str:
     }
     for module_name, module in base.named_modules():
         if is_lora_layer(module) and id(module) not in allowed:
-            if family.fused:
+            if module_name.rpartition(".")[2] in {f for f, _ in family.fused}:
                 fused = ", ".join(f for f, _ in family.fused)
                 raise ValueError(
                     f"LoRA on {module_name} is not supported under TSP: the {family.name} "

@@ -35,6 +35,8 @@ MODEL_TYPES: dict[str, ModelType] = {
     "mixtral": ModelType("Mixtral"),
     "gpt_oss": ModelType("gpt-oss", qkv_bias=True),
     "qwen3_next": ModelType("Qwen3-Next", qk_norm=True),
+    "qwen3_5_text": ModelType("Qwen3.5", qk_norm=True),
+    "qwen3_5_moe_text": ModelType("Qwen3.5", qk_norm=True),
 }
 _DEFAULT = ModelType("Llama")  # a model_type not listed: the Llama structure, as ``family_of``
 
