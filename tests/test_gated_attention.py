@@ -8,16 +8,14 @@ import functools
 
 import pytest
 import torch
-import torch.distributed as dist
-from checks import doc_positions, gemma_norm_tol, hf_mask, rel_err
+from attention_cases import AttentionCase
+from checks import gemma_norm_tol
 from transformers import Qwen3NextConfig
 from transformers.models.qwen3_next.modeling_qwen3_next import (
     Qwen3NextAttention,
     Qwen3NextRotaryEmbedding,
 )
 
-from tsp_ext import TSPAttention, TSPConfig, ZigzagLayout, pad_sequence, padded_length
-from tsp_ext.hf.cache import TSPCacheLayer
 from tsp_ext.hf.families import QWEN3_NEXT
 
 # HF runs the q/k norms in float32 even in float64, and TSP's interleaved head dims sum their
@@ -54,78 +52,16 @@ def hf_layer(cfg: Qwen3NextConfig) -> Qwen3NextAttention:
     return attn
 
 
-def _training_case(rank, world, B, S, docs=None) -> dict:
-    """One causal stream of S tokens, or (``docs``: each row's document lengths) packed rows."""
-    cfg = make_config()
-    attn, rope = hf_layer(cfg), Qwen3NextRotaryEmbedding(cfg)
-    torch.manual_seed(100 + S)
-    x = torch.randn(B, S, cfg.hidden_size, dtype=torch.float64)
-    dy = torch.randn_like(x)
-    full_pos = torch.arange(S).expand(B, S) if docs is None else doc_positions(docs)
-    xr = x.clone().requires_grad_()
-    yr, _ = attn(xr, rope(x, full_pos), hf_mask(full_pos, None))
-    (yr * dy).sum().backward()
-
-    lay = ZigzagLayout(padded_length(S, world), world)
-    pos = lay.positions(rank)
-    real = pos < S
-    kw = {}
-    if docs is not None:  # S a multiple of 2D: no padding
-        pos = kw["position_ids"] = lay.shard(full_pos, rank)
-    t_attn = TSPAttention.from_hf(attn, dist.group.WORLD, TSPConfig(attn_block=4), QWEN3_NEXT)
-    assert t_attn.spec.output_gate and t_attn.spec.rotary == 4
-
-    def local(t):  # this rank's real tokens of a full [B, S, ...] tensor
-        return lay.shard(pad_sequence(t, world, 0.0), rank)[:, real]
-
-    xl = lay.shard(pad_sequence(x, world, 0.0), rank).requires_grad_()
-    yl, _ = t_attn(xl, position_embeddings=rope(xl, pos.expand(B, -1)), **kw)
-    (yl * lay.shard(pad_sequence(dy, world, 0.0), rank)).sum().backward()
-    errs = {
-        "out": rel_err(yl[:, real], local(yr.detach())),
-        "dx": rel_err(xl.grad[:, real], local(xr.grad)),
-    }
-    ref = dict(attn.named_parameters())
-    for name, p in t_attn.named_parameters():
-        errs[name] = rel_err(p.grad, t_attn.local_slice(name, ref[name].grad))
-    return errs
-
-
-def _inference_case(rank, world, B, S) -> dict:
-    """Prefill of S tokens, then ``DECODE_STEPS`` single tokens, against the HF module on all
-    S + steps tokens (causal: each position's output is the same either way)."""
-    cfg = make_config()
-    attn, rope = hf_layer(cfg), Qwen3NextRotaryEmbedding(cfg)
-    L = S + DECODE_STEPS
-    torch.manual_seed(200 + S)
-    x = torch.randn(B, L, cfg.hidden_size, dtype=torch.float64)
-    with torch.no_grad():
-        full_pos = torch.arange(L).expand(B, L)
-        ref, _ = attn(x, rope(x, full_pos), hf_mask(full_pos, None))
-    t_attn = TSPAttention.from_hf(attn, dist.group.WORLD, TSPConfig(attn_block=4), QWEN3_NEXT)
-    c = t_attn.spec.kv_replicas
-    cache = TSPCacheLayer(c, rank % c)
-    lay = ZigzagLayout(padded_length(S, world), world)
-    pos = lay.positions(rank)
-    real = pos < S
-    xl = lay.shard(pad_sequence(x[:, :S], world, 0.0), rank)
-    y = t_attn.prefill(xl, rope(xl, pos[None].expand(B, -1)), cache, S)
-    want = lay.shard(pad_sequence(ref[:, :S], world, 0.0), rank)[:, real]
-    errs = {"prefill": rel_err(y[:, real], want)}
-    for t in range(S, L):
-        index = torch.tensor([t])
-        xt = x[:, t : t + 1]
-        y = t_attn.decode(xt, rope(xt, index[None].expand(B, 1)), cache, index)
-        errs[f"decode{t - S}"] = rel_err(y, ref[:, t : t + 1])
-    return errs
-
-
 def gated_worker(rank, world):
+    cfg = make_config()
+    case = AttentionCase(hf_layer(cfg), Qwen3NextRotaryEmbedding(cfg), QWEN3_NEXT)
+    spec = case.tsp().spec
+    assert spec.output_gate and spec.rotary == 4
     out = {}
     for B, S in CASES:
-        out[("train", S)] = _training_case(rank, world, B, S)
-        out[("infer", S)] = _inference_case(rank, world, B, S)
-    out[("packed", 48)] = _training_case(rank, world, 2, 48, PACKED)
+        out[("train", S)] = case.training(rank, world, B, S)
+        out[("infer", S)] = case.inference(rank, world, B, S, DECODE_STEPS)
+    out[("packed", 48)] = case.training(rank, world, 2, 48, PACKED)
     return out
 
 

@@ -8,16 +8,15 @@ import functools
 
 import pytest
 import torch
-import torch.distributed as dist
-from checks import doc_positions, hf_mask, rel_err
+from attention_cases import AttentionCase
+from checks import rel_err
 from transformers import GptOssConfig
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention, GptOssRotaryEmbedding
 
-from tsp_ext import TSPAttention, TSPConfig, ZigzagLayout, pad_sequence, padded_length
+from tsp_ext import ZigzagLayout
 from tsp_ext.engine.attention_backends import BACKENDS, available_backends
 from tsp_ext.engine.chunked_attention import chunked_attention_backward, chunked_attention_forward
 from tsp_ext.engine.lse import add_sink, sink_grad
-from tsp_ext.hf.cache import TSPCacheLayer
 
 TOL = 1e-10
 WINDOW = 6
@@ -51,86 +50,23 @@ def hf_layer(cfg: GptOssConfig, layer: int) -> GptOssAttention:
     return attn
 
 
-def tsp_rope(rope: GptOssRotaryEmbedding, x: torch.Tensor, pos: torch.Tensor):
-    """TSP's ``(cos, sin) [B, T, d]`` for positions ``pos [B, T]``: gpt-oss's rotary tables are
-    ``[B, T, d/2]``, applied to the halves of a head, the same as rotate-half RoPE with each
-    table repeated."""
-    return tuple(torch.cat([t, t], dim=-1) for t in rope(x, pos))
-
-
-def _training_case(rank, world, layer, B, S, docs=None) -> dict:
-    """One causal stream of S tokens, or (``docs``: each row's document lengths) packed rows."""
-    cfg = make_config()
-    attn, rope = hf_layer(cfg, layer), GptOssRotaryEmbedding(cfg)
-    torch.manual_seed(100 + S)
-    x = torch.randn(B, S, cfg.hidden_size, dtype=torch.float64)
-    dy = torch.randn_like(x)
-    full_pos = torch.arange(S).expand(B, S) if docs is None else doc_positions(docs)
-    xr = x.clone().requires_grad_()
-    yr, _ = attn(xr, rope(x, full_pos), hf_mask(full_pos, attn.sliding_window))
-    (yr * dy).sum().backward()
-
-    lay = ZigzagLayout(padded_length(S, world), world)
-    pos = lay.positions(rank)
-    real = pos < S
-    kw = {}
-    if docs is not None:  # S a multiple of 2D: no padding
-        pos = kw["position_ids"] = lay.shard(full_pos, rank)
-    t_attn = TSPAttention.from_hf(attn, dist.group.WORLD, TSPConfig(attn_block=4))
-    assert t_attn.spec.window == attn.sliding_window and t_attn.sinks is not None
-
-    def local(t):  # this rank's real tokens of a full [B, S, ...] tensor
-        return lay.shard(pad_sequence(t, world, 0.0), rank)[:, real]
-
-    xl = lay.shard(pad_sequence(x, world, 0.0), rank).requires_grad_()
-    yl, _ = t_attn(xl, position_embeddings=tsp_rope(rope, x, pos.expand(B, -1)), **kw)
-    (yl * lay.shard(pad_sequence(dy, world, 0.0), rank)).sum().backward()
-    errs = {
-        "out": rel_err(yl[:, real], local(yr.detach())),
-        "dx": rel_err(xl.grad[:, real], local(xr.grad)),
-    }
-    ref = dict(attn.named_parameters())
-    for name, p in t_attn.named_parameters():
-        errs[name] = rel_err(p.grad, t_attn.local_slice(name, ref[name].grad))
-    return errs
-
-
-def _inference_case(rank, world, layer, B, S) -> dict:
-    """Prefill of S tokens, then ``DECODE_STEPS`` single tokens, against the HF module on all
-    S + steps tokens (causal: each position's output is the same either way)."""
-    cfg = make_config()
-    attn, rope = hf_layer(cfg, layer), GptOssRotaryEmbedding(cfg)
-    L = S + DECODE_STEPS
-    torch.manual_seed(200 + S)
-    x = torch.randn(B, L, cfg.hidden_size, dtype=torch.float64)
-    with torch.no_grad():
-        full_pos = torch.arange(L).expand(B, L)
-        ref, _ = attn(x, rope(x, full_pos), hf_mask(full_pos, attn.sliding_window))
-    t_attn = TSPAttention.from_hf(attn, dist.group.WORLD, TSPConfig(attn_block=4))
-    c = t_attn.spec.kv_replicas
-    cache = TSPCacheLayer(c, rank % c, t_attn.spec.window)
-    lay = ZigzagLayout(padded_length(S, world), world)
-    pos = lay.positions(rank)
-    real = pos < S
-    xl = lay.shard(pad_sequence(x[:, :S], world, 0.0), rank)
-    y = t_attn.prefill(xl, tsp_rope(rope, xl, pos[None].expand(B, -1)), cache, S)
-    want = lay.shard(pad_sequence(ref[:, :S], world, 0.0), rank)[:, real]
-    errs = {"prefill": rel_err(y[:, real], want)}
-    for t in range(S, L):
-        index = torch.tensor([t])
-        xt = x[:, t : t + 1]
-        y = t_attn.decode(xt, tsp_rope(rope, xt, index[None].expand(B, 1)), cache, index)
-        errs[f"decode{t - S}"] = rel_err(y, ref[:, t : t + 1])
-    return errs
+def tsp_rope(tables):
+    """TSP's ``(cos, sin) [B, T, d]``: gpt-oss's rotary tables are ``[B, T, d/2]``, applied to
+    the halves of a head, the same as rotate-half RoPE with each table repeated."""
+    return tuple(torch.cat([t, t], dim=-1) for t in tables)
 
 
 def sinks_worker(rank, world):
     out = {}
+    cfg = make_config()
     for layer in (0, 1):
+        case = AttentionCase(hf_layer(cfg, layer), GptOssRotaryEmbedding(cfg), tsp_rope=tsp_rope)
+        t_attn = case.tsp()
+        assert t_attn.spec.window == case.window and t_attn.sinks is not None
         for B, S in CASES:
-            out[("train", layer, S)] = _training_case(rank, world, layer, B, S)
-            out[("infer", layer, S)] = _inference_case(rank, world, layer, B, S)
-        out[("packed", layer, 48)] = _training_case(rank, world, layer, 2, 48, PACKED)
+            out[("train", layer, S)] = case.training(rank, world, B, S)
+            out[("infer", layer, S)] = case.inference(rank, world, B, S, DECODE_STEPS)
+        out[("packed", layer, 48)] = case.training(rank, world, 2, 48, PACKED)
     return out
 
 
