@@ -59,3 +59,25 @@ def hf_mask(pos: torch.Tensor, window: int | None) -> torch.Tensor:
 def doc_positions(docs: tuple[tuple[int, ...], ...]) -> torch.Tensor:
     """Per-document positions ``[B, S]`` of rows packed with documents of lengths ``docs[b]``."""
     return torch.stack([torch.cat([torch.arange(n) for n in row]) for row in docs])
+
+
+def trained_errors(model, ref, mesh, input_ids, got, ref_out, ref_loss) -> dict:
+    """Errors of a TSP model against its reference after one training step on ``input_ids``
+    (``got`` / ``ref_out``: their outputs, logits included; both losses backpropagated): loss,
+    logits, every gradient, then the eval-mode logits of the same ids."""
+    from tsp_ext import full_grads, gather_sequence, shard_batch
+
+    S = input_ids.shape[1]
+    errs = {
+        "loss": rel_err(got.loss.detach(), ref_loss.detach()),
+        "logits": rel_err(gather_sequence(got.logits.detach(), mesh, seq_len=S), ref_out.logits),
+    }
+    grads = full_grads(model)
+    for name, p in ref.named_parameters():
+        errs[name] = rel_err(grads[name], p.grad)
+    model.eval()
+    with torch.no_grad():
+        ids = {"input_ids": input_ids}
+        logits = gather_sequence(model(**shard_batch(ids, mesh)).logits, mesh, seq_len=S)
+        errs["eval_logits"] = rel_err(logits, ref.eval()(**ids).logits)
+    return errs

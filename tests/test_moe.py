@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from checks import error_message, rel_err
+from checks import error_message, rel_err, trained_errors
 from models import MOE_FAMILIES, batch, build, lm_loss
 from test_generate import greedy_case
 from transformers import AutoModelForCausalLM
@@ -22,7 +22,6 @@ from tsp_ext import (
     TSPConfig,
     ZigzagLayout,
     apply_tsp,
-    full_grads,
     gather_sequence,
     init_tsp_mesh,
     load_pretrained,
@@ -55,18 +54,7 @@ def parity_case(mesh, family, schedule, dtype=torch.float64):
     apply_tsp(model, mesh, config=TSPConfig(loss_chunk=5, moe_schedule=schedule))
     got = model(**shard_batch(data, mesh), return_logits=True, output_router_logits=True)
     got.loss.backward()
-    errs = {
-        "loss": rel_err(got.loss.detach(), ref_loss.detach()),
-        "logits": rel_err(gather_sequence(got.logits.detach(), mesh, seq_len=S), out.logits),
-    }
-    grads = full_grads(model)
-    for name, p in ref.named_parameters():
-        errs[name] = rel_err(grads[name], p.grad)
-    model.eval()
-    with torch.no_grad():
-        ids = {"input_ids": data["input_ids"]}
-        logits = gather_sequence(model(**shard_batch(ids, mesh)).logits, mesh, seq_len=S)
-        errs["eval_logits"] = rel_err(logits, ref.eval()(**ids).logits)
+    errs = trained_errors(model, ref, mesh, data["input_ids"], got, out, ref_loss)
     aux = rel_err(got.aux_loss.detach(), out.aux_loss.detach())
     n_logits = len(got.router_logits)
     return errs, aux, n_logits, tuple(got.router_logits[0].shape)

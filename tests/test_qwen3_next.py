@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from checks import doc_positions, error_message, rel_err
+from checks import doc_positions, error_message, rel_err, trained_errors
 from dp_reference import CLIP, STEPS, adamw, param_errors, reference, replica_batches
 from hybrid import float64_twin
 from models import batch, build, lm_loss
@@ -25,7 +25,6 @@ from transformers import AutoModelForCausalLM
 from tsp_ext import (
     TSPConfig,
     apply_tsp,
-    full_grads,
     full_state_dict,
     gather_sequence,
     init_tsp_mesh,
@@ -73,18 +72,7 @@ def parity_case(mesh, world: int, dtype=torch.float64, name: str = "qwen3_next",
     apply_tsp(model, mesh, config=TSPConfig(loss_chunk=5, moe_schedule=schedule))
     got = model(**shard_batch(data, mesh), return_logits=True)
     got.loss.backward()
-    errs = {
-        "loss": rel_err(got.loss.detach(), ref_loss.detach()),
-        "logits": rel_err(gather_sequence(got.logits.detach(), mesh, seq_len=S), out.logits),
-    }
-    grads = full_grads(model)
-    for name, p in ref.named_parameters():
-        errs[name] = rel_err(grads[name], p.grad)
-    model.eval()
-    with torch.no_grad():
-        ids = {"input_ids": data["input_ids"]}
-        logits = gather_sequence(model(**shard_batch(ids, mesh)).logits, mesh, seq_len=S)
-        errs["eval_logits"] = rel_err(logits, ref.eval()(**ids).logits)
+    errs = trained_errors(model, ref, mesh, data["input_ids"], got, out, ref_loss)
     return errs
 
 
