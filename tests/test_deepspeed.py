@@ -240,7 +240,9 @@ def test_tsp_block_takes_every_config_field():
         "loss_chunk": 7,
         "mlp_tile": 5,
         "checkpoint_layers": True,
+        "checkpoint_every": 2,
         "offload_checkpoints": True,
+        "checkpoint_device_bytes": 1024,
         "quantize_base": "nf4",
         "moe_schedule": "ring",
     }
@@ -256,7 +258,9 @@ def test_tsp_block_takes_every_config_field():
         loss_chunk=7,
         mlp_tile=5,
         checkpoint_layers=True,
+        checkpoint_every=2,
         offload_checkpoints=True,
+        checkpoint_device_bytes=1024,
         quantize_base="nf4",
         moe_schedule="ring",
     )
