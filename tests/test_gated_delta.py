@@ -20,7 +20,8 @@ from tsp_ext import ZigzagLayout, pad_sequence, padded_length
 from tsp_ext.engine import linear_attention as engine_la
 from tsp_ext.engine.gated_delta import chunk_gated_delta, recurrent_gated_delta
 from tsp_ext.engine.linear_attention import LinearAttentionSpec, group_shapes
-from tsp_ext.hf.linear_attention import LinearStateCacheLayer, TSPGatedDeltaNet
+from tsp_ext.hf.cache import LinearStateCacheLayer
+from tsp_ext.hf.linear_attention import TSPGatedDeltaNet
 
 TOL = 1e-10
 CHUNK = 37  # tokens per zigzag chunk: S = 2D·37, longer than and not a multiple of 64

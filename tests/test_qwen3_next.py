@@ -33,7 +33,8 @@ from tsp_ext import (
     shard_batch,
 )
 from tsp_ext.engine.moe_traffic import SCHEDULES
-from tsp_ext.hf.linear_attention import LinearStateCacheLayer, TSPGatedDeltaNet
+from tsp_ext.hf.cache import LinearStateCacheLayer
+from tsp_ext.hf.linear_attention import TSPGatedDeltaNet
 
 pytestmark = pytest.mark.multiproc
 

@@ -14,10 +14,33 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..engine import comm
 from ..engine.decode import kept_tokens
-from .linear_attention import LinearStateCacheLayer
 
 
-class TSPCacheLayer(CacheLayerMixin):
+class _GlobalLength(CacheLayerMixin):
+    """A TSP cache layer's bookkeeping of the tokens seen: ``seq_len`` is *global* (every token
+    of the sequence, whichever rank keeps what of it), so positions and masks come out as for a
+    single-process model."""
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seq_len = 0
+
+    def get_seq_length(self) -> int:
+        """The global number of tokens seen."""
+        return self.seq_len
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seq_len + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class TSPCacheLayer(_GlobalLength):
     """One layer's share of the KV cache on one TSP rank.
 
     ``keys``, ``values``: ``[B, n_kv(p), L_p, d]`` (Hugging Face layout), the L_p cached tokens of
@@ -27,15 +50,10 @@ class TSPCacheLayer(CacheLayerMixin):
     sees an older one.
     """
 
-    is_compileable = False
-    is_sliding = False
-    is_croppable = False
-
     def __init__(self, replicas: int = 1, replica: int = 0, window: int | None = None) -> None:
         super().__init__()
         self.replicas, self.replica, self.window = replicas, replica, window
         self.token_index: torch.Tensor | None = None
-        self.seq_len = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, H, _, d = key_states.shape
@@ -87,16 +105,6 @@ class TSPCacheLayer(CacheLayerMixin):
             self.token_index = index[kept]
         return keys, values, index
 
-    def get_seq_length(self) -> int:
-        """The global number of tokens seen (cached on this rank or on another replica)."""
-        return self.seq_len
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.seq_len + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
-
     def reset(self) -> None:
         self.keys = self.values = self.token_index = None
         self.seq_len = 0
@@ -107,6 +115,39 @@ class TSPCacheLayer(CacheLayerMixin):
         if not self.is_initialized:
             return 0
         return self.keys.nbytes + self.values.nbytes
+
+
+class LinearStateCacheLayer(_GlobalLength):
+    """One Gated DeltaNet layer's cache on one TSP rank: its head group's ``conv_state
+    [B, K-1, C_p]`` (the last K-1 pre-conv q|k|v rows) and ``recurrent_state [B, Hv_p, dk, dv]``
+    (float32, float64 for float64), and the global ``seq_len``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv_state: torch.Tensor | None = None
+        self.recurrent_state: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        raise ValueError("a linear attention layer keeps no keys: use prefill / decode")
+
+    def store(self, conv_state: torch.Tensor, recurrent_state: torch.Tensor, seq_len: int) -> None:
+        """Replace the states after ``seq_len`` tokens."""
+        self.conv_state, self.recurrent_state, self.seq_len = conv_state, recurrent_state, seq_len
+        self.is_initialized = True
+
+    def reset(self) -> None:
+        self.conv_state = self.recurrent_state = None
+        self.seq_len = 0
+        self.is_initialized = False
+
+    def nbytes(self) -> int:
+        """Bytes of this rank's states."""
+        if self.conv_state is None:
+            return 0
+        return self.conv_state.nbytes + self.recurrent_state.nbytes
 
 
 class TSPCache(Cache):

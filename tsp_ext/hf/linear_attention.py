@@ -7,7 +7,7 @@ Hugging Face names (rows of this rank's head group in each input projection: Qwe
 (its ``in_proj_qkv`` split by ``Family.unfuse``) / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``;
 ``out_proj`` columns; ``conv1d.weight``, ``A_log``, ``dt_bias``, ``norm.weight`` replicated),
 slices them from a Hugging Face module and checks the call. ``prefill`` / ``decode`` are its
-inference steps; ``LinearStateCacheLayer`` holds its group's conv and recurrent state.
+inference steps; ``cache.LinearStateCacheLayer`` holds its group's conv and recurrent state.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from transformers.cache_utils import CacheLayerMixin
 
 from ..config import TSPConfig
 from ..engine import comm
@@ -35,6 +34,7 @@ from ..engine.linear_attention import (
     tsp_gated_delta,
 )
 from .attention import SPANS_KWARG
+from .cache import LinearStateCacheLayer
 from .families import LLAMA, Family
 from .sharding import ShardedModule
 
@@ -69,53 +69,6 @@ def check_linear_attention(name: str, i: int, module: nn.Module | None) -> None:
             f"{name} layer {i}: a Gated DeltaNet conv with a bias or a {activation} "
             "activation is not supported under TSP (Qwen3-Next's: no bias, SiLU)"
         )
-
-
-class LinearStateCacheLayer(CacheLayerMixin):
-    """One Gated DeltaNet layer's cache on one TSP rank: its head group's ``conv_state
-    [B, K-1, C_p]`` (the last K-1 pre-conv q|k|v rows) and ``recurrent_state [B, Hv_p, dk, dv]``
-    (float32, float64 for float64), and the global ``seq_len``."""
-
-    is_compileable = False
-    is_sliding = False
-    is_croppable = False
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv_state: torch.Tensor | None = None
-        self.recurrent_state: torch.Tensor | None = None
-        self.seq_len = 0
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.is_initialized = True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        raise ValueError("a linear attention layer keeps no keys: use prefill / decode")
-
-    def store(self, conv_state: torch.Tensor, recurrent_state: torch.Tensor, seq_len: int) -> None:
-        """Replace the states after ``seq_len`` tokens."""
-        self.conv_state, self.recurrent_state, self.seq_len = conv_state, recurrent_state, seq_len
-        self.is_initialized = True
-
-    def get_seq_length(self) -> int:
-        return self.seq_len
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.seq_len + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def reset(self) -> None:
-        self.conv_state = self.recurrent_state = None
-        self.seq_len = 0
-        self.is_initialized = False
-
-    def nbytes(self) -> int:
-        """Bytes of this rank's states."""
-        if self.conv_state is None:
-            return 0
-        return self.conv_state.nbytes + self.recurrent_state.nbytes
 
 
 class TSPGatedDeltaNet(ShardedModule):

@@ -17,6 +17,7 @@ from torch import nn
 from ..dp.storage import gathered_per_use
 from ..engine.comm import bucketed_replicated, replicated
 from ..engine.pointwise import rms_norm_keeping_input
+from .linear_attention import TSPGatedDeltaNet
 from .lora import ADAPTER_MARK
 from .moe import TSPSparseMoe
 from .sharding import Role, param_roles
@@ -93,13 +94,15 @@ class TSPLMHead(nn.Module):
 def replicated_vectors(model: nn.Module) -> tuple[str, ...]:
     """Names of a TSP model's small replicated parameters, used once per step: 1-D ones (norm
     weights, o_proj biases), the LoRA adapters' replicated pieces (``[r, h]`` / ``[h, r]``) and
-    the MoE routers' and shared-expert gates' weights (``[E, h]`` / ``[1, h]``)."""
+    the MoE routers' and shared-expert gates' weights (``[E, h]`` / ``[1, h]``) and the Gated
+    DeltaNet layers' depthwise conv weights (``[C, 1, K]``)."""
     roles = param_roles(model)
-    routers = {id(p) for m in model.modules() if isinstance(m, TSPSparseMoe) for p in m.routers()}
+    small = {id(p) for m in model.modules() if isinstance(m, TSPSparseMoe) for p in m.routers()}
+    small |= {id(m.conv1d.weight) for m in model.modules() if isinstance(m, TSPGatedDeltaNet)}
     return tuple(
         n
         for n, p in model.named_parameters()
-        if (p.dim() == 1 or ADAPTER_MARK in n or id(p) in routers) and roles[n] is Role.REPLICATED
+        if (p.dim() == 1 or ADAPTER_MARK in n or id(p) in small) and roles[n] is Role.REPLICATED
     )
 
 
