@@ -29,17 +29,17 @@ class AttentionCase:
         self.window = getattr(attn, "sliding_window", None)
         self.hidden = attn.config.hidden_size
 
-    def tsp(self) -> TSPAttention:
-        return TSPAttention.from_hf(
-            self.attn, dist.group.WORLD, TSPConfig(attn_block=4), self.family
-        )
+    def tsp(self, config: TSPConfig | None = None) -> TSPAttention:
+        config = config or TSPConfig(attn_block=4)
+        return TSPAttention.from_hf(self.attn, dist.group.WORLD, config, self.family)
 
     def tables(self, x: torch.Tensor, pos: torch.Tensor):
         return self.tsp_rope(self.rope(x, pos))
 
-    def training(self, rank: int, world: int, B: int, S: int, docs=None) -> dict:
+    def training(self, rank: int, world: int, B: int, S: int, docs=None, config=None) -> dict:
         """Errors of one causal stream of S tokens, or (``docs``: each row's document lengths)
-        packed rows: output, dx and every parameter's gradient."""
+        packed rows: output, dx and every parameter's gradient (``config``: the TSPConfig, by
+        default blocks of 4)."""
         attn = self.attn
         attn.zero_grad()
         torch.manual_seed(100 + S)
@@ -56,7 +56,7 @@ class AttentionCase:
         kw = {}
         if docs is not None:  # S a multiple of 2D: no padding
             pos = kw["position_ids"] = lay.shard(full_pos, rank)
-        t_attn = self.tsp()
+        t_attn = self.tsp(config)
 
         def local(t):  # this rank's real tokens of a full [B, S, ...] tensor
             return lay.shard(pad_sequence(t, world, 0.0), rank)[:, real]

@@ -101,6 +101,9 @@ def _parity_case(rank, world, name, dtype_name, B, S, backend):
     # a small block makes the blockwise kernel skip, fully compute and mask blocks at these lengths
     tsp_cfg = TSPConfig(attn_backend=backend, attn_block=4)
     t_attn = TSPAttention.from_hf(attn, group, tsp_cfg)
+    # one KV head at a time (``head_bucket``): two or more buckets wherever a group has 2+ KV heads
+    bucketed = TSPConfig(attn_backend=backend, attn_block=4, head_bucket=1, overlap=False)
+    t_attn_bucketed = TSPAttention.from_hf(attn, group, bucketed)
     t_mlp = TSPGatedMLP.from_hf(mlp, group, tsp_cfg)
     t_mlp_kept = TSPGatedMLP.from_hf(
         mlp, group, TSPConfig(attn_backend=backend, recompute_mlp=False, mlp_tile=5)
@@ -113,12 +116,13 @@ def _parity_case(rank, world, name, dtype_name, B, S, backend):
     errs = {}
     for mod_name, ref_mod, t_mod, ref_x, ref_y in (
         ("attn", attn, t_attn, xa, ya),
+        ("attn_bucketed", attn, t_attn_bucketed, xa, ya),
         ("mlp", mlp, t_mlp, xm, ym),
         ("mlp_kept", mlp, t_mlp_kept, xm, ym),  # gate/up activations saved, in tiles of 5
         ("mlp_tiled", mlp, t_mlp_tiled, xm, ym),  # tiles of 3 tokens (the last one shorter)
     ):
         xl = lay.shard(pad_sequence(x, world, 0.0), rank).requires_grad_()
-        if mod_name == "attn":
+        if mod_name.startswith("attn"):
             yl, _ = t_mod(xl, position_embeddings=(cos_l, sin_l))
         else:
             yl = t_mod(xl)

@@ -76,6 +76,8 @@ def test_spec_and_config_validation():
         TSPConfig(tsp_size=0)
     with pytest.raises(ValueError, match="floating dtype"):
         TSPConfig(accum_dtype=torch.int32)
+    with pytest.raises(ValueError, match="head_bucket must be >= 1 KV head or None, got 0"):
+        TSPConfig(head_bucket=0)
     with pytest.raises(ValueError, match="set checkpoint_layers=True too"):
         TSPConfig(offload_checkpoints=True)
     with pytest.raises(ValueError, match="checkpoint_every=2: an interval .* needs checkpoint_"):

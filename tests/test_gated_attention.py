@@ -16,6 +16,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
     Qwen3NextRotaryEmbedding,
 )
 
+from tsp_ext import TSPConfig
 from tsp_ext.hf.families import QWEN3_NEXT
 
 # HF runs the q/k norms in float32 even in float64, and TSP's interleaved head dims sum their
@@ -52,6 +53,9 @@ def hf_layer(cfg: Qwen3NextConfig) -> Qwen3NextAttention:
     return attn
 
 
+BUCKETED = TSPConfig(attn_block=4, head_bucket=1, overlap=False)
+
+
 def gated_worker(rank, world):
     cfg = make_config()
     case = AttentionCase(hf_layer(cfg), Qwen3NextRotaryEmbedding(cfg), QWEN3_NEXT)
@@ -62,6 +66,7 @@ def gated_worker(rank, world):
         out[("train", S)] = case.training(rank, world, B, S)
         out[("infer", S)] = case.inference(rank, world, B, S, DECODE_STEPS)
     out[("packed", 48)] = case.training(rank, world, 2, 48, PACKED)
+    out[("bucketed", 48)] = case.training(rank, world, 2, 48, PACKED, BUCKETED)  # head buckets
     return out
 
 

@@ -13,7 +13,7 @@ from checks import rel_err
 from transformers import GptOssConfig
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention, GptOssRotaryEmbedding
 
-from tsp_ext import ZigzagLayout
+from tsp_ext import TSPConfig, ZigzagLayout
 from tsp_ext.engine.attention_backends import BACKENDS, available_backends
 from tsp_ext.engine.chunked_attention import chunked_attention_backward, chunked_attention_forward
 from tsp_ext.engine.lse import add_sink, sink_grad
@@ -56,6 +56,9 @@ def tsp_rope(tables):
     return tuple(torch.cat([t, t], dim=-1) for t in tables)
 
 
+BUCKETED = TSPConfig(attn_block=4, head_bucket=1, overlap=False)
+
+
 def sinks_worker(rank, world):
     out = {}
     cfg = make_config()
@@ -67,6 +70,8 @@ def sinks_worker(rank, world):
             out[("train", layer, S)] = case.training(rank, world, B, S)
             out[("infer", layer, S)] = case.inference(rank, world, B, S, DECODE_STEPS)
         out[("packed", layer, 48)] = case.training(rank, world, 2, 48, PACKED)
+        # one KV head at a time (head buckets), windowed or not, packed
+        out[("bucketed", layer, 48)] = case.training(rank, world, 2, 48, PACKED, BUCKETED)
     return out
 
 

@@ -13,8 +13,9 @@ from .engine.options import EngineOptions
 @dataclass(frozen=True)
 class TSPConfig(EngineOptions):
     """Options of TSP: the engine's (``EngineOptions``, whose docstring describes each:
-    ``accum_dtype``, ``overlap``, ``attn_backend``, ``attn_block``, ``window_exchange``,
-    ``recompute_mlp``, ``mlp_tile``, ``loss_chunk``, ``moe_schedule``) and the model's below.
+    ``accum_dtype``, ``overlap``, ``attn_backend``, ``attn_block``, ``head_bucket``,
+    ``window_exchange``, ``recompute_mlp``, ``mlp_tile``, ``loss_chunk``, ``moe_schedule``) and
+    the model's below.
 
     Args:
         tsp_size: D, the number of ranks on the TSP axis (None: take it from the mesh).

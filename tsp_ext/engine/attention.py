@@ -110,20 +110,30 @@ def tsp_attention_forward(
     for group in sched.projected_groups(own, project):
         r, w = group.r, group.w
         q = group.projected[0]  # heads-major already
-        segments = group.kv()
+        whole = len(group.buckets) == 1
+        a = lse = None
+        for bucket, segments in group.bucket_kv():
+            if kv_sink is not None:  # a prefill: gathered all (``gather_all``, one bucket)
+                kv_sink(r, *segments[0][1:])
+            segments = [(b, *expand_kv(k, v, bucket.kv_map)) for b, k, v in segments]
+            q_b = q if whole else q[:, :, bucket.q]
+            if key_valid is None:
+                a_b, lse_b = segments_forward(
+                    sched.kernel, q_b, sched.q_spans, segments, spec.scaling, spec.window
+                )
+            else:
+                _, k_all, v_all = segments[0]
+                a_b, lse_b = masked_chunked_attention(
+                    q_b, sched.q_spans, k_all, v_all, key_valid, spec.scaling, spec.window
+                )
+            del segments  # before the next bucket's K/V arrive
+            if whole:
+                a, lse = a_b, lse_b
+                continue
+            if a is None:
+                a, lse = torch.empty_like(q), lse_b.new_empty(B, q.shape[2], T)
+            a[:, :, bucket.q], lse[:, bucket.q] = a_b, lse_b
         del group
-        if kv_sink is not None:  # a prefill: gathered all (``gather_all``)
-            kv_sink(r, *segments[0][1:])
-        segments = [(b, *expand_kv(k, v, spec.kv_map(r))) for b, k, v in segments]
-        if key_valid is None:
-            a, lse = segments_forward(
-                sched.kernel, q, sched.q_spans, segments, spec.scaling, spec.window
-            )
-        else:
-            _, k_all, v_all = segments[0]
-            a, lse = masked_chunked_attention(
-                q, sched.q_spans, k_all, v_all, key_valid, spec.scaling, spec.window
-            )
         if sinks is not None:  # A and lse with the sink, as kept for backward
             a, lse = add_sink(a, lse, sinks[spec.q_heads(r)])
         if keep:
@@ -136,7 +146,7 @@ def tsp_attention_forward(
         wo = sched.adapters.out_weight(w)
         add_matmul(y.view(-1, y.shape[-1]), a.reshape(B * T, -1), wo.t())
         adapters.add_group(r, a, w)
-        del q, segments, a, lse  # before the next group's are made (without overlap)
+        del q, a, lse  # before the next group's are made (without overlap)
     adapters.add_output(y.view(B * T, -1))
     return y.to(x.dtype), a_all, lse_all
 
@@ -223,18 +233,41 @@ class _Backward:
             da = self.gate_backward(w, a, gate, da, d_out)
         if self.sinks is not None:  # this rank's tokens' part
             self.d_sinks[heads] += sink_grad(da, a, self.lse_all[:, heads], self.sinks[heads])
-        segments = [(b, *expand_kv(k, v, spec.kv_map(r))) for b, k, v in group.kv()]
-        q, _, lin, weight = group.projected
-        del group
+        q, lin, weight = group.projected[0], group.projected[2], group.projected[3]
+        lse, da, a = self.lse_all[:, heads], da.transpose(1, 2), a.transpose(1, 2)
+        if len(group.buckets) == 1:
+            ((bucket, segments),) = group.bucket_kv()
+            del group
+            dq, dkv, handle = self.attend_bucket(bucket, segments, q, da, a, lse)
+            return _Attended(r, w, weight, lin, dq, dkv, handle, d_out)
+        dq, dkv, hk = torch.empty_like(q), None, spec.n_kv(r)
+        for bucket, segments in group.bucket_kv():  # one bucket's K/V, dK/dV at a time
+            rows = bucket.q
+            dq_b, dkv_b, handle = self.attend_bucket(
+                bucket, segments, q[:, :, rows], da[:, :, rows], a[:, :, rows], lse[:, rows]
+            )
+            del segments
+            handle.wait()
+            if dkv is None:
+                dkv = dkv_b.new_empty(dkv_b.shape[0], 2 * hk, *dkv_b.shape[2:])
+            n, kv = bucket.kv.stop - bucket.kv.start, bucket.kv
+            dq[:, :, rows] = dq_b
+            dkv[:, kv], dkv[:, hk + kv.start : hk + kv.stop] = dkv_b[:, :n], dkv_b[:, n:]
+        return _Attended(r, w, weight, lin, dq, dkv, comm.Pending(()), d_out)
+
+    def attend_bucket(self, bucket, segments, q, da, a, lse):
+        """The attention backward of one head bucket (``q, da, a [B, T, n_q, d]``, ``lse [B,
+        n_q, T]``: its query heads) over its K/V ``segments``: dQ, and its dK/dV exchange
+        posted: ``(dq, dkv [B, 2·n_kv, T, d], handle)``."""
+        sched, spec = self.sched, self.sched.spec
+        segments = [(b, *expand_kv(k, v, bucket.kv_map)) for b, k, v in segments]
         dq, grads = segments_backward(
-            sched.kernel, da.transpose(1, 2), q, sched.q_spans, segments, a.transpose(1, 2),
-            self.lse_all[:, heads], spec.scaling, spec.window,
-        )  # fmt: skip
+            sched.kernel, da, q, sched.q_spans, segments, a, lse, spec.scaling, spec.window
+        )
         del segments
-        hk = spec.n_kv(r)
-        grads = [tuple(fold_kv(t, spec.kv_map(r), hk) for t in pair) for pair in grads]
-        dkv, handle = sched.kv.scatter(grads)
-        return _Attended(r, w, weight, lin, dq, dkv, handle, d_out)
+        hk = bucket.kv.stop - bucket.kv.start
+        grads = [tuple(fold_kv(t, bucket.kv_map, hk) for t in pair) for pair in grads]
+        return (dq, *sched.kv.scatter(grads))
 
     def gate(self, w, a: torch.Tensor) -> torch.Tensor:
         """The output gate ``sigmoid(X_p · Wg_rᵀ)`` of group r, heads-major like ``a``."""

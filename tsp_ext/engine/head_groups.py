@@ -56,6 +56,7 @@ class AttentionCall:
         self.acc = options.accum_for(x.dtype)
         window = WindowExchange.for_layout(self.layout, windowed)
         self.kv = KVExchange(self.layout, window, group, self.acc)
+        self.bucket_size = None if gather_all else options.head_bucket
         self.dtype = x.dtype  # what NF4-packed shards (QLoRA's base) are dequantized to
         # packed documents and inference prefill change the kernels' shapes from call to call
         repeating = self.q_spans == stream and torch.is_grad_enabled()
@@ -104,7 +105,10 @@ class AttentionCall:
         def start(item: tuple[int, dict[str, torch.Tensor]]) -> HeadGroup:
             r, w = item
             projected = project(r, w)
-            return HeadGroup(self, r, w, projected, *self.kv.gather(projected[1]))
+            buckets = self.spec.buckets(r, self.bucket_size)
+            if len(buckets) > 1:  # each bucket's exchange is posted when it is attended
+                return HeadGroup(self, r, w, projected, buckets, None, None)
+            return HeadGroup(self, r, w, projected, buckets, *self.kv.gather(projected[1]))
 
         stream = self.weight_stream(own)
         nxt = start(next(stream))
@@ -126,11 +130,15 @@ class AttentionCall:
 
 
 class HeadGroup:
-    """One head group in flight: ``r``, its weights ``w``, the caller's ``projected`` tuple and
-    its K/V exchange (``kv()`` waits for it)."""
+    """One head group in flight: ``r``, its weights ``w``, the caller's ``projected`` tuple, its
+    head ``buckets`` (``AttentionSpec.buckets``) and, for a single bucket, its K/V exchange in
+    flight (``kv()`` waits for it)."""
 
-    def __init__(self, sched: AttentionCall, r: int, w, projected: tuple, kv_all, handle) -> None:
+    def __init__(
+        self, sched: AttentionCall, r: int, w, projected: tuple, buckets, kv_all, handle
+    ) -> None:
         self.sched, self.r, self.w, self.projected = sched, r, w, projected
+        self.buckets = buckets
         self._kv_all, self._handle = kv_all, handle
 
     def kv(self) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
@@ -139,5 +147,28 @@ class HeadGroup:
         (``projected[1]``) is dropped: nothing reads it after the exchange."""
         self._handle.wait()
         kv_all, self._kv_all = self._kv_all, None
-        self.projected = (self.projected[0], None, *self.projected[2:])
+        self._drop_local_kv()
         return self.sched.kv.segments(kv_all)
+
+    def bucket_kv(self):
+        """Yield ``(bucket, segments)`` for each head bucket in turn: a single bucket's from
+        ``kv()``; else each bucket's K/V heads exchanged when its turn comes (the previous
+        bucket's segments are dropped by the caller first)."""
+        if len(self.buckets) == 1:
+            yield self.buckets[0], self.kv()
+            return
+        kv = self.projected[1]  # [B, 2hk, T, d]: K's heads, then V's
+        hk = kv.shape[1] // 2
+        for b in self.buckets:  # no reference to a bucket's K/V is kept here past its turn
+            yield b, self.sched.kv.segments(self._exchange(kv, hk, b.kv))
+        self._drop_local_kv()
+
+    def _exchange(self, kv: torch.Tensor, hk: int, heads: slice):
+        """The exchange of the local K/V heads ``heads`` (with their V heads), waited for."""
+        rows = torch.cat([kv[:, heads], kv[:, hk + heads.start : hk + heads.stop]], dim=1)
+        gathered, handle = self.sched.kv.gather(rows)
+        handle.wait()
+        return gathered
+
+    def _drop_local_kv(self) -> None:
+        self.projected = (self.projected[0], None, *self.projected[2:])

@@ -10,8 +10,27 @@ Group p holds a contiguous block of ``⌊n_heads/D⌋`` or ``⌈n_heads/D⌉`` q
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .partition import split_range
+
+
+class HeadBucket(NamedTuple):
+    """A few of a group's KV heads and the query heads using them, attended together: ``kv``
+    and ``q`` slice the group's local heads; ``kv_map`` is ``AttentionSpec.kv_map`` within the
+    bucket (None: the kernels' GQA map)."""
+
+    kv: slice
+    q: slice
+    kv_map: list[int] | None
+
+
+def _gqa_or(local: list[int]) -> list[int] | None:
+    """``local`` (each query head's KV head), or None when it is the kernels' GQA map."""
+    nq, nk = len(local), local[-1] + 1
+    if nq % nk == 0 and local == [j // (nq // nk) for j in range(nq)]:
+        return None
+    return local
 
 
 @dataclass(frozen=True)
@@ -103,12 +122,26 @@ class AttentionSpec:
     def kv_map(self, p: int) -> list[int] | None:
         """Local KV head of each of group ``p``'s query heads, ``[n_q(p)]``, or None when it is
         the kernels' own GQA map (local query head j uses KV head ``j // (n_q / n_kv)``)."""
+        return _gqa_or(self._local_kv(p))
+
+    def _local_kv(self, p: int) -> list[int]:
+        """Local KV head of each of group ``p``'s query heads."""
         q, k = self.q_heads(p), self.kv_heads(p)
-        local = [i // self.group_size - k.start for i in range(q.start, q.stop)]
-        nq, nk = len(local), k.stop - k.start
-        if nq % nk == 0 and local == [j // (nq // nk) for j in range(nq)]:
-            return None
-        return local
+        return [i // self.group_size - k.start for i in range(q.start, q.stop)]
+
+    def buckets(self, p: int, size: int | None) -> list[HeadBucket]:
+        """Group ``p``'s heads in buckets of ``size`` KV heads (the last one smaller when
+        ``size`` does not divide ``n_kv(p)``), each with the query heads using them; None: one
+        bucket of the whole group."""
+        local, nk = self._local_kv(p), self.n_kv(p)
+        size = nk if size is None else size
+        out = []
+        for j0 in range(0, nk, size):
+            j1 = min(j0 + size, nk)
+            q = [i for i, j in enumerate(local) if j0 <= j < j1]
+            bucket_map = _gqa_or([local[i] - j0 for i in q])
+            out.append(HeadBucket(slice(j0, j1), slice(q[0], q[-1] + 1), bucket_map))
+        return out
 
     def first_kv_copied(self, p: int) -> bool:
         """Whether group ``p``'s first KV head is also used by group p-1 (a copy)."""

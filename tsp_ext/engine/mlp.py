@@ -233,14 +233,30 @@ def tsp_mlp_forward(
     return y.to(x.dtype), hidden
 
 
+def _input_rows(sched: _RingSchedule, saved: tuple, lora: MlpLora):
+    """X_p's rows as the backward reads them, from ``saved`` (``pointwise.to_save``'s triple):
+    the whole rebuilt input (with ``overlap``, or adapters, which read all of it) or, memory
+    before speed, each tile's rows rebuilt from its norm's input when used, so that no
+    ``[B, S/D, h]`` normed copy lives through the rings. Returns ``(x2 or None, rows_of)``."""
+    x, weight, norm = saved
+    if weight is None or sched.options.overlap or any(t is not None for t in lora.flatten()):
+        x2 = from_saved(*saved).reshape(-1, sched.h)
+        return x2, x2.__getitem__
+    inputs = x.reshape(-1, sched.h)
+    return None, lambda rows: from_saved(inputs[rows], weight, norm)
+
+
 def tsp_mlp_backward(
-    sched: _RingSchedule, dy: torch.Tensor, x: torch.Tensor, weights, lora: MlpLora, hidden=None
+    sched: _RingSchedule, dy: torch.Tensor, saved: tuple, weights, lora: MlpLora, hidden=None
 ):
     """Backward rings: returns ``dX_p``, the fully reduced gradients of this rank's base shards
     (``[dG, dU, dDn]``, or None if frozen) and the adapters' (``MlpLora``: this rank's B rows
-    and down's A columns fully reduced, the replicated A's and down's B partial). ``hidden``:
-    what ``tsp_mlp_forward(keep_hidden=True)`` returned, or None to recompute."""
-    dy2, x2 = dy.contiguous().view(-1, sched.h), x.reshape(-1, sched.h)
+    and down's A columns fully reduced, the replicated A's and down's B partial). ``saved``:
+    ``pointwise.to_save`` of X_p; ``hidden``: what ``tsp_mlp_forward(keep_hidden=True)``
+    returned, or None to recompute."""
+    x = saved[0]
+    dy2 = dy.contiguous().view(-1, sched.h)
+    x2, rows_of = _input_rows(sched, saved, lora)
     dx = torch.zeros(x.shape, dtype=sched.acc, device=x.device)
     dx2 = dx.view(-1, sched.h)
     ad = sched.adapters(lora)
@@ -257,7 +273,7 @@ def tsp_mlp_backward(
             tile = ad.tile(rows, shard.q, shard.f, shard.lora)
             h_t = hidden[t][rows] if hidden is not None else None
             dh = _weight_grads(
-                x2[rows], dy2[rows], shard, grads, work, ad, tile, i > 0, h_t, sched.activation
+                rows_of(rows), dy2[rows], shard, grads, work, ad, tile, i > 0, h_t, sched.activation
             )
             if i == len(tiles) - 1 and numel:
                 owner_grads.add(t, share)  # on its way (the last hop too) while dX is computed
@@ -300,8 +316,8 @@ class _TSPMLPFunction(torch.autograd.Function):
         x, norm_weight, gate, up, down, *rest = ctx.saved_tensors
         n_in = len(ctx.sched.plan.inputs)
         lora, hidden = MlpLora.unflatten(rest[: n_in + 4], n_in), rest[n_in + 4 :] or None
-        x = from_saved(x, norm_weight, ctx.norm)
-        dx, base, d_lora = tsp_mlp_backward(ctx.sched, dy, x, (gate, up, down), lora, hidden)
+        saved = (x, norm_weight, ctx.norm)
+        dx, base, d_lora = tsp_mlp_backward(ctx.sched, dy, saved, (gate, up, down), lora, hidden)
         return (None, dx, *(base or (None,) * 3), *d_lora.flatten())
 
 

@@ -29,6 +29,11 @@ class EngineOptions:
             for fp32 on CUDA; else ``blockwise``) or one of those names (``BACKENDS``).
         attn_block: query and key block size of the ``blockwise`` attention kernel; bounds its
             transient score block to ``B x heads/D x attn_block^2``.
+        head_bucket: KV heads per bucket of a head group's attention: each bucket's K/V is
+            all-gathered, attended and differentiated (its dK/dV reduce-scattered) before the
+            next one's, so that the gathered K/V, their gradients and the kernels' buffers
+            scale with the bucket, not the group (the last bucket takes the remainder). None:
+            the whole group at once, its gather overlapped with the previous group's attention.
         window_exchange: in sliding-window layers, send each rank only the keys its queries
             see (point to point, ``engine.window``) where that saves at least half of the K/V
             all-gather's traffic; off: all-gather every key as in full-attention layers.
@@ -50,6 +55,7 @@ class EngineOptions:
     overlap: bool = True
     attn_backend: str = "auto"
     attn_block: int = 512
+    head_bucket: int | None = None
     window_exchange: bool = True
     recompute_mlp: bool = True
     mlp_tile: int | None = 4096
@@ -65,6 +71,8 @@ class EngineOptions:
             )
         if self.attn_block < 1:
             raise ValueError(f"attn_block must be >= 1, got {self.attn_block}")
+        if self.head_bucket is not None and self.head_bucket < 1:
+            raise ValueError(f"head_bucket must be >= 1 KV head or None, got {self.head_bucket}")
         if self.mlp_tile is not None and self.mlp_tile < 1:
             raise ValueError(f"mlp_tile must be >= 1 or None, got {self.mlp_tile}")
         if self.loss_chunk < 1:

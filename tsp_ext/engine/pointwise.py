@@ -18,23 +18,45 @@ def _out_dtype_mm(a: torch.Tensor, dtype: torch.dtype) -> bool:
     return a.dtype != dtype and dtype == torch.float32 and a.device.type in _MIXED_MM_DEVICES
 
 
+GEMM_ROWS = 16384
+"""Rows per tile of a product into a wider accumulator: its half-precision temporaries (the
+product before it is added, or operands cast up where the device cannot multiply straight into
+float32) exist for this many rows at a time, never for all ``S/D`` tokens."""
+
+
+def _tiles(n: int, size: int) -> list[slice]:
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
 def matmul(
     a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``a @ b`` for 2-D views with the result in ``dtype`` (the accumulation dtype: a's or
-    wider), written into ``out`` if given."""
+    wider), written into ``out`` if given. Operands cast up are cast in tiles of the inner
+    dimension (a weight gradient's inner dimension is the tokens)."""
     if _out_dtype_mm(a, dtype):
         return torch.mm(a, b, out_dtype=dtype, out=out)
-    return torch.mm(a.to(dtype), b.to(dtype), out=out)
+    if a.dtype == b.dtype == dtype:
+        return torch.mm(a, b, out=out)
+    tiles = _tiles(a.shape[1], GEMM_ROWS) or [slice(0, 0)]
+    out = torch.mm(a[:, tiles[0]].to(dtype), b[tiles[0]].to(dtype), out=out)
+    for k in tiles[1:]:
+        out.addmm_(a[:, k].to(dtype), b[k].to(dtype))
+    return out
 
 
 def add_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``out += a @ b`` for 2-D views, the product formed at ``out``'s precision (e.g. bf16
-    operands into a float32 accumulator)."""
-    if _out_dtype_mm(a, out.dtype):
-        out += torch.mm(a, b, out_dtype=out.dtype)
+    operands into a float32 accumulator), in tiles of ``GEMM_ROWS`` rows."""
+    if a.dtype == b.dtype == out.dtype:
+        out.addmm_(a, b)
+    elif _out_dtype_mm(a, out.dtype):
+        for m in _tiles(a.shape[0], GEMM_ROWS):
+            out[m].add_(torch.mm(a[m], b, out_dtype=out.dtype))
     else:
-        out.addmm_(a.to(out.dtype), b.to(out.dtype))
+        b = b.to(out.dtype)
+        for m in _tiles(a.shape[0], GEMM_ROWS):
+            out[m].addmm_(a[m].to(out.dtype), b)
 
 
 def matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, add: bool) -> None:
@@ -57,7 +79,7 @@ NORM_ROWS = 4096
 
 
 def _row_tiles(n: int) -> list[slice]:
-    return [slice(i, min(i + NORM_ROWS, n)) for i in range(0, n, NORM_ROWS)]
+    return _tiles(n, NORM_ROWS)
 
 
 def normalize(
