@@ -115,6 +115,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="fake tensors in this process (benchmarks.emulate_fake; TSP layouts, any scale)",
     )
+    ap.add_argument(
+        "--tsp-options",
+        type=json.loads,
+        default=None,
+        help="with --fake and tsp_long: TSPConfig fields as JSON on top of tsp_long's, "
+        "e.g. '{\"checkpoint_every\": 2}' (the planner's choice)",
+    )
     ap.add_argument("--json", help="write the row here")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -132,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             args.rank,
             args.micro_batch,
             args.dtype,
+            tsp_options=args.tsp_options,
         )
     else:
         row = emulate(

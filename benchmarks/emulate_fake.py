@@ -19,6 +19,10 @@ floating-point tensor of more than one element (integers, masks, optimizer step 
 else is fake. ``torch.equal`` of fake tensors (``rope_phases``' check of the RoPE tables, the one
 check of float values on the path) answers True.
 
+A GPU's matmuls are emulated: products of half-precision operands into a float32 result take
+CUDA's path (``pointwise``: ``mm`` with ``out_dtype``, whose meta kernel fake tensors run), not
+the CPU's cast-up copies (``gpu_matmuls``).
+
 ``real=True`` runs the identical code with real tensors (``mirror.Mirror`` instead of
 ``Emulation``): the cross-check of the fake peak at small scale (``tests/test_emulate_fake.py``).
 
@@ -29,7 +33,7 @@ check of float values on the path) answers True.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -38,6 +42,9 @@ from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 from torch.utils._pytree import tree_leaves
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from tsp_ext.engine import pointwise
+
+from . import registry
 from .harness import (
     DEFAULT_MODEL,
     backward_and_update,
@@ -93,6 +100,18 @@ class PeakTracker(MemTracker):
             if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
                 self._peak_mem[dev] = snap[_TOTAL_KEY]
                 self._peak_mem_snap[dev] = dict(snap)
+
+
+@contextmanager
+def gpu_matmuls():
+    """The engine's half-precision matmuls into float32 as on CUDA (``pointwise``'s mixed
+    ``mm``) for the fake CPU tensors of the emulation, restored after."""
+    saved = pointwise._MIXED_MM_DEVICES
+    pointwise._MIXED_MM_DEVICES = (*saved, "cpu")
+    try:
+        yield
+    finally:
+        pointwise._MIXED_MM_DEVICES = saved
 
 
 @contextmanager
@@ -152,18 +171,27 @@ def measure_rank(
     dtype: str = "bfloat16",
     *,
     real: bool = False,
+    tsp_options: dict | None = None,
 ) -> dict:
     """Rank ``rank`` of a ``devices``-rank TSP ``layout`` (a name of ``registry.REGISTRY``): one
     steady-state training step under ``MemTracker``, in this process (which must have no process
-    group). ``real``: real tensors (small scales only). Returns the row (bytes)."""
+    group). ``real``: real tensors (small scales only). ``tsp_options``: ``TSPConfig`` fields
+    on top of ``tsp_long``'s (e.g. the planner's choice of ``checkpoint_every``). Returns the
+    row (bytes)."""
     if not layout.startswith("tsp"):
         raise ValueError(f"fake-tensor emulation runs the TSP layouts only, not {layout!r}")
+    if tsp_options and layout != "tsp_long":
+        raise ValueError(f"tsp_options apply to tsp_long, not {layout!r}")
+    build = REGISTRY[layout].build
+    if tsp_options:
+        build = registry._tsp(**{**registry.TSP_LONG, **tsp_options})
     model = {**DEFAULT_MODEL, **(model_cfg or {})}
     t0 = time.perf_counter()
-    with fake_group(rank, devices), Mirror() if real else Emulation():
+    tensors = (Mirror(), nullcontext()) if real else (Emulation(), gpu_matmuls())
+    with fake_group(rank, devices), tensors[0], tensors[1]:
         net = build_model(model, getattr(torch, dtype), seq_len)
         ids = make_batch(net.config.vocab_size, micro_batch, seq_len)
-        prep = REGISTRY[layout].build(net, ids, devices, torch.device("cpu"))
+        prep = build(net, ids, devices, torch.device("cpu"))
         del net
         opt = torch.optim.AdamW(prep.model.parameters(), lr=LR)
         _init_optimizer_state(opt)
@@ -188,6 +216,7 @@ def measure_rank(
     return {
         **row_header(layout, devices, seq_len, micro_batch, dtype, model),
         "emulated": emulated,
+        **({"tsp_options": tsp_options} if tsp_options else {}),
         "rank": rank,
         "status": "ok",
         "memory_bytes": memory,

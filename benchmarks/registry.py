@@ -76,7 +76,8 @@ def _tsp(
     return builder
 
 
-_LONGEST = dict(long_context=True, offload_checkpoints=True, overlap=False)  # ``tsp_long``'s
+_LONGEST = dict(long_context=True, offload_checkpoints=True, overlap=False)
+TSP_LONG = dict(_LONGEST, head_bucket=1)  # ``tsp_long``'s options (``dpo_tsp_long``: _LONGEST)
 
 REGISTRY: dict[str, Layout] = {
     entry.name: entry
@@ -106,9 +107,17 @@ REGISTRY: dict[str, Layout] = {
         ),
         Layout(
             "tsp_long",
-            "tsp_offload, overlap=False (one head group's buffers at a time): the longest context",
-            _tsp(**_LONGEST),
+            "tsp_offload, overlap=False, head_bucket=1 (one KV head's K/V and gradients at a "
+            "time): the longest context",
+            _tsp(**TSP_LONG),
             _folded,
+        ),
+        Layout(
+            "tsp_intervals",
+            "tsp_long, checkpoint_every=2 (one input per two layers kept; host bytes / 2)",
+            _tsp(**TSP_LONG, checkpoint_every=2),
+            _folded,
+            in_sweep=False,
         ),
         Layout(
             "tsp_lora",

@@ -104,6 +104,8 @@ def _parity_case(rank, world, name, dtype_name, B, S, backend):
     # one KV head at a time (``head_bucket``): two or more buckets wherever a group has 2+ KV heads
     bucketed = TSPConfig(attn_backend=backend, attn_block=4, head_bucket=1, overlap=False)
     t_attn_bucketed = TSPAttention.from_hf(attn, group, bucketed)
+    # buckets of two: a remainder bucket of one where a group has an odd number of KV heads
+    t_attn_pairs = TSPAttention.from_hf(attn, group, TSPConfig(attn_backend=backend, head_bucket=2))
     t_mlp = TSPGatedMLP.from_hf(mlp, group, tsp_cfg)
     t_mlp_kept = TSPGatedMLP.from_hf(
         mlp, group, TSPConfig(attn_backend=backend, recompute_mlp=False, mlp_tile=5)
@@ -117,6 +119,7 @@ def _parity_case(rank, world, name, dtype_name, B, S, backend):
     for mod_name, ref_mod, t_mod, ref_x, ref_y in (
         ("attn", attn, t_attn, xa, ya),
         ("attn_bucketed", attn, t_attn_bucketed, xa, ya),
+        ("attn_pairs", attn, t_attn_pairs, xa, ya),
         ("mlp", mlp, t_mlp, xm, ym),
         ("mlp_kept", mlp, t_mlp_kept, xm, ym),  # gate/up activations saved, in tiles of 5
         ("mlp_tiled", mlp, t_mlp_tiled, xm, ym),  # tiles of 3 tokens (the last one shorter)
@@ -149,6 +152,19 @@ def parity_results(workers, world: int, backend: str) -> dict:
 BACKENDS = sorted(
     set(available_backends("cpu", torch.float64)) & set(available_backends("cpu", torch.float32))
 )
+
+
+def test_head_buckets_cover_a_group_with_a_remainder():
+    """``AttentionSpec.buckets``: 9 query / 3 KV heads on one rank in buckets of 2 KV heads:
+    (kv 0-1, q 0-5) and the remainder (kv 2, q 6-8); each bucket's map is the kernels' GQA."""
+    from tsp_ext.engine.heads import AttentionSpec
+
+    spec = AttentionSpec(72, 9, 3, 8, tsp_size=1, scaling=1.0)
+    assert [(b.kv, b.q, b.kv_map) for b in spec.buckets(0, 2)] == [
+        (slice(0, 2), slice(0, 6), None),
+        (slice(2, 3), slice(6, 9), None),
+    ]
+    assert spec.buckets(0, None) == spec.buckets(0, 3) == spec.buckets(0, 7)
 
 
 def test_cpu_backends_are_covered():

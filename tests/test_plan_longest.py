@@ -12,7 +12,7 @@ from checks import table
 
 from tsp_ext import planner
 from tsp_ext.planner.cli import main
-from tsp_ext.planner.longest import long_context, longest, longest_per_layout
+from tsp_ext.planner.longest import long_context, longest, longest_per_layout, longest_tsp
 
 GIB = planner.GIB
 # ALST's published runs (arXiv 2506.13996; ../shared/alst.md): 8 x H100-80GB nodes with 1.9 TB
@@ -56,28 +56,64 @@ def test_max_seq_len_table_for_llama3_8b_on_8_gpus(capsys):
     assert "alst sp=8" in table and "limited by" in table
 
 
-def test_checkpoint_intervals_and_device_tiers_move_the_checkpoints_exactly():
+def test_intervals_tiers_and_head_buckets_move_exactly_what_they_should():
     """TSP's ``checkpoint_every`` keeps the input of every k-th layer (host bytes of an offloaded
-    run ÷ k, k layers' recomputed saved tensors in backward) and ``checkpoint_device_bytes``
-    moves that many bytes of them from the host to the device."""
-    from tsp_ext.planner.memory import tsp_layer_saved, tsp_memory
+    run ÷ k; backward holds one more layer input, each layer but an interval's last being
+    checkpointed inside it), ``checkpoint_device_bytes`` moves that many bytes of them from the
+    host to the device, and ``head_bucket`` gathers one bucket's K/V at a time (the gathered
+    K/V, the kernel's gradients and dK/dV of the group's other KV heads are not alive)."""
+    from tsp_ext.planner.memory import tsp_layer_saved, tsp_layer_working, tsp_memory
 
     m, lay = planner.PRESETS["llama3-70b"], planner.Layout("tsp", 8, 1, 1)
     w = long_context("tsp", m, planner.Workload(seq_len=1 << 20), 8)
     one, two = (tsp_memory(m, replace(w, checkpoint_every=k), lay) for k in (1, 2))
-    inputs = m.num_layers * tsp_layer_saved(m, w, 8)  # 80 layers' offloaded inputs
-    recomputed = tsp_layer_saved(m, replace(w, recompute="selective", offload_checkpoints=False), 8)
-    assert one.host - two.host == pytest.approx(inputs / 2)
-    assert two.transient - one.transient == pytest.approx(recomputed)
+    layer_input = tsp_layer_saved(m, w, 8)  # offloaded: [B, S/D, h]
+    assert one.host - two.host == pytest.approx(m.num_layers * layer_input / 2)
+    working = [tsp_layer_working(m, replace(w, checkpoint_every=k), 8) for k in (1, 2)]
+    assert working[1] - working[0] == pytest.approx(layer_input)
     tier = tsp_memory(m, replace(w, checkpoint_device_bytes=5 * GIB), lay)
     assert one.host - tier.host == pytest.approx(5 * GIB)
     assert tier.activations - one.activations == pytest.approx(5 * GIB)
+    # D = 2: a head group of 4 KV heads; buckets of one leave 1 of the 4 heads' K/V gathered,
+    # and a kernel call's key gradients cover a chunk (S/4 keys of one head), not S of four
+    whole, bucketed = (tsp_layer_working(m, replace(w, head_bucket=b), 2) for b in (None, 1))
+    B, S, d = w.micro_batch, w.seq_len, m.head_dim
+    gathered = 2 * B * S * (m.num_kv_heads // 2 - 1) * d * (w.beta + w.acc)
+    keys = 2 * B * S * (m.num_kv_heads // 2) * d * w.beta - B * S // 2 * d * w.beta
+    assert whole - bucketed == pytest.approx(gathered + keys)
+
+
+def test_planner_picks_the_tsp_options_of_the_longest_sequence(capsys):
+    """``--max-seq-len`` without TSP's memory options chooses them: the chosen length is the
+    longest over every combination, the JSON names them and the table prints the TSPConfig;
+    Llama-3-70B on the ALST node trains at least 1.5x ALST's length on 8, 16 and 32 GPUs."""
+    from tsp_ext.planner.longest import CHECKPOINT_EVERY, HEAD_BUCKETS
+
+    m, lay = planner.PRESETS["llama3-70b"], planner.Layout("tsp", 8, 8, 1)
+    c = planner.Cluster(reserved_gb=4, host_memory_gb=ALST_NODE_HOST_GB)
+    w = long_context("tsp", m, planner.Workload(seq_len=1), 8)
+    chosen = longest_tsp(m, w, c, lay)
+    for every in CHECKPOINT_EVERY:
+        for bucket in HEAD_BUCKETS:
+            for tier in (False, True):
+                wk = replace(w, checkpoint_every=every, head_bucket=bucket)
+                assert longest(m, wk, c, lay, device_tier=tier).seq_len <= chosen.seq_len
+    assert chosen.options["checkpoint_every"] > 1  # host-limited at one input per layer
+    host = ["--host-memory-gb", str(ALST_NODE_HOST_GB), "--layouts", "tsp", "alst"]
+    for devices in (8, 16, 32):
+        argv = ["--model", "llama3-70b", "--devices", str(devices), "--max-seq-len", *host]
+        assert main([*argv, "--json"]) == 0
+        rows = {r["layout"]: r for r in json.loads(capsys.readouterr().out)["max_seq_len"]}
+        assert rows["tsp"]["max_seq_len"] >= 1.5 * rows["alst"]["max_seq_len"], devices
+        options = {"checkpoint_every", "head_bucket", "checkpoint_device_bytes"}
+        assert set(rows["tsp"]["tsp_options"]) == options and "tsp_options" not in rows["alst"]
+        assert main(argv) == 0
+        assert f"tsp={devices} runs TSPConfig(checkpoint_layers=True" in capsys.readouterr().out
 
 
 def test_checkpoint_intervals_take_70b_past_alst(capsys):
     """70B on 8 GPUs is host-limited for both at one input per layer (a tie); intervals of two
-    layers halve TSP's offloaded inputs (the planner's model of ``TSPConfig(checkpoint_every=2)``,
-    not yet confirmed by the fake-tensor emulation)."""
+    layers halve TSP's offloaded inputs (``--checkpoint-every`` given: no choice made)."""
     args = ["--model", "llama3-70b", "--max-seq-len", "--json", "--layouts", "tsp", "alst"]
     lengths = {}
     for k in ("1", "2"):
@@ -88,20 +124,38 @@ def test_checkpoint_intervals_take_70b_past_alst(capsys):
     assert lengths["2"]["tsp"] >= 1.5 * lengths["2"]["alst"] == 1.5 * lengths["1"]["alst"]
 
 
-def test_planner_doc_quotes_the_interval_and_tier_lengths(capsys):
-    """docs/planner.md's modelled lengths with intervals / a device tier, on the ALST node."""
-    text = (Path(__file__).resolve().parents[1] / "docs" / "planner.md").read_text()
-    host = ["--host-memory-gb", str(ALST_NODE_HOST_GB), "--layouts", "tsp", "--json"]
-    quoted = []
-    for model, devices, option in [
-        *[("llama3-70b", d, ["--checkpoint-every", "2"]) for d in (8, 16, 32)],
-        ("llama3-8b", 8, ["--checkpoint-device-gb", "8"]),
-    ]:
-        args = ["--model", model, "--devices", str(devices), "--max-seq-len", *host, *option]
-        assert main(args) == 0
-        (row,) = json.loads(capsys.readouterr().out)["max_seq_len"]
-        quoted.append(f"{row['max_seq_len'] / 1e6:.2f}M")
-    assert f"({', '.join(quoted[:3])})" in text and f"reaches {quoted[3]} with" in text
+def chosen_rows() -> list[list[str]]:
+    """TSP (its memory options chosen) against ALST on the ALST node: Llama-3-8B and -70B on 8,
+    16 and 32 GPUs, as docs/planner.md's table quotes them."""
+    c = planner.Cluster(reserved_gb=4, host_memory_gb=ALST_NODE_HOST_GB)
+    rows = []
+    for model in ("llama3-8b", "llama3-70b"):
+        m = planner.PRESETS[model]
+        for devices in (8, 16, 32):
+            cd = replace(c, devices=devices)
+            w = planner.Workload(seq_len=1)
+            tsp = longest_tsp(m, long_context("tsp", m, w, devices), cd, planner.Layout(
+                "tsp", devices, devices, 1
+            ))  # fmt: skip
+            alst_w = long_context("alst", m, w, devices)
+            alst = longest(m, alst_w, cd, planner.Layout("alst", 1, devices, 1))
+            o = tsp.options
+            opts = [f"checkpoint_every={o['checkpoint_every']}"]
+            opts += [f"head_bucket={o['head_bucket']}"] if o["head_bucket"] else []
+            tier = o["checkpoint_device_bytes"]
+            opts += [f"device tier {tier / GIB:.1f} GiB"] if tier else []
+            rows.append(
+                [
+                    model, str(devices), f"{tsp.seq_len:,}", ", ".join(opts), tsp.limit,
+                    f"{alst.seq_len:,}", f"{tsp.seq_len / alst.seq_len:.2f}",
+                ]
+            )  # fmt: skip
+    return rows
+
+
+def test_planner_doc_quotes_the_chosen_longest_lengths():
+    """docs/planner.md's table of TSP's longest sequences, options chosen, against ALST's."""
+    assert table("docs/planner.md", "| model | GPUs | TSP max S |") == chosen_rows()
 
 
 def test_host_memory_limits_offloaded_checkpoints():

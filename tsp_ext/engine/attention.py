@@ -48,7 +48,7 @@ from .lse import add_sink, sink_grad
 from .masked_attention import masked_chunked_attention
 from .nf4 import ShardCodec
 from .options import EngineOptions
-from .pointwise import add_matmul, from_saved, matmul, rope_phases, to_save
+from .pointwise import add_matmul, from_saved, matmul, rope_phases, round_in_place, to_save
 from .qkv import project_qkv, project_qkv_backward, split_kv
 
 
@@ -119,8 +119,9 @@ def tsp_attention_forward(
             q_b = q if whole else q[:, :, bucket.q]
             if key_valid is None:
                 a_b, lse_b = segments_forward(
-                    sched.kernel, q_b, sched.q_spans, segments, spec.scaling, spec.window
-                )
+                    sched.kernel, q_b, sched.q_spans, segments, spec.scaling, spec.window,
+                    sched.key_block,
+                )  # fmt: skip
             else:
                 _, k_all, v_all = segments[0]
                 a_b, lse_b = masked_chunked_attention(
@@ -148,7 +149,7 @@ def tsp_attention_forward(
         adapters.add_group(r, a, w)
         del q, a, lse  # before the next group's are made (without overlap)
     adapters.add_output(y.view(B * T, -1))
-    return y.to(x.dtype), a_all, lse_all
+    return round_in_place(y, x.dtype), a_all, lse_all
 
 
 class AttentionGrads(NamedTuple):
@@ -260,12 +261,18 @@ class _Backward:
         n_q, T]``: its query heads) over its K/V ``segments``: dQ, and its dK/dV exchange
         posted: ``(dq, dkv [B, 2·n_kv, T, d], handle)``."""
         sched, spec = self.sched, self.sched.spec
+        B, d, hk = q.shape[0], spec.head_dim, bucket.kv.stop - bucket.kv.start
+        # dK/dV straight into the rank-major rows they are reduce-scattered from, where the
+        # kernels' GQA map is the group's (else they are folded over the expanded heads first)
+        into = None if bucket.kv_map else sched.kv.grads_into(B, hk, d, q.device)
         segments = [(b, *expand_kv(k, v, bucket.kv_map)) for b, k, v in segments]
         dq, grads = segments_backward(
-            sched.kernel, da, q, sched.q_spans, segments, a, lse, spec.scaling, spec.window
-        )
+            sched.kernel, da, q, sched.q_spans, segments, a, lse, spec.scaling, spec.window, into,
+            sched.key_block,
+        )  # fmt: skip
         del segments
-        hk = bucket.kv.stop - bucket.kv.start
+        if into is not None:
+            return (dq, *sched.kv.scatter_from(into))
         grads = [tuple(fold_kv(t, bucket.kv_map, hk) for t in pair) for pair in grads]
         return (dq, *sched.kv.scatter(grads))
 
@@ -362,7 +369,7 @@ class _Backward:
             self.dx.view(B * T, h), self.dy.view(B * T, h), lambda: self.x_p().reshape(B * T, h)
         )
         d_sinks = None if self.sinks is None else self.d_sinks.to(self.sinks.dtype)
-        dx = self.dx.to(self.dy.dtype)
+        dx = round_in_place(self.dx, self.dy.dtype)
         return AttentionGrads(dx, d_own, d_norm, d_lora, d_b_out, d_rms, d_sinks)
 
 

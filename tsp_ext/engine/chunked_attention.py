@@ -45,20 +45,25 @@ def _check(q: Tensor, q_spans: Sequence[Span], k: Tensor, v: Tensor, window) -> 
 _FULL, _CAUSAL, _ANTI = "full", "causal", "anti"  # mask of a piece (see ``_forward``)
 
 
-def _blocks(s: Span, one_call: bool, window: int | None):
+def _blocks(s: Span, one_call: bool, window: int | None, key_block: bool = False):
     """A query span's blocks of rows and their pieces: ``[(block, [(rows, keys, mask)])]``;
     ``block`` and ``rows`` relative to the span's first row, ``keys`` by position, ``mask`` one
     of full / causal / anti (``_forward``). The first piece of a block covers all its rows.
 
     Full causal: one block; all of ``[first_key, stop)`` if ``one_call`` (a bottom-right kernel),
-    else the diagonal, then the prefix ``[first_key, start)`` if not empty. Sliding window (query
-    i sees keys ``(i - window, i]``): ``_window_blocks``."""
+    else the diagonal, then the prefix ``[first_key, start)`` if not empty; with ``key_block``
+    the diagonal, then the prefix in pieces of at most the span's length (no piece's key
+    gradients exceed the span's). Sliding window (query i sees keys ``(i - window, i]``):
+    ``_window_blocks``."""
     if window is not None:
         return _window_blocks(s, one_call, window)
     rows = slice(0, s.length)
-    if one_call:
+    if one_call and not key_block:
         return [(rows, [(rows, slice(s.first_key, s.stop), _CAUSAL)])]
-    prefix = [(rows, slice(s.first_key, s.start), _FULL)] if s.start > s.first_key else []
+    size = s.length if key_block else max(s.start - s.first_key, 1)
+    prefix = [
+        (rows, slice(k, min(k + size, s.start)), _FULL) for k in range(s.first_key, s.start, size)
+    ]
     return [(rows, [(rows, slice(s.start, s.stop), _CAUSAL)] + prefix)]
 
 
@@ -138,6 +143,7 @@ def chunked_attention_forward(
     v: Tensor,
     scale: float,
     window: int | None = None,
+    key_block: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Causal attention of local query chunks to keys in natural order.
 
@@ -147,13 +153,14 @@ def chunked_attention_forward(
             start+length)`` and see keys from ``first_key`` on. ``RowSpans``: per batch row.
         k, v: ``[B, S, Hk, d]``, key i at position i. A query sees keys at positions <= its own.
         window: sliding window (query i sees keys ``(i - window, i]``, window >= 2) or None.
+        key_block: a span's earlier keys in pieces of at most its length (``_blocks``).
     Returns:
         out ``[B, T, Hq, d]`` (q's dtype), lse ``[B, Hq, T]`` (float32; float64 for float64).
     """
     if isinstance(q_spans, RowSpans):
 
         def fwd(spans, q, k, v):
-            return chunked_attention_forward(kernel, q, spans, k, v, scale, window)
+            return chunked_attention_forward(kernel, q, spans, k, v, scale, window, key_block)
 
         return _per_row(fwd, q_spans, q, k, v)
     _check(q, q_spans, k, v, window)
@@ -162,16 +169,18 @@ def chunked_attention_forward(
     lse = torch.full((B, hq, T), float("-inf"), dtype=stats_dtype(q), device=q.device)
     one_call = kernel.one_call_causal(q.device, q.dtype)
     for s in q_spans:
-        for block, pieces in _blocks(s, one_call, window) if s.length else ():
+        for block, pieces in _blocks(s, one_call, window, key_block) if s.length else ():
             n = block.stop - block.start
-            parts = []
-            for r, keys, mask in pieces:
+            o = l = None
+            for r, keys, mask in pieces:  # merged as they come: one partial alive at a time
                 rows = slice(s.offset + r.start, s.offset + r.stop)
-                o, l = _forward(kernel, q[:, rows], k[:, keys], v[:, keys], scale, mask)
-                parts.append(_spread(o, l, slice(r.start - block.start, r.stop - block.start), n))
-            o, l = parts[0]
-            if len(parts) > 1:  # lse [B, H, C] laid out like o [B, C, H, d] to merge
-                o, l = merge_partials([(o_p, l_p.transpose(1, 2)) for o_p, l_p in parts])
+                o_p, l_p = _forward(kernel, q[:, rows], k[:, keys], v[:, keys], scale, mask)
+                o_p, l_p = _spread(o_p, l_p, slice(r.start - block.start, r.stop - block.start), n)
+                if o is None:
+                    o, l = o_p, l_p
+                    continue
+                # lse [B, H, C] laid out like o [B, C, H, d] to merge
+                o, l = merge_partials([(o, l.transpose(1, 2)), (o_p, l_p.transpose(1, 2))])
                 l = l.transpose(1, 2)
             rows = slice(s.offset + block.start, s.offset + block.stop)
             out[:, rows] = o
@@ -190,28 +199,45 @@ def chunked_attention_backward(
     lse: Tensor,
     scale: float,
     window: int | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
+    into=None,
+    key_block: bool = False,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Gradients of ``chunked_attention_forward`` given its ``out`` and ``lse``.
 
     Returns dq ``[B, T, Hq, d]`` in q's dtype and dk, dv ``[B, S, Hk, d]`` in float32 (float64
     for float64 inputs): every key collects terms from several query chunks, and the caller
     reduce-scatters them across ranks, so they are accumulated and returned at full precision.
-    Rows of q outside every span get dq = 0. Transient: one chunk's per-piece gradients.
+    ``into`` (``kv_exchange.RankMajorGrads``): dk and dv are added there instead (returned as
+    None); ``key_block`` as in forward. Rows of q outside every span get dq = 0. Transient: one
+    chunk's per-piece gradients.
     """
     if isinstance(q_spans, RowSpans):
+        if into is not None:  # each batch row's into its rows of the accumulator
+            dq = []
+            for b, spans in enumerate(q_spans.rows):
+                do, q_b, k_b, v_b, o, l = (t[b : b + 1] for t in (dout, q, k, v, out, lse))
+                g_q, _, _ = chunked_attention_backward(
+                    kernel, do, q_b, spans, k_b, v_b, o, l, scale, window, into.rows(b), key_block
+                )
+                dq.append(g_q)
+            return torch.cat(dq), None, None
 
         def bwd(spans, dout, q, k, v, out, lse):
-            return chunked_attention_backward(kernel, dout, q, spans, k, v, out, lse, scale, window)
+            return chunked_attention_backward(
+                kernel, dout, q, spans, k, v, out, lse, scale, window, None, key_block
+            )
 
         return _per_row(bwd, q_spans, dout, q, k, v, out, lse)
     _check(q, q_spans, k, v, window)
     cdt = stats_dtype(q)
     dq = torch.zeros_like(q)
-    dk = torch.zeros_like(k, dtype=cdt)  # k's memory layout, so the adds below are dense
-    dv = torch.zeros_like(v, dtype=cdt)
+    dk = dv = None
+    if into is None:
+        dk = torch.zeros_like(k, dtype=cdt)  # k's memory layout, so the adds below are dense
+        dv = torch.zeros_like(v, dtype=cdt)
     one_call = kernel.one_call_causal(q.device, q.dtype)
     for s in q_spans:
-        for block, pieces in _blocks(s, one_call, window) if s.length else ():
+        for block, pieces in _blocks(s, one_call, window, key_block) if s.length else ():
             dq_b = None
             for r, keys, mask in pieces:
                 rows = slice(s.offset + r.start, s.offset + r.stop)
@@ -224,8 +250,12 @@ def chunked_attention_backward(
                     dq_b = g_q.to(cdt)
                 else:
                     dq_b[:, r.start - block.start : r.stop - block.start] += g_q
-                dk[:, keys] += g_k
-                dv[:, keys] += g_v
+                if into is None:
+                    dk[:, keys] += g_k
+                    dv[:, keys] += g_v
+                else:
+                    into.add(False, keys, g_k)
+                    into.add(True, keys, g_v)
             dq[:, s.offset + block.start : s.offset + block.stop] = dq_b
     return dq, dk, dv
 
@@ -245,24 +275,27 @@ def _in_segment(q_spans, base: int, stop: int):
     return shift(q_spans)
 
 
-def segments_forward(kernel, q, q_spans, segments, scale: float, window: int | None):
+def segments_forward(kernel, q, q_spans, segments, scale, window, key_block: bool = False):
     """``chunked_attention_forward`` of ``q [B, T, Hq, d]`` over K/V ``segments`` ``(base, K,
     V)``; a query's keys are all in one segment (rows of other segments' spans stay 0, -inf)."""
     out = lse = None
     for base, k, v in segments:
         spans = _in_segment(q_spans, base, base + k.shape[1])
-        o, l = chunked_attention_forward(kernel, q, spans, k, v, scale, window)
+        o, l = chunked_attention_forward(kernel, q, spans, k, v, scale, window, key_block)
         out, lse = (o, l) if out is None else (out.add_(o), torch.maximum(lse, l))
     return out, lse
 
 
-def segments_backward(kernel, da, q, q_spans, segments, a, lse, scale, window):
-    """Gradients of ``segments_forward``: dq and ``[(dK, dV)]`` per segment."""
+def segments_backward(
+    kernel, da, q, q_spans, segments, a, lse, scale, window, into=None, key_block=False
+):
+    """Gradients of ``segments_forward``: dq and ``[(dK, dV)]`` per segment (``into``: of the one
+    segment of all S keys, added there; ``[(None, None)]``)."""
     dq, grads = None, []
     for base, k, v in segments:
         spans = _in_segment(q_spans, base, base + k.shape[1])
         g_q, g_k, g_v = chunked_attention_backward(
-            kernel, da, q, spans, k, v, a, lse, scale, window
+            kernel, da, q, spans, k, v, a, lse, scale, window, into, key_block
         )
         dq = g_q if dq is None else dq.add_(g_q)
         grads.append((g_k, g_v))

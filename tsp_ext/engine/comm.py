@@ -110,11 +110,15 @@ def all_gather_seq(x: torch.Tensor, group: ProcessGroup, async_op: bool = False)
     return out, (work if async_op else _Done())
 
 
-def reduce_scatter_seq(x: torch.Tensor, group: ProcessGroup, async_op: bool = False):
-    """Dual of ``all_gather_seq``: ``x [D, ...]`` -> ``(out [...], handle)``, summed over ranks."""
+def reduce_scatter_seq(
+    x: torch.Tensor, group: ProcessGroup, async_op: bool = False, lean: bool = False
+):
+    """Dual of ``all_gather_seq``: ``x [D, ...]`` -> ``(out [...], handle)``, summed over ranks.
+    ``lean``: no second ``[D, ...]`` buffer on gloo (its reduce-scatter, not the faster
+    all-to-all)."""
     if x.shape[0] == 1:
         return x[0], _Done()
-    if dist.get_backend(group) == "gloo":
+    if dist.get_backend(group) == "gloo" and not lean:
         return _reduce_scatter_by_all_to_all(x, group, async_op)
     out = x.new_empty(x.shape[1:])
     flat = x.contiguous().flatten(0, 1) if x.dim() > 1 else x.contiguous()

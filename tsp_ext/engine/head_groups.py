@@ -55,8 +55,9 @@ class AttentionCall:
         windowed = spec.window if options.window_exchange and not gather_all else None
         self.acc = options.accum_for(x.dtype)
         window = WindowExchange.for_layout(self.layout, windowed)
-        self.kv = KVExchange(self.layout, window, group, self.acc)
+        self.kv = KVExchange(self.layout, window, group, self.acc, lean=not options.overlap)
         self.bucket_size = None if gather_all else options.head_bucket
+        self.key_block = self.bucket_size is not None  # keys a chunk at a time too
         self.dtype = x.dtype  # what NF4-packed shards (QLoRA's base) are dequantized to
         # packed documents and inference prefill change the kernels' shapes from call to call
         repeating = self.q_spans == stream and torch.is_grad_enabled()

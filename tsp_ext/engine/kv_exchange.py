@@ -24,14 +24,64 @@ from .window import WindowExchange
 KV_SHARDS = ("wk", "wv", "bk", "bv", "lk", "lv")
 
 
+class RankMajorGrads:
+    """dK and dV of all S keys accumulated where the reduce-scatter sends them from: ``buf [D, B,
+    2hk, T, d]`` (rank q's rows, K's heads then V's; the accumulation dtype). A key range in
+    token order is added into the zigzag chunks it covers, so no token-order copy of the
+    gradients is made."""
+
+    def __init__(self, layout: ZigzagLayout, hk: int, buf: torch.Tensor) -> None:
+        self.layout, self.hk, self.buf = layout, hk, buf
+        self.chunks = sorted(
+            (s.start, s.stop, q, s.offset) for q in range(layout.size) for s in layout.spans(q)
+        )
+
+    @classmethod
+    def zeros(cls, layout: ZigzagLayout, B: int, hk: int, d: int, dtype, device):
+        buf = torch.zeros(layout.size, B, 2 * hk, layout.local_len, d, dtype=dtype, device=device)
+        return cls(layout, hk, buf)
+
+    def rows(self, b: int) -> RankMajorGrads:
+        """The same accumulator for batch row ``b`` alone."""
+        return RankMajorGrads(self.layout, self.hk, self.buf[:, b : b + 1])
+
+    def add(self, values: bool, keys: slice, g: torch.Tensor) -> None:
+        """Add ``g [B, L, hk, d]``, the gradient of the keys (``values``: of the values) at
+        token positions ``keys``."""
+        heads = slice(self.hk, 2 * self.hk) if values else slice(0, self.hk)
+        for start, stop, q, offset in self.chunks:
+            lo, hi = max(start, keys.start), min(stop, keys.stop)
+            if lo < hi:
+                rows = self.buf[q, :, heads, offset + lo - start : offset + hi - start]
+                rows.add_(g[:, lo - keys.start : hi - keys.start].transpose(1, 2))
+
+
 class KVExchange:
     """How one call's K/V travel: the all-gather of the whole sequence (``window`` None), or the
-    window's exchange."""
+    window's exchange. ``lean``: reduce-scatter without a second buffer of the sent rows where
+    the backend would make one (gloo's faster path), memory before speed."""
 
     def __init__(
-        self, layout: ZigzagLayout, window: WindowExchange | None, group, acc: torch.dtype
+        self,
+        layout: ZigzagLayout,
+        window: WindowExchange | None,
+        group,
+        acc: torch.dtype,
+        lean: bool = False,
     ) -> None:
         self.layout, self.window, self.group, self.acc = layout, window, group, acc
+        self.lean = lean
+
+    def grads_into(self, B: int, hk: int, d: int, device) -> RankMajorGrads | None:
+        """Where one bucket's dK/dV accumulate for ``scatter_from``: in the all-gather's
+        rank-major layout, or None under a window (``scatter`` of per-segment gradients)."""
+        if self.window is not None:
+            return None
+        return RankMajorGrads.zeros(self.layout, B, hk, d, self.acc, device)
+
+    def scatter_from(self, grads: RankMajorGrads):
+        """``scatter`` of gradients accumulated in place: ``(dkv [B, 2hk, T, d], handle)``."""
+        return comm.reduce_scatter_seq(grads.buf, self.group, True, lean=self.lean)
 
     def gather(self, kv: torch.Tensor):
         """Post the exchange of this rank's ``kv [B, 2hk, T, d]``: ``(gathered, handle)``;

@@ -43,6 +43,7 @@ from .pointwise import (
     gate_activation,
     gate_activation_backward,
     matmul_into,
+    round_in_place,
     to_save,
 )
 from .weight_ring import GradientRing, circulate
@@ -230,7 +231,7 @@ def tsp_mlp_forward(
             add_matmul(y2[rows], act, shard.dn_use.t())
             ad.add_output(act, tile)
     ad.finish_forward(y2)
-    return y.to(x.dtype), hidden
+    return round_in_place(y, x.dtype), hidden
 
 
 def _input_rows(sched: _RingSchedule, saved: tuple, lora: MlpLora):
@@ -284,7 +285,7 @@ def tsp_mlp_backward(
     if own.gu is not None:
         base = [t.to(w.dtype) for t, w in zip((*own.gu.chunk(2), own.dn), weights)]
     d_lora = ad.finish_backward(own.lora, dy2, dx2)  # adds the adapters' dX if not merged
-    return dx.to(x.dtype), base, d_lora
+    return round_in_place(dx, x.dtype), base, d_lora
 
 
 class _TSPMLPFunction(torch.autograd.Function):

@@ -32,8 +32,10 @@ class EngineOptions:
         head_bucket: KV heads per bucket of a head group's attention: each bucket's K/V is
             all-gathered, attended and differentiated (its dK/dV reduce-scattered) before the
             next one's, so that the gathered K/V, their gradients and the kernels' buffers
-            scale with the bucket, not the group (the last bucket takes the remainder). None:
-            the whole group at once, its gather overlapped with the previous group's attention.
+            scale with the bucket, not the group (the last bucket takes the remainder); and a
+            query chunk's earlier keys are attended a chunk's length at a time, so that no
+            kernel call's key gradients exceed a chunk's. None: the whole group at once, its
+            gather overlapped with the previous group's attention, the keys in one call.
         window_exchange: in sliding-window layers, send each rank only the keys its queries
             see (point to point, ``engine.window``) where that saves at least half of the K/V
             all-gather's traffic; off: all-gather every key as in full-attention layers.

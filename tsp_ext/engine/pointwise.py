@@ -59,6 +59,28 @@ def add_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
             out[m].addmm_(a[m].to(out.dtype), b)
 
 
+def round_in_place(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)`` for a contiguous accumulator ``t`` (float32 or wider) that the caller no
+    longer reads: rounded into ``t``'s own storage, front to back, and returned as a tensor on
+    that storage (its first bytes), so that no second ``t``-sized buffer exists. ``t`` itself
+    is left with stale contents."""
+    if t.dtype == dtype or dtype.itemsize >= t.dtype.itemsize or not t.is_contiguous():
+        return t.to(dtype)
+    src = t.view(-1)
+    n = src.numel()
+    dst = src.view(dtype)[:n]  # t's first bytes (detached below: not a view to autograd)
+    # element i of dst overlaps elements i/r.. of src (r = the itemsize ratio): a range [i, j)
+    # is safe to convert once j <= r·i, as everything it overwrites has been read
+    r = t.dtype.itemsize // dtype.itemsize
+    i = min(n, GEMM_ROWS)
+    dst[:i].copy_(src[:i].to(dtype))  # the first range through a small temporary
+    while i < n:
+        j = min(n, r * i)
+        dst[i:j].copy_(src[i:j])
+        i = j
+    return dst.view(t.shape).detach()
+
+
 def matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, add: bool) -> None:
     """``out = a @ b`` (``add``: ``out += a @ b``) at ``out``'s precision: a sum over tiles whose
     first tile writes instead of adding to zeros."""

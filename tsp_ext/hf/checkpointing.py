@@ -4,7 +4,8 @@ included) before the layer's backward (``TSPConfig(checkpoint_layers=True)``); w
 ``offload_checkpoints=True`` those inputs wait for backward in host memory (``HostStore``),
 the first ``checkpoint_device_bytes`` of them on the device (device-then-host tiers); with
 ``checkpoint_every=k`` only every k-th layer's input is kept and backward recomputes the k layers
-from it (``Interval``): stored bytes ÷ k, the recomputed layers' saved tensors × k."""
+from it (``Interval``): stored bytes ÷ k, k - 1 more layer inputs on the device while an interval's
+backward runs, and its first k - 1 layers' forwards run once more."""
 
 from __future__ import annotations
 
@@ -164,8 +165,9 @@ class Interval:
     """``size`` consecutive decoder layers checkpointed as one: the first keeps its input, the
     ones before the last return their input unchanged and record their call, and the last runs
     every recorded call from that input under one checkpoint — backward recomputes the interval's
-    layers from the one input (the Hugging Face loop calls the layers in order, so each layer's
-    own arguments, e.g. its layer type's rotary table, are the ones recorded)."""
+    layers from the one input, each but the last under a checkpoint of its own, so that the
+    recompute keeps only their inputs (the Hugging Face loop calls the layers in order, so each
+    layer's own arguments, e.g. its layer type's rotary table, are the ones recorded)."""
 
     def __init__(self, store: HostStore | None) -> None:
         self.store = store
@@ -184,9 +186,13 @@ class Interval:
             calls, self.calls, x, self.first = self.calls, [], self.first, None
 
             def layers(h: torch.Tensor) -> torch.Tensor:
-                for fn, rest in calls:
-                    h = fn(h, *rest)
-                return h
+                # each layer but the last checkpointed inside the interval's checkpoint: its
+                # recompute keeps their inputs only, and each one's saved tensors exist while
+                # its own backward runs (one layer's at a time, not the interval's)
+                for fn, rest in calls[:-1]:
+                    h = checkpoint(fn, h, *rest, use_reentrant=False)
+                fn, rest = calls[-1]
+                return fn(h, *rest)
 
             return checkpoint_layer(self.store)(layers, x)
 

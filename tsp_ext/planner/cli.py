@@ -82,16 +82,24 @@ def _parser() -> argparse.ArgumentParser:
     a(
         "--checkpoint-every",
         type=int,
-        default=1,
-        help="TSP, with --recompute full (--max-seq-len sets it): keep every k-th layer's "
-        "input, recompute k layers (TSPConfig(checkpoint_every))",
+        default=None,
+        help="TSP, with --recompute full: keep every k-th layer's input, recompute k layers "
+        "(TSPConfig(checkpoint_every); default 1, or with --max-seq-len the planner's choice)",
     )
     a(
         "--checkpoint-device-gb",
         type=float,
-        default=0.0,
-        help="TSP, with --offload-checkpoints (--max-seq-len sets it): GiB of layer inputs "
-        "kept on each device before the rest go to host (TSPConfig(checkpoint_device_bytes))",
+        default=None,
+        help="TSP, with --offload-checkpoints: GiB of layer inputs kept on each device before "
+        "the rest go to host (TSPConfig(checkpoint_device_bytes); default 0, or with "
+        "--max-seq-len the planner's choice)",
+    )
+    a(
+        "--head-bucket",
+        type=int,
+        default=None,
+        help="TSP: KV heads per bucket of a head group's attention (TSPConfig(head_bucket); "
+        "default the whole group, or with --max-seq-len the planner's choice)",
     )
     a(
         "--offload-optimizer",
@@ -138,8 +146,9 @@ def _inputs(args: argparse.Namespace):
         overlap=not args.no_overlap,
         mlp_tile=args.mlp_tile or None,
         offload_checkpoints=args.offload_checkpoints,
-        checkpoint_every=args.checkpoint_every,
-        checkpoint_device_bytes=args.checkpoint_device_gb * GIB,
+        checkpoint_every=args.checkpoint_every or 1,
+        checkpoint_device_bytes=(args.checkpoint_device_gb or 0.0) * GIB,
+        head_bucket=args.head_bucket,
         offload_optimizer=args.offload_optimizer,
     )
     if args.calibrate and args.cores and args.peak_tflops is None:
@@ -253,8 +262,24 @@ def format_longest(m, w: Workload, c: Cluster, rows: list[Longest], skipped) -> 
     for row in table:
         cells = [row[0].ljust(widths[0])] + [x.rjust(wd) for x, wd in zip(row[1:], widths[1:])]
         lines.append("  ".join(cells).rstrip())
+    for r in rows:
+        if r.options is not None and r.seq_len is not None:
+            lines.append(f"{r.layout} runs {tsp_config_text(r.options)}")
     lines += [f"skipped {lay}: {why}" for lay, why in skipped]
     return "\n".join(lines)
+
+
+def tsp_config_text(options: dict) -> str:
+    """The TSP memory options of a ``--max-seq-len`` row as the ``TSPConfig`` call that sets
+    them, on top of the long-context configuration."""
+    parts = ["checkpoint_layers=True", "offload_checkpoints=True"]
+    if options["checkpoint_every"] > 1:
+        parts.append(f"checkpoint_every={options['checkpoint_every']}")
+    if options["checkpoint_device_bytes"]:
+        parts.append(f"checkpoint_device_bytes={options['checkpoint_device_bytes']:_}")
+    if options["head_bucket"] is not None:
+        parts.append(f"head_bucket={options['head_bucket']}")
+    return f"TSPConfig({', '.join(parts)}, mlp_tile=h, overlap=False)"
 
 
 def plot_memory(result: Plan, path: str) -> None:
@@ -298,7 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         inputs = _inputs(args)
         if args.max_seq_len:
-            return _print_longest(*inputs, tuple(args.layouts), args.json)
+            given = (args.checkpoint_every, args.checkpoint_device_gb, args.head_bucket)
+            choose = all(g is None for g in given)
+            return _print_longest(*inputs, tuple(args.layouts), args.json, choose)
         result = plan(*inputs, kinds=tuple(args.layouts))
         if args.plot:
             plot_memory(result, args.plot)
@@ -314,8 +341,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _print_longest(m, w: Workload, c: Cluster, kinds: tuple[str, ...], as_json: bool) -> int:
-    rows, skipped = longest_per_layout(m, w, c, kinds)
+def _print_longest(
+    m, w: Workload, c: Cluster, kinds: tuple[str, ...], as_json: bool, choose: bool
+) -> int:
+    rows, skipped = longest_per_layout(m, w, c, kinds, choose)
     if not rows:
         why = "; ".join(f"{lay}: {r}" for lay, r in skipped) or "no layout of these kinds"
         raise SystemExit(f"tsp-plan: no layout can run {m.name} on {c.devices} devices ({why})")

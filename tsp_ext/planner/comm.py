@@ -22,7 +22,8 @@ def tsp_comm(m: ModelShape, w: Workload, c: Cluster, lay: Layout) -> tuple[list,
     """Per-layer and per-step transfers of TSP: weights broadcast (attention) and ringed (MLP)
     in forward and again in backward, weight gradients reduced to owners, K/V all-gathered and
     dK/dV reduce-scattered; embedding rows exchanged and LM-head shards ringed (shard_vocab)
-    or the replicated vocabulary gradients all-reduced. MoE layers ring ⌈E/D⌉ experts, or send
+    or the replicated vocabulary gradients all-reduced (with head buckets: the K/V exchanges of
+    each bucket in turn, not overlapped). MoE layers ring ⌈E/D⌉ experts, or send
     token rows by all-to-all, as ``engine.moe_traffic.schedule_for`` picks for the B·S/D
     tokens of a rank. Uneven splits: ring buffers carry the largest shard (⌈F/D⌉, ⌈V/D⌉
     rows), broadcasts the largest head group."""
@@ -33,6 +34,7 @@ def tsp_comm(m: ModelShape, w: Workload, c: Cluster, lay: Layout) -> tuple[list,
     attn = _layer_params(m, nh, nkv, 0) - 2 * h - router  # the largest head group's shard
     mlp = 3 * h * tsp_mlp_columns(m, D)
     kv = 2 * B * _tsp_seq(w, D) * nkv * d * (D - 1)  # elements received, all D groups
+    buckets = 1 if w.head_bucket is None else -(-nkv // w.head_bucket)  # exchanges per group
     tokens = B * _tsp_seq(w, D) / D
     schedule = "ring"
     if m.moe:
@@ -50,9 +52,9 @@ def tsp_comm(m: ModelShape, w: Workload, c: Cluster, lay: Layout) -> tuple[list,
         Transfer("broadcast attention weights (fwd+bwd)", 2 * (D - 1) * attn * b, 2 * D, ov, bw),
         Transfer("reduce attention weight grads", (D - 1) * attn * acc, D, ov, bw),
         *mlp_moves,
-        Transfer("all-gather K/V (fwd)", kv * b, D, False, bw),
-        Transfer("all-gather K/V (bwd)", kv * b, D, ov, bw),
-        Transfer("reduce-scatter dK/dV", kv * acc, D, False, bw),
+        Transfer("all-gather K/V (fwd)", kv * b, D * buckets, False, bw),
+        Transfer("all-gather K/V (bwd)", kv * b, D * buckets, ov and buckets == 1, bw),
+        Transfer("reduce-scatter dK/dV", kv * acc, D * buckets, False, bw),
         Transfer("all-reduce norm grads", 2 * 2 * (D - 1) / D * h * b, 2, False, bw),
     ]
     if m.moe:

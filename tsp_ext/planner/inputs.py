@@ -38,6 +38,7 @@ class Workload:
     checkpoint_every: int = 1
     # TSP with offload_checkpoints: bytes of the inputs each device keeps before the host
     checkpoint_device_bytes: float = 0.0
+    head_bucket: int | None = None  # TSP: KV heads per bucket of a head group's attention
     offload_optimizer: bool = False  # optimizer state (and float32 master copies) in host memory
     offload_params: bool = False  # ZeRO-3 weight partitions in host memory (ALST on one device)
     moe_schedule: str = "auto"  # TSP's MoE layers: "ring", "all_to_all" or "auto" (engine.moe)
@@ -60,6 +61,10 @@ class Workload:
                 f"mlp_tile must be >= 1 or None, got {self.mlp_tile}",
             ),
             (self.checkpoint_every >= 1, f"checkpoint_every must be >= 1: {self.checkpoint_every}"),
+            (
+                self.head_bucket is None or self.head_bucket >= 1,
+                f"head_bucket must be >= 1 or None: {self.head_bucket}",
+            ),
             (
                 self.checkpoint_device_bytes >= 0,
                 f"checkpoint_device_bytes must be >= 0: {self.checkpoint_device_bytes}",

@@ -128,35 +128,42 @@ def tsp_memory(m: ModelShape, w: Workload, lay: Layout) -> Memory:
 
 
 def tsp_layer_working(m: ModelShape, w: Workload, D: int) -> float:
-    """Bytes one TSP decoder layer's backward needs beyond what is saved: the output gradient
-    and the float32 input-gradient accumulator; a normed input rebuilt from its norm's input;
-    weight shards and their float32 gradient accumulators (double-buffered with ``overlap``);
-    one head group's projections, gathered K/V and their gradients; one MLP tile's
-    intermediates. ``full``: the re-computed saved tensors of the layer, or of the
-    ``checkpoint_every`` layers of an interval (its input, back from the host when
-    offloaded)."""
-    B, T, h, d = w.micro_batch, _tsp_seq(w, D) / D, m.hidden_size, m.head_dim
+    """Bytes one TSP decoder layer's backward needs beyond what is saved, at the larger of its
+    two phases, plus the weight shards and their float32 gradient accumulators (double-buffered
+    with ``overlap``). Attention: the output gradient, the float32 input-gradient accumulator,
+    the normed input rebuilt from its norm's input, the head group's local projections, and
+    for one head bucket over all S tokens (``head_bucket`` KV heads, or the group's) its K/V in
+    token order and the float32 dK/dV accumulated in the rank-major layout they are
+    reduce-scattered from, and one kernel call's key gradients (a query chunk's earlier keys;
+    with head buckets a chunk's length of them). MLP: the output
+    gradient, the float32 accumulator, the normed input (rebuilt tile by tile without
+    ``overlap``), one tile's intermediates. ``full``: the recomputed layer's saved tensors (its
+    input back from the host when offloaded; the MLP's norm input is freed before the
+    attention's backward) and, in an interval of ``checkpoint_every`` layers, the inputs of the
+    k - 1 layers before its last (each but the last checkpointed inside the interval)."""
+    B, T, h, d, b, acc = w.micro_batch, _tsp_seq(w, D) / D, m.hidden_size, m.head_dim, w.beta, w.acc
     # a ring step's intermediates per token: the largest MLP slice, or (MoE) the k experts'
     # width over the D owners whose experts the ring brings
     F = m.active_width if m.moe else -(-m.intermediate_size // D) * D
     nh, nkv = _tsp_heads(m, D)
+    bucket = nkv if w.head_bucket is None else min(w.head_bucket, nkv)
     shard = max(_layer_params(m, nh, nkv, 0) - m.num_experts * h, 3 * h * tsp_mlp_columns(m, D))
     tile = B * T if w.mlp_tile is None else min(w.mlp_tile, B * T)
-    # local q/k/v, the output's gradient (dA), gathered K/V
-    group = B * T * (2 * nh + 2 * nkv) * d + 2 * B * T * D * nkv * d
-    working = (
-        B * T * h * (2 * w.beta + w.acc)
-        + (1 + w.overlap) * shard * (w.beta + w.acc)
-        + group * (w.beta + w.acc)
-        + 6 * tile * F / D * w.beta
-    )
+    local = B * T * (2 * nh + 2 * nkv) * d  # q, k, v and dA of the group's heads
+    gathered = 2 * B * T * D * bucket * d  # one bucket's K/V, all S tokens
+    # a kernel call's key gradients: all earlier keys, or with head buckets a chunk's (T/2)
+    keys = gathered * b if w.head_bucket is None else B * T * bucket * d * b
+    attention = B * T * h * (2 * b + acc) + local * b + gathered * (b + acc) + keys
+    mlp = B * T * h * (b + acc + b * w.overlap) + 6 * tile * F / D * b
+    extra = 0.0
     if w.recompute == "full":
-        working += w.checkpoint_every * tsp_layer_saved(
-            m, replace(w, recompute="selective", offload_checkpoints=False), D
-        )
+        saved = tsp_layer_saved(m, replace(w, recompute="selective", offload_checkpoints=False), D)
+        attention += saved - _tsp_norm_saved(w, T, h)
+        mlp += saved
+        extra = (w.checkpoint_every - 1) * B * T * h * b
         if not w.offload_checkpoints:  # its input is the checkpoint, counted as saved
-            working -= B * T * h * w.beta
-    return working
+            extra -= B * T * h * b
+    return (1 + w.overlap) * shard * (b + acc) + max(attention, mlp) + extra
 
 
 def baseline_memory(m: ModelShape, w: Workload, lay: Layout) -> Memory:
