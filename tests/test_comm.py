@@ -49,6 +49,13 @@ def duals_worker(rank, world):
     # forward values
     x = torch.full((2, 1), float(rank))
     out["gather_value"] = comm.gather_seq(x[None], group)[0, :, 0].tolist()
+    # reduce-scatter, gloo's all-to-all and its lean path (D in-place reduces): row q of every
+    # rank summed into rank q
+    rows = torch.arange(world, dtype=torch.float64)[:, None, None] * 10 + rank + torch.zeros(2, 3)
+    for lean in (False, True):
+        got, handle = comm.reduce_scatter_seq(rows.clone(), group, async_op=True, lean=lean)
+        handle.wait()
+        out[f"scatter_lean={lean}"] = got.tolist()
     return out
 
 
@@ -94,3 +101,5 @@ def test_functions_are_exact_duals(workers, world):
         assert res["bucket_error"] < 1e-6, res["bucket_error"]  # float32 among them
         assert res["bucket_all_reduces"] == [2, 7]  # one per dtype: 2 float32, 3 + 4 float64
         assert res["gather_value"] == [float(r) for r in range(world) for _ in range(2)]
+        expected = torch.full((2, 3), 10.0 * rank * world + sum(range(world))).tolist()
+        assert res["scatter_lean=False"] == res["scatter_lean=True"] == expected

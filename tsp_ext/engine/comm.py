@@ -114,11 +114,13 @@ def reduce_scatter_seq(
     x: torch.Tensor, group: ProcessGroup, async_op: bool = False, lean: bool = False
 ):
     """Dual of ``all_gather_seq``: ``x [D, ...]`` -> ``(out [...], handle)``, summed over ranks.
-    ``lean``: no second ``[D, ...]`` buffer on gloo (its reduce-scatter, not the faster
-    all-to-all)."""
+    ``lean``: no second ``[D, ...]`` buffer on gloo (D in-place reduces, not the faster
+    all-to-all; gloo's own reduce-scatter copies the input too)."""
     if x.shape[0] == 1:
         return x[0], _Done()
-    if dist.get_backend(group) == "gloo" and not lean:
+    if dist.get_backend(group) == "gloo":
+        if lean:
+            return _reduce_scatter_by_reduce(x, group, async_op)
         return _reduce_scatter_by_all_to_all(x, group, async_op)
     out = x.new_empty(x.shape[1:])
     flat = x.contiguous().flatten(0, 1) if x.dim() > 1 else x.contiguous()
@@ -138,6 +140,33 @@ class _SumAfter(Pending):
         if self._received is not None:
             torch.sum(self._received, dim=0, out=self._out)
             self._received = None
+
+
+class _RowAfter(Pending):
+    """Handle of D reduces, row q into group rank q: this rank's row is copied out once they
+    complete, and the ``[D, ...]`` buffer is let go."""
+
+    def __init__(self, works, x: torch.Tensor, p: int, out: torch.Tensor) -> None:
+        super().__init__(works)
+        self._x, self._p, self._out = x, p, out
+
+    def wait(self) -> None:
+        super().wait()
+        if self._x is not None:
+            self._out.copy_(self._x[self._p])
+            self._x = None
+
+
+def _reduce_scatter_by_reduce(x: torch.Tensor, group: ProcessGroup, async_op: bool):
+    """gloo's reduce-scatter without a second buffer of ``x``: row q reduced in place into rank
+    q (each reduce sums into its root's row; the other ranks' rows are scratch)."""
+    D, p = size_and_rank(group)
+    x = x.contiguous()
+    works = [reduce(x[q], q, group, async_op=True) for q in range(D)]
+    handle = _RowAfter(works, x, p, x.new_empty(x.shape[1:]))
+    if not async_op:
+        handle.wait()
+    return handle._out, handle
 
 
 def _reduce_scatter_by_all_to_all(x: torch.Tensor, group: ProcessGroup, async_op: bool):
