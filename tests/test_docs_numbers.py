@@ -97,13 +97,41 @@ def _searched(runs: list[dict]) -> None:
         assert all(p["bytes"] is None or p["bytes"] > run["budget_bytes"] for p in above)
 
 
-def test_maxlen_table_is_its_json():
+@pytest.mark.parametrize("name", ["maxlen_cpu.json", "maxlen_cpu_128.json"])
+def test_maxlen_table_is_its_json(name):
     from benchmarks.maxlen import markdown
 
-    runs = json.loads((RESULTS / "maxlen_cpu.json").read_text())
+    runs = json.loads((RESULTS / name).read_text())
     text = (ROOT / "docs" / "benchmarks.md").read_text()
     assert markdown(runs) in text  # the table maxlen printed, as it printed it
     _searched(runs)
+
+
+MEMORY_OPTIONS = {  # benchmarks/registry.py's layouts, each adding options to the one above
+    "tsp": "defaults",
+    "tsp_no_overlap": "`overlap=False`",
+    "tsp_layers": "`checkpoint_layers=True, mlp_tile=h`",
+    "tsp_offload": "... `offload_checkpoints=True`",
+    "tsp_long": "... `overlap=False, head_bucket=1`",
+    "tsp_intervals": "... `checkpoint_every=2`",
+    "ulysses": "(Ulysses, replicated weights, no checkpointing)",
+    "alst": "(ALST)",
+}
+
+
+def test_memory_options_time_table_is_its_json():
+    """docs/benchmarks.md's step time of each memory option: one ``benchmarks.run`` at D = 2,
+    S = 4096 (medians of its rounds), as ratios to TSP's defaults and to Ulysses."""
+    rows = {r["layout"]: r for r in json.loads((RESULTS / "memory_options_cpu.json").read_text())}
+    assert set(rows) == set(MEMORY_OPTIONS)
+    assert {(r["devices"], r["seq_len"], r["status"]) for r in rows.values()} == {(2, 4096, "ok")}
+    step = {n: r["step_seconds"] for n, r in rows.items()}
+    expected = [
+        [f"`{n}`", about, f"{step[n]:.3f}", f"{step[n] / step['tsp']:.2f}",
+         f"{step[n] / step['ulysses']:.2f}"]
+        for n, about in MEMORY_OPTIONS.items()
+    ]  # fmt: skip
+    assert table("docs/benchmarks.md", "| layout | options (over the row above) |") == expected
 
 
 def test_dpo_maxlen_numbers_are_their_json():
@@ -248,20 +276,24 @@ def test_maxlen_accounting_is_its_probes():
 
 def test_readme_headline_is_the_maxlen_run():
     runs = {
-        (r["layout"], r["devices"]): r
-        for r in json.loads((RESULTS / "maxlen_cpu.json").read_text())
+        (r["layout"], r["devices"], r["budget_bytes"] >> 20): r
+        for name in ("maxlen_cpu.json", "maxlen_cpu_128.json")
+        for r in json.loads((RESULTS / name).read_text())
     }
+    times = {r["layout"]: r for r in json.loads((RESULTS / "memory_options_cpu.json").read_text())}
     readme = " ".join((ROOT / "README.md").read_text().split())
     bench = " ".join((ROOT / "docs" / "benchmarks.md").read_text().split())
 
-    def ratios(a, b, key="max_seq_len", digits=2):
-        return [f"{runs[a, d][key] / runs[b, d][key]:.{digits}f}×" for d in (2, 4)]
+    def ratios(a, b, digits=2):
+        return [f"{runs[a, d, 64]['max_seq_len'] / runs[b, d, 64]['max_seq_len']:.{digits}f}×"
+                for d in (2, 4)]  # fmt: skip
 
     length = ratios("tsp_long", "alst")
+    at_128 = runs["tsp_long", 2, 128]["max_seq_len"] / runs["alst", 2, 128]["max_seq_len"]
     assert f"train **{length[0]} (D = 2) and {length[1]} (D = 4) ALST's sequence length" in readme
-    assert (
-        "with a step {} / {} as long".format(*ratios("tsp_long", "alst", "step_seconds")) in readme
-    )
+    assert f"({at_128:.2f}× at 128 MiB and D = 2)" in readme
+    step = times["tsp_long"]["step_seconds"] / times["alst"]["step_seconds"]
+    assert f"with a step {step:.2f}× as long" in readme
     versus = "{} / {}".format(*ratios("tsp", "ulysses", digits=1))
     assert f"{versus} the length" in readme and f"{versus} its length" in bench
 

@@ -12,9 +12,13 @@ shard p. Forward, for r = 0..D-1:
 
 With ``overlap``, group r+1 is projected and its K/V gather posted before group r attends, so
 the gather flies while the attention kernel runs (forward and the backward's recompute alike).
+With ``head_bucket`` a group's heads are taken a few KV heads at a time (``HeadGroup.bucket_kv``):
+each bucket's K/V is gathered, attended and (backward) its dK/dV reduce-scattered before the
+next bucket's exist.
 
 Backward re-broadcasts W_r and re-gathers K/V (recomputed from the saved X_p), reduce-scatters
-dK/dV and reduces dW_r to its owner r. Saved per rank: X_p (as its RMSNorm's input, which the
+dK/dV (accumulated in the rank-major rows the reduce-scatter sends, ``kv_exchange.RankMajorGrads``)
+and reduces dW_r to its owner r. Saved per rank: X_p (as its RMSNorm's input, which the
 norm keeps anyway, when it is one: ``pointwise.to_save``), A_r and lse_r of every group, cos/sin
 and the rank's own shards — O(S/D) activations, O(1/D) weights.
 

@@ -55,7 +55,8 @@ class _Offloaded:
             raise MemoryError(
                 f"offload_checkpoints: host memory ran out at {store.held + self.nbytes:,} bytes "
                 f"of offloaded layer inputs ({e}); give the job more host memory (pinned on "
-                "CUDA; /dev/shm on CPU), shorten the sequence, or set offload_checkpoints=False"
+                "CUDA; /dev/shm on CPU), keep fewer inputs (checkpoint_every=k), shorten the "
+                "sequence, or set offload_checkpoints=False"
             ) from e
         store.held += self.nbytes
         store.peak = max(store.peak, store.held)

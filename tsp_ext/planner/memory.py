@@ -153,7 +153,10 @@ def tsp_layer_working(m: ModelShape, w: Workload, D: int) -> float:
     gathered = 2 * B * T * D * bucket * d  # one bucket's K/V, all S tokens
     # a kernel call's key gradients: all earlier keys, or with head buckets a chunk's (T/2)
     keys = gathered * b if w.head_bucket is None else B * T * bucket * d * b
-    attention = B * T * h * (2 * b + acc) + local * b + gathered * (b + acc) + keys
+    # dQ; the RoPE tables and
+    # their conjugate phases (complex64)
+    queries = B * T * nh * d * b + B * T * d * (2 * b + 4)
+    attention = B * T * h * (2 * b + acc) + local * b + gathered * (b + acc) + keys + queries
     mlp = B * T * h * (b + acc + b * w.overlap) + 6 * tile * F / D * b
     extra = 0.0
     if w.recompute == "full":
