@@ -15,6 +15,7 @@ Attention:
 
 - ``attention``: head-group broadcast + K/V all-gather schedule, hand-written backward
 - ``head_groups``: one attention call's head groups (shards streamed, projected, K/V in flight)
+- ``group_attention``: a head group's attention kernels over its head buckets, forward and backward
 - ``heads``: which query and KV heads each group holds (``AttentionSpec``)
 - ``qkv``: one head group's Q/K/V projection, q/k norms, RoPE and their adjoint
 - ``qk_rms``: full-width q/k RMS norms (OLMo-2) across the head groups

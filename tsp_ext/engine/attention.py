@@ -41,15 +41,14 @@ from typing import NamedTuple
 import torch
 
 from . import comm
-from .chunked_attention import segments_backward, segments_forward
+from .group_attention import group_backward, group_forward
 from .head_groups import AttentionCall, HeadGroup
 from .heads import AttentionSpec
-from .kv_exchange import expand_kv, fold_kv, share_kv
 from .kv_exchange import heads_major as heads_major  # noqa: F401  (re-exported)
+from .kv_exchange import share_kv
 from .layout import RowSpans, Span
 from .lora import LoraPlan, SeededDropout
 from .lse import add_sink, sink_grad
-from .masked_attention import masked_chunked_attention
 from .nf4 import ShardCodec
 from .options import EngineOptions
 from .pointwise import add_matmul, from_saved, matmul, rope_phases, round_in_place, to_save
@@ -114,30 +113,7 @@ def tsp_attention_forward(
     for group in sched.projected_groups(own, project):
         r, w = group.r, group.w
         q = group.projected[0]  # heads-major already
-        whole = len(group.buckets) == 1
-        a = lse = None
-        for bucket, segments in group.bucket_kv():
-            if kv_sink is not None:  # a prefill: gathered all (``gather_all``, one bucket)
-                kv_sink(r, *segments[0][1:])
-            segments = [(b, *expand_kv(k, v, bucket.kv_map)) for b, k, v in segments]
-            q_b = q if whole else q[:, :, bucket.q]
-            if key_valid is None:
-                a_b, lse_b = segments_forward(
-                    sched.kernel, q_b, sched.q_spans, segments, spec.scaling, spec.window,
-                    sched.key_block,
-                )  # fmt: skip
-            else:
-                _, k_all, v_all = segments[0]
-                a_b, lse_b = masked_chunked_attention(
-                    q_b, sched.q_spans, k_all, v_all, key_valid, spec.scaling, spec.window
-                )
-            del segments  # before the next bucket's K/V arrive
-            if whole:
-                a, lse = a_b, lse_b
-                continue
-            if a is None:
-                a, lse = torch.empty_like(q), lse_b.new_empty(B, q.shape[2], T)
-            a[:, :, bucket.q], lse[:, bucket.q] = a_b, lse_b
+        a, lse = group_forward(group, q, kv_sink, key_valid)
         del group
         if sinks is not None:  # A and lse with the sink, as kept for backward
             a, lse = add_sink(a, lse, sinks[spec.q_heads(r)])
@@ -240,45 +216,9 @@ class _Backward:
             self.d_sinks[heads] += sink_grad(da, a, self.lse_all[:, heads], self.sinks[heads])
         q, lin, weight = group.projected[0], group.projected[2], group.projected[3]
         lse, da, a = self.lse_all[:, heads], da.transpose(1, 2), a.transpose(1, 2)
-        if len(group.buckets) == 1:
-            ((bucket, segments),) = group.bucket_kv()
-            del group
-            dq, dkv, handle = self.attend_bucket(bucket, segments, q, da, a, lse)
-            return _Attended(r, w, weight, lin, dq, dkv, handle, d_out)
-        dq, dkv, hk = torch.empty_like(q), None, spec.n_kv(r)
-        for bucket, segments in group.bucket_kv():  # one bucket's K/V, dK/dV at a time
-            rows = bucket.q
-            dq_b, dkv_b, handle = self.attend_bucket(
-                bucket, segments, q[:, :, rows], da[:, :, rows], a[:, :, rows], lse[:, rows]
-            )
-            del segments
-            handle.wait()
-            if dkv is None:
-                dkv = dkv_b.new_empty(dkv_b.shape[0], 2 * hk, *dkv_b.shape[2:])
-            n, kv = bucket.kv.stop - bucket.kv.start, bucket.kv
-            dq[:, :, rows] = dq_b
-            dkv[:, kv], dkv[:, hk + kv.start : hk + kv.stop] = dkv_b[:, :n], dkv_b[:, n:]
-        return _Attended(r, w, weight, lin, dq, dkv, comm.Pending(()), d_out)
-
-    def attend_bucket(self, bucket, segments, q, da, a, lse):
-        """The attention backward of one head bucket (``q, da, a [B, T, n_q, d]``, ``lse [B,
-        n_q, T]``: its query heads) over its K/V ``segments``: dQ, and its dK/dV exchange
-        posted: ``(dq, dkv [B, 2·n_kv, T, d], handle)``."""
-        sched, spec = self.sched, self.sched.spec
-        B, d, hk = q.shape[0], spec.head_dim, bucket.kv.stop - bucket.kv.start
-        # dK/dV straight into the rank-major rows they are reduce-scattered from, where the
-        # kernels' GQA map is the group's (else they are folded over the expanded heads first)
-        into = None if bucket.kv_map else sched.kv.grads_into(B, hk, d, q.device)
-        segments = [(b, *expand_kv(k, v, bucket.kv_map)) for b, k, v in segments]
-        dq, grads = segments_backward(
-            sched.kernel, da, q, sched.q_spans, segments, a, lse, spec.scaling, spec.window, into,
-            sched.key_block,
-        )  # fmt: skip
-        del segments
-        if into is not None:
-            return (dq, *sched.kv.scatter_from(into))
-        grads = [tuple(fold_kv(t, bucket.kv_map, hk) for t in pair) for pair in grads]
-        return (dq, *sched.kv.scatter(grads))
+        dq, dkv, handle = group_backward(group, q, da, a, lse)
+        del group
+        return _Attended(r, w, weight, lin, dq, dkv, handle, d_out)
 
     def gate(self, w, a: torch.Tensor) -> torch.Tensor:
         """The output gate ``sigmoid(X_p · Wg_rᵀ)`` of group r, heads-major like ``a``."""

@@ -24,6 +24,33 @@ from .ranking import plan
 from .shapes import PRESETS, load_model
 
 
+def _tsp_memory_options(a) -> None:
+    """TSP's memory options among ``tsp-plan``'s flags (``--max-seq-len`` chooses them unless
+    given)."""
+    a(
+        "--checkpoint-every",
+        type=int,
+        default=None,
+        help="TSP, with --recompute full: keep every k-th layer's input, recompute k layers "
+        "(TSPConfig(checkpoint_every); default 1, or with --max-seq-len the planner's choice)",
+    )
+    a(
+        "--checkpoint-device-gb",
+        type=float,
+        default=None,
+        help="TSP, with --offload-checkpoints: GiB of layer inputs kept on each device before "
+        "the rest go to host (TSPConfig(checkpoint_device_bytes); default 0, or with "
+        "--max-seq-len the planner's choice)",
+    )
+    a(
+        "--head-bucket",
+        type=int,
+        default=None,
+        help="TSP: KV heads per bucket of a head group's attention (TSPConfig(head_bucket); "
+        "default the whole group, or with --max-seq-len the planner's choice)",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tsp-plan",
@@ -79,28 +106,7 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --recompute full: layer checkpoints in host memory (TSP, ALST)",
     )
-    a(
-        "--checkpoint-every",
-        type=int,
-        default=None,
-        help="TSP, with --recompute full: keep every k-th layer's input, recompute k layers "
-        "(TSPConfig(checkpoint_every); default 1, or with --max-seq-len the planner's choice)",
-    )
-    a(
-        "--checkpoint-device-gb",
-        type=float,
-        default=None,
-        help="TSP, with --offload-checkpoints: GiB of layer inputs kept on each device before "
-        "the rest go to host (TSPConfig(checkpoint_device_bytes); default 0, or with "
-        "--max-seq-len the planner's choice)",
-    )
-    a(
-        "--head-bucket",
-        type=int,
-        default=None,
-        help="TSP: KV heads per bucket of a head group's attention (TSPConfig(head_bucket); "
-        "default the whole group, or with --max-seq-len the planner's choice)",
-    )
+    _tsp_memory_options(a)
     a(
         "--offload-optimizer",
         action="store_true",

@@ -1,0 +1,95 @@
+"""One head group's attention kernels over its head buckets (``AttentionSpec.buckets``), forward
+and backward, each bucket's K/V exchanged when its turn comes (``HeadGroup.bucket_kv``).
+
+A single bucket (the default: the whole group) attends the K/V exchange the schedule posted
+ahead; with ``head_bucket`` each bucket's K/V is gathered, attended and (backward) its dK/dV
+reduce-scattered before the next bucket's exist. The backward's dK/dV accumulate in the
+rank-major rows the reduce-scatter sends (``kv_exchange.RankMajorGrads``) wherever the
+bucket's GQA map is the kernels'.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import comm
+from .chunked_attention import segments_backward, segments_forward
+from .head_groups import HeadGroup
+from .kv_exchange import expand_kv, fold_kv
+from .masked_attention import masked_chunked_attention
+
+
+def group_forward(group: HeadGroup, q: torch.Tensor, kv_sink=None, key_valid=None):
+    """A head group's attention of ``q [B, T, n_q, d]`` (heads-major): ``A [B, T, n_q, d]`` and
+    ``lse [B, n_q, T]``. ``kv_sink``, ``key_valid``: as in ``tsp_attention_forward``
+    (inference, one bucket)."""
+    sched, spec = group.sched, group.sched.spec
+    whole = len(group.buckets) == 1
+    a = lse = None
+    for bucket, segments in group.bucket_kv():
+        if kv_sink is not None:  # a prefill: gathered all (``gather_all``, one bucket)
+            kv_sink(group.r, *segments[0][1:])
+        segments = [(b, *expand_kv(k, v, bucket.kv_map)) for b, k, v in segments]
+        q_b = q if whole else q[:, :, bucket.q]
+        if key_valid is None:
+            a_b, lse_b = segments_forward(
+                sched.kernel, q_b, sched.q_spans, segments, spec.scaling, spec.window,
+                sched.key_block,
+            )  # fmt: skip
+        else:
+            _, k_all, v_all = segments[0]
+            a_b, lse_b = masked_chunked_attention(
+                q_b, sched.q_spans, k_all, v_all, key_valid, spec.scaling, spec.window
+            )
+        del segments  # before the next bucket's K/V arrive
+        if whole:
+            return a_b, lse_b
+        if a is None:
+            a, lse = torch.empty_like(q), lse_b.new_empty(q.shape[0], q.shape[2], q.shape[1])
+        a[:, :, bucket.q], lse[:, bucket.q] = a_b, lse_b
+    return a, lse
+
+
+def group_backward(group: HeadGroup, q, da, a, lse):
+    """The attention backward of a head group (``q, da, a [B, T, n_q, d]``, ``lse [B, n_q,
+    T]``): ``(dq, dkv [B, 2 n_kv, T, d], handle)``, the dK/dV exchange posted (one bucket) or
+    done (buckets, each waited for before the next bucket's K/V arrive)."""
+    if len(group.buckets) == 1:
+        ((bucket, segments),) = group.bucket_kv()
+        return _bucket_backward(group.sched, bucket, segments, q, da, a, lse)
+    hk = group.sched.spec.n_kv(group.r)
+    dq, dkv = torch.empty_like(q), None
+    for bucket, segments in group.bucket_kv():
+        rows = bucket.q
+        dq_b, dkv_b, handle = _bucket_backward(
+            group.sched, bucket, segments, q[:, :, rows], da[:, :, rows], a[:, :, rows],
+            lse[:, rows],
+        )  # fmt: skip
+        del segments
+        handle.wait()
+        if dkv is None:
+            dkv = dkv_b.new_empty(dkv_b.shape[0], 2 * hk, *dkv_b.shape[2:])
+        n, kv = bucket.kv.stop - bucket.kv.start, bucket.kv
+        dq[:, :, rows] = dq_b
+        dkv[:, kv], dkv[:, hk + kv.start : hk + kv.stop] = dkv_b[:, :n], dkv_b[:, n:]
+    return dq, dkv, comm.Pending(())
+
+
+def _bucket_backward(sched, bucket, segments, q, da, a, lse):
+    """One bucket's attention backward over its K/V ``segments``: dQ, and its dK/dV exchange
+    posted."""
+    spec = sched.spec
+    B, d, hk = q.shape[0], spec.head_dim, bucket.kv.stop - bucket.kv.start
+    # dK/dV straight into the rank-major rows they are reduce-scattered from, where the
+    # kernels' GQA map is the bucket's (else they are folded over the expanded heads first)
+    into = None if bucket.kv_map else sched.kv.grads_into(B, hk, d, q.device)
+    segments = [(b, *expand_kv(k, v, bucket.kv_map)) for b, k, v in segments]
+    dq, grads = segments_backward(
+        sched.kernel, da, q, sched.q_spans, segments, a, lse, spec.scaling, spec.window, into,
+        sched.key_block,
+    )  # fmt: skip
+    del segments
+    if into is not None:
+        return (dq, *sched.kv.scatter_from(into))
+    grads = [tuple(fold_kv(t, bucket.kv_map, hk) for t in pair) for pair in grads]
+    return (dq, *sched.kv.scatter(grads))
