@@ -162,11 +162,11 @@ def _reduce_scatter_by_reduce(x: torch.Tensor, group: ProcessGroup, async_op: bo
     q (each reduce sums into its root's row; the other ranks' rows are scratch)."""
     D, p = size_and_rank(group)
     x = x.contiguous()
-    works = [reduce(x[q], q, group, async_op=True) for q in range(D)]
-    handle = _RowAfter(works, x, p, x.new_empty(x.shape[1:]))
+    out = x.new_empty(x.shape[1:])
+    handle = _RowAfter([reduce(x[q], q, group, async_op=True) for q in range(D)], x, p, out)
     if not async_op:
         handle.wait()
-    return handle._out, handle
+    return out, handle
 
 
 def _reduce_scatter_by_all_to_all(x: torch.Tensor, group: ProcessGroup, async_op: bool):
