@@ -108,7 +108,8 @@ def tsp_attention_forward(
 
     def project(r, w):
         norms = sched.norms_of(r, q_norm, k_norm)
-        return project_qkv(x, w, phases, *norms, spec, sched.stacked(w), adapters.u, rms)
+        q, kv, _ = project_qkv(x, w, phases, *norms, spec, sched.stacked(w), adapters.u, rms)
+        return q, kv  # the pre-norm projection is not kept: only the backward reads it
 
     for group in sched.projected_groups(own, project):
         r, w = group.r, group.w

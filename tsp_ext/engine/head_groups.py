@@ -149,7 +149,7 @@ class HeadGroup:
         self._handle.wait()
         kv_all, self._kv_all = self._kv_all, None
         self._drop_local_kv()
-        return self.sched.kv.segments(kv_all)
+        return self.sched.kv.segments(kv_all, self._in_place(self.buckets[0]))
 
     def bucket_kv(self):
         """Yield ``(bucket, segments)`` for each head bucket in turn: a single bucket's from
@@ -161,8 +161,14 @@ class HeadGroup:
         kv = self.projected[1]  # [B, 2hk, T, d]: K's heads, then V's
         hk = kv.shape[1] // 2
         for b in self.buckets:  # no reference to a bucket's K/V is kept here past its turn
-            yield b, self.sched.kv.segments(self._exchange(kv, hk, b.kv))
+            yield b, self.sched.kv.segments(self._exchange(kv, hk, b.kv), self._in_place(b))
         self._drop_local_kv()
+
+    def _in_place(self, bucket) -> bool:
+        """Whether the kernels read ``bucket``'s keys from the gathered rows as they lie
+        (``TokenOrderKV``): when they take keys a chunk at a time and the bucket's K/V heads are
+        theirs as gathered (no GQA expansion)."""
+        return self.sched.key_block and bucket.kv_map is None
 
     def _exchange(self, kv: torch.Tensor, hk: int, heads: slice):
         """The exchange of the local K/V heads ``heads`` (with their V heads), waited for."""

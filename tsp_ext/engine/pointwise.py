@@ -96,12 +96,17 @@ def inv_rms(xf: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 NORM_ROWS = 4096
-"""Rows (tokens) per tile of the RMSNorms' float32 work: at long context its float32 copies of
-``x``, ``x̂`` and the gradients exist for this many rows at a time, not for all ``S/D``."""
+"""Most rows (tokens) per tile of the RMSNorms' float32 work: at long context its float32
+copies of ``x``, ``x̂`` and the gradients exist for this many rows at a time, not for all
+``S/D``."""
+NORM_SPLIT = 8
+"""Fewest tiles of a norm over more than ``NORM_SPLIT * NORM_MIN_ROWS`` rows, so that the
+tiles' float32 temporaries stay a fraction of one ``[S/D, h]`` tensor at every length."""
+NORM_MIN_ROWS = 256
 
 
 def _row_tiles(n: int) -> list[slice]:
-    return _tiles(n, NORM_ROWS)
+    return _tiles(n, max(NORM_MIN_ROWS, min(NORM_ROWS, -(-n // NORM_SPLIT))))
 
 
 def normalize(
@@ -165,7 +170,7 @@ def rms_norm_backward(x, weight, r, dy, offset: float = 0.0) -> tuple[torch.Tens
             dw += (d_rows[c] * xn.to(x.dtype)).sum(0, dtype=torch.float32)
             g = (d_rows[c] * weight).float()
         dot = torch.linalg.vecdot(g, xn).unsqueeze(-1).div_(h)
-        dx[c] = torch.addcmul(g, xn, dot, value=-1).mul_(r_rows[c])
+        dx[c] = g.addcmul_(xn, dot, value=-1).mul_(r_rows[c])
     return dx.view(x.shape), dw.to(weight.dtype)
 
 
