@@ -20,6 +20,7 @@ Attention:
 - ``qkv``: one head group's Q/K/V projection, q/k norms, RoPE and their adjoint
 - ``qk_rms``: full-width q/k RMS norms (OLMo-2) across the head groups
 - ``kv_exchange``: a head group's K/V all-gather, its dK/dV reduce-scatter, shared KV heads' sums
+- ``key_stream``: a head bucket's K/V broadcast a zigzag chunk at a time, dK/dV reduced to owners
 - ``window``: sliding-window K/V exchange (only the keys a rank's queries see)
 - ``attention_backends``: fused attention kernels (CPU flash, CUDA flash / cuDNN / efficient,
   flash_attn, blockwise) behind one interface, and ``select_backend``

@@ -15,6 +15,7 @@ import torch
 from . import comm
 from .chunked_attention import segments_backward, segments_forward
 from .head_groups import HeadGroup
+from .key_stream import streamed_backward, streamed_forward
 from .kv_exchange import expand_kv, fold_kv
 from .masked_attention import masked_chunked_attention
 
@@ -23,25 +24,12 @@ def group_forward(group: HeadGroup, q: torch.Tensor, kv_sink=None, key_valid=Non
     """A head group's attention of ``q [B, T, n_q, d]`` (heads-major): ``A [B, T, n_q, d]`` and
     ``lse [B, n_q, T]``. ``kv_sink``, ``key_valid``: as in ``tsp_attention_forward``
     (inference, one bucket)."""
-    sched, spec = group.sched, group.sched.spec
     whole = len(group.buckets) == 1
     a = lse = None
-    for bucket, segments in group.bucket_kv():
-        if kv_sink is not None:  # a prefill: gathered all (``gather_all``, one bucket)
-            kv_sink(group.r, *segments[0][1:])
-        segments = [(b, *expand_kv(k, v, bucket.kv_map)) for b, k, v in segments]
+    for bucket, segments, local in group.bucket_kv():
         q_b = q if whole else q[:, :, bucket.q]
-        if key_valid is None:
-            a_b, lse_b = segments_forward(
-                sched.kernel, q_b, sched.q_spans, segments, spec.scaling, spec.window,
-                sched.key_block,
-            )  # fmt: skip
-        else:
-            _, k_all, v_all = segments[0]
-            a_b, lse_b = masked_chunked_attention(
-                q_b, sched.q_spans, k_all, v_all, key_valid, spec.scaling, spec.window
-            )
-        del segments  # before the next bucket's K/V arrive
+        a_b, lse_b = _bucket_forward(group, bucket, segments, local, q_b, kv_sink, key_valid)
+        del segments, local  # before the next bucket's K/V arrive
         if whole:
             return a_b, lse_b
         if a is None:
@@ -50,22 +38,44 @@ def group_forward(group: HeadGroup, q: torch.Tensor, kv_sink=None, key_valid=Non
     return a, lse
 
 
+def _bucket_forward(group: HeadGroup, bucket, segments, local, q, kv_sink, key_valid):
+    """One bucket's attention: its ``local`` K/V streamed (``engine.key_stream``), or over its
+    gathered ``segments`` (inference: handed to ``kv_sink``, padded keys masked)."""
+    sched, spec = group.sched, group.sched.spec
+    if local is not None:
+        return streamed_forward(
+            sched.kernel, q, sched.q_spans, local, sched.layout, sched.group, spec.scaling,
+            sched.options.overlap,
+        )  # fmt: skip
+    if kv_sink is not None:  # a prefill: gathered all (``gather_all``, one bucket)
+        kv_sink(group.r, *segments[0][1:])
+    segments = [(b, *expand_kv(k, v, bucket.kv_map)) for b, k, v in segments]
+    if key_valid is None:
+        return segments_forward(
+            sched.kernel, q, sched.q_spans, segments, spec.scaling, spec.window, sched.key_block
+        )
+    _, k_all, v_all = segments[0]
+    return masked_chunked_attention(
+        q, sched.q_spans, k_all, v_all, key_valid, spec.scaling, spec.window
+    )
+
+
 def group_backward(group: HeadGroup, q, da, a, lse):
     """The attention backward of a head group (``q, da, a [B, T, n_q, d]``, ``lse [B, n_q,
     T]``): ``(dq, dkv [B, 2 n_kv, T, d], handle)``, the dK/dV exchange posted (one bucket) or
     done (buckets, each waited for before the next bucket's K/V arrive)."""
     if len(group.buckets) == 1:
-        ((bucket, segments),) = group.bucket_kv()
-        return _bucket_backward(group.sched, bucket, segments, q, da, a, lse)
+        ((bucket, segments, local),) = group.bucket_kv()
+        return _bucket_backward(group.sched, bucket, segments, local, q, da, a, lse)
     hk = group.sched.spec.n_kv(group.r)
     dq, dkv = torch.empty_like(q), None
-    for bucket, segments in group.bucket_kv():
+    for bucket, segments, local in group.bucket_kv():
         rows = bucket.q
         dq_b, dkv_b, handle = _bucket_backward(
-            group.sched, bucket, segments, q[:, :, rows], da[:, :, rows], a[:, :, rows],
+            group.sched, bucket, segments, local, q[:, :, rows], da[:, :, rows], a[:, :, rows],
             lse[:, rows],
         )  # fmt: skip
-        del segments
+        del segments, local
         handle.wait()
         if dkv is None:
             dkv = dkv_b.new_empty(dkv_b.shape[0], 2 * hk, *dkv_b.shape[2:])
@@ -75,10 +85,16 @@ def group_backward(group: HeadGroup, q, da, a, lse):
     return dq, dkv, comm.Pending(())
 
 
-def _bucket_backward(sched, bucket, segments, q, da, a, lse):
-    """One bucket's attention backward over its K/V ``segments``: dQ, and its dK/dV exchange
-    posted."""
+def _bucket_backward(sched, bucket, segments, local, q, da, a, lse):
+    """One bucket's attention backward over its K/V ``segments`` (or its ``local`` K/V
+    streamed): dQ, and its dK/dV exchange posted (streamed: done)."""
     spec = sched.spec
+    if local is not None:
+        dq, dkv = streamed_backward(
+            sched.kernel, da, q, sched.q_spans, local, a, lse, sched.layout, sched.group,
+            spec.scaling, sched.acc, sched.options.overlap,
+        )  # fmt: skip
+        return dq, dkv, comm.Pending(())
     B, d, hk = q.shape[0], spec.head_dim, bucket.kv.stop - bucket.kv.start
     # dK/dV straight into the rank-major rows they are reduce-scattered from, where the
     # kernels' GQA map is the bucket's (else they are folded over the expanded heads first)

@@ -16,7 +16,7 @@ import torch
 from . import comm
 from .adapters import AttentionAdapters
 from .attention_backends import select_backend
-from .heads import AttentionSpec
+from .heads import AttentionSpec, HeadBucket
 from .kv_exchange import KVExchange
 from .layout import ZigzagLayout
 from .lora import LoraPlan
@@ -65,6 +65,12 @@ class AttentionCall:
             options.attn_backend, x.device, x.dtype, options.attn_block, spec.head_dim, repeating
         )
 
+    def streams(self, bucket: HeadBucket) -> bool:
+        """Whether ``bucket``'s K/V stream past a chunk at a time (``engine.key_stream``)
+        rather than being all-gathered: with head buckets, in one causal stream or packed
+        documents without a sliding window, where the bucket's GQA map is the kernels'."""
+        return self.key_block and self.spec.window is None and bucket.kv_map is None
+
     def shapes(self, r: int, own: dict[str, torch.Tensor], names) -> list[torch.Size]:
         """Shapes of group ``r``'s shards ``names`` (every rank computes them from the spec and
         its own adapter pieces' ranks)."""
@@ -107,7 +113,7 @@ class AttentionCall:
             r, w = item
             projected = project(r, w)
             buckets = self.spec.buckets(r, self.bucket_size)
-            if len(buckets) > 1:  # each bucket's exchange is posted when it is attended
+            if len(buckets) > 1 or self.streams(buckets[0]):  # exchanged when attended
                 return HeadGroup(self, r, w, projected, buckets, None, None)
             return HeadGroup(self, r, w, projected, buckets, *self.kv.gather(projected[1]))
 
@@ -149,33 +155,31 @@ class HeadGroup:
         self._handle.wait()
         kv_all, self._kv_all = self._kv_all, None
         self._drop_local_kv()
-        return self.sched.kv.segments(kv_all, self._in_place(self.buckets[0]))
+        return self.sched.kv.segments(kv_all)
 
     def bucket_kv(self):
-        """Yield ``(bucket, segments)`` for each head bucket in turn: a single bucket's from
-        ``kv()``; else each bucket's K/V heads exchanged when its turn comes (the previous
-        bucket's segments are dropped by the caller first)."""
-        if len(self.buckets) == 1:
-            yield self.buckets[0], self.kv()
+        """Yield ``(bucket, segments, local)`` for each head bucket in turn: for a streamed
+        bucket (``AttentionCall.streams``) its local K/V rows ``[B, 2n, T, d]`` (K's heads, then
+        V's; segments None), for any other its segments (local None): a single bucket's from
+        ``kv()``, else each bucket's K/V exchanged when its turn comes (the previous bucket's
+        are dropped by the caller first)."""
+        if self._handle is not None:
+            yield self.buckets[0], self.kv(), None
             return
         kv = self.projected[1]  # [B, 2hk, T, d]: K's heads, then V's
         hk = kv.shape[1] // 2
         for b in self.buckets:  # no reference to a bucket's K/V is kept here past its turn
-            yield b, self.sched.kv.segments(self._exchange(kv, hk, b.kv), self._in_place(b))
+            rows = kv
+            if b.kv != slice(0, hk):
+                rows = torch.cat([kv[:, b.kv], kv[:, hk + b.kv.start : hk + b.kv.stop]], dim=1)
+            if self.sched.streams(b):
+                yield b, None, rows
+                continue
+            gathered, handle = self.sched.kv.gather(rows)
+            del rows
+            handle.wait()
+            yield b, self.sched.kv.segments(gathered), None
         self._drop_local_kv()
-
-    def _in_place(self, bucket) -> bool:
-        """Whether the kernels read ``bucket``'s keys from the gathered rows as they lie
-        (``TokenOrderKV``): when they take keys a chunk at a time and the bucket's K/V heads are
-        theirs as gathered (no GQA expansion)."""
-        return self.sched.key_block and bucket.kv_map is None
-
-    def _exchange(self, kv: torch.Tensor, hk: int, heads: slice):
-        """The exchange of the local K/V heads ``heads`` (with their V heads), waited for."""
-        rows = torch.cat([kv[:, heads], kv[:, hk + heads.start : hk + heads.stop]], dim=1)
-        gathered, handle = self.sched.kv.gather(rows)
-        handle.wait()
-        return gathered
 
     def _drop_local_kv(self) -> None:
         self.projected = (self.projected[0], None, *self.projected[2:])

@@ -38,29 +38,6 @@ def _pieces(layout: ZigzagLayout, keys: slice) -> list[tuple[int, slice, slice]]
     return out
 
 
-class TokenOrderKV:
-    """K (or V) of all S keys indexed in token order, read from the gathered rank-major rows
-    ``rows [D, B, hk, T, d]`` without laying them out again: ``kv[:, keys]`` (``keys`` a slice
-    of positions) is a ``[B, L, hk, d]`` view (heads-major) of the zigzag chunk that holds
-    them, or the concatenation of the chunks' pieces for a range across chunks; ``kv[b0:b1]``
-    the same for batch rows ``b0:b1``. For kernels that take keys a chunk at a time
-    (``key_block``), where ``natural_kv``'s copy of all S keys would be wasted."""
-
-    def __init__(self, layout: ZigzagLayout, rows: torch.Tensor) -> None:
-        self.layout, self.rows = layout, rows
-        D, B, hk, T, d = rows.shape
-        self.shape = torch.Size((B, D * T, hk, d))
-        self.dtype, self.device = rows.dtype, rows.device
-
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return TokenOrderKV(self.layout, self.rows[:, index])
-        batch, keys = index
-        parts = [self.rows[q, batch, :, rows] for q, rows, _ in _pieces(self.layout, keys)]
-        block = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
-        return block.transpose(1, 2)
-
-
 class RankMajorGrads:
     """dK and dV of all S keys accumulated where the reduce-scatter sends them from: ``buf [D, B,
     2hk, T, d]`` (rank q's rows, K's heads then V's; the accumulation dtype). A key range in
@@ -121,23 +98,9 @@ class KVExchange:
             return comm.all_gather_seq(kv, self.group, async_op=True)
         return self.window.gather(kv, self.group)
 
-    def segments(
-        self, gathered, in_place: bool = False
-    ) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    def segments(self, gathered) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         """K/V segments ``(base, K, V [B, L, hk, d])`` of what arrived (heads-major): one of
-        all S keys from the all-gather (``natural_kv``; ``in_place``: ``TokenOrderKV`` views of
-        the gathered rows), or the window's key ranges."""
-        if self.window is None and in_place:
-            hk = gathered.shape[2] // 2
-            return [
-                (
-                    0,
-                    *(
-                        TokenOrderKV(self.layout, gathered[:, :, h])
-                        for h in (slice(0, hk), slice(hk, 2 * hk))
-                    ),
-                )
-            ]
+        all S keys from the all-gather (``natural_kv``), or the window's key ranges."""
         if self.window is None:
             return [(0, *self.natural_kv(gathered))]
         return [(base, *split_kv(kv)) for base, kv in gathered.segments()]
