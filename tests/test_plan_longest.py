@@ -239,9 +239,9 @@ def test_longest_lengths_within_20_percent_of_benchmarks_maxlen():
     """The planner's longest S for the harness's tiny Llama (float32, 64 MiB per rank) against
     what ``benchmarks.maxlen`` measured (docs/benchmarks/maxlen_cpu.json), and the docs' table
     of both. The planner models a GPU rank (fitted within 5% to the emulated 8B and 70B ranks);
-    on these CPU runs TSP's measured working set is 7-9% above it per token (gloo's collectives
-    and the CPU allocator, which it does not model), so its longest S is optimistic by up to 19%
-    here (15% before head buckets, whose savings it counts in full)."""
+    it counts a head bucket's K/V and dK/dV over all S tokens, which the engine streams a chunk
+    at a time (pessimistic for TSP: 17% short at D = 4), and not gloo's collectives and the CPU
+    allocator (optimistic for TSP: 5% long at D = 2)."""
     runs = json.loads((RESULTS / "maxlen_cpu.json").read_text())
     rows = {(r[0], int(r[1])): r[2:] for r in table("docs/planner.md", "| layout | D | measured")}
     for run in runs:

@@ -68,7 +68,7 @@ def _rows(q_spans: Sequence[Span] | RowSpans, B: int) -> list[tuple[slice, Seque
     return [(slice(0, B), q_spans)]
 
 
-def _pieces(spans: Sequence[Span], j: int, c: int) -> list[tuple[slice, slice, str]]:
+def _chunk_pieces(spans: Sequence[Span], j: int, c: int) -> list[tuple[slice, slice, str]]:
     """The key pieces of ``spans`` that lie in chunk ``j``: ``(query rows, keys relative to the
     chunk, mask)``. A span lies in one chunk, so its causal diagonal is never cut."""
     lo_j, hi_j = j * c, (j + 1) * c
@@ -104,7 +104,7 @@ def streamed_forward(
     for j, kv_j in _stream(kv, layout, group, ahead):
         k, v = split_kv(kv_j)
         for b, spans in _rows(q_spans, B):
-            for rows, keys, mask in _pieces(spans, j, layout.chunk):
+            for rows, keys, mask in _chunk_pieces(spans, j, layout.chunk):
                 o, l = _forward(kernel, q[b, rows], k[b, keys], v[b, keys], scale, mask)
                 merged, l_m = merge_partials(
                     [(acc[b, rows], lse[b, :, rows].transpose(1, 2)), (o, l.transpose(1, 2))]
@@ -140,7 +140,7 @@ def streamed_backward(
         g = torch.zeros(kv_j.shape, dtype=acc, device=kv_j.device)  # the chunk's dK, dV
         dk, dv = split_kv(g)
         for b, spans in _rows(q_spans, B):
-            for rows, keys, mask in _pieces(spans, j, c):
+            for rows, keys, mask in _chunk_pieces(spans, j, c):
                 o, l = out[b, rows], lse[b, :, rows].contiguous()
                 g_q, g_k, g_v = _backward(
                     kernel, dout[b, rows], q[b, rows], k[b, keys], v[b, keys], o, l, scale, mask
