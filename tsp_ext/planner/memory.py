@@ -132,10 +132,10 @@ def tsp_layer_working(m: ModelShape, w: Workload, D: int) -> float:
     two phases, plus the weight shards and their float32 gradient accumulators (double-buffered
     with ``overlap``). Attention: the output gradient, the float32 input-gradient accumulator,
     the normed input rebuilt from its norm's input, the head group's local projections, and
-    for one head bucket over all S tokens (``head_bucket`` KV heads, or the group's) its K/V in
-    token order and the float32 dK/dV accumulated in the rank-major layout they are
-    reduce-scattered from, and one kernel call's key gradients (a query chunk's earlier keys;
-    with head buckets a chunk's length of them). MLP: the output
+    the group's K/V of all S tokens in token order with their float32 dK/dV accumulated in the
+    rank-major layout they are reduce-scattered from and one kernel call's key gradients (a
+    query chunk's earlier keys); with ``head_bucket``, one bucket's K/V and dK/dV of one zigzag
+    chunk at a time (``engine.key_stream``) and its float32 dK/dV rows. MLP: the output
     gradient, the float32 accumulator, the normed input (rebuilt tile by tile without
     ``overlap``), one tile's intermediates. ``full``: the recomputed layer's saved tensors (its
     input back from the host when offloaded; the MLP's norm input is freed before the
@@ -150,13 +150,16 @@ def tsp_layer_working(m: ModelShape, w: Workload, D: int) -> float:
     shard = max(_layer_params(m, nh, nkv, 0) - m.num_experts * h, 3 * h * tsp_mlp_columns(m, D))
     tile = B * T if w.mlp_tile is None else min(w.mlp_tile, B * T)
     local = B * T * (2 * nh + 2 * nkv) * d  # q, k, v and dA of the group's heads
-    gathered = 2 * B * T * D * bucket * d  # one bucket's K/V, all S tokens
-    # a kernel call's key gradients: all earlier keys, or with head buckets a chunk's (T/2)
-    keys = gathered * b if w.head_bucket is None else B * T * bucket * d * b
-    # dQ; the RoPE tables and
-    # their conjugate phases (complex64)
+    if w.head_bucket is None:  # the group's K/V all-gathered, float32 dK/dV of all S tokens
+        gathered = 2 * B * T * D * nkv * d
+        keys = gathered * (2 * b + acc)  # + a kernel call's key gradients: all earlier keys
+    else:  # streamed a chunk (T/2 tokens) at a time: one chunk's K/V (two with overlap) and
+        # float32 dK/dV, its kernel calls' key gradients, this rank's float32 dK/dV rows
+        chunk = B * T * bucket * d
+        keys = chunk * ((1 + w.overlap) * b + acc + b) + 2 * chunk * acc
+    # dQ; the RoPE tables and their conjugate phases (complex64)
     queries = B * T * nh * d * b + B * T * d * (2 * b + 4)
-    attention = B * T * h * (2 * b + acc) + local * b + gathered * (b + acc) + keys + queries
+    attention = B * T * h * (2 * b + acc) + local * b + keys + queries
     mlp = B * T * h * (b + acc + b * w.overlap) + 6 * tile * F / D * b
     extra = 0.0
     if w.recompute == "full":
