@@ -21,15 +21,15 @@ from torch import Tensor
 from . import comm
 from .attention_backends import AttentionKernel
 from .chunked_attention import _backward, _blocks, _forward
-from .layout import RowSpans, Span, ZigzagLayout
+from .layout import RowSpans, Span, ZigzagLayout, chunk_owner
 from .lse import merge_partials, stats_dtype
 from .qkv import split_kv
 
 
 def _owner(layout: ZigzagLayout, j: int) -> tuple[int, int]:
     """``(rank, local row)`` where chunk ``j`` starts."""
-    D, c = layout.size, layout.chunk
-    return (j, 0) if j < D else (2 * D - 1 - j, c)
+    rank, slot = chunk_owner(j, layout.size)
+    return rank, slot * layout.chunk
 
 
 def _stream(kv: Tensor, layout: ZigzagLayout, group, ahead: bool) -> Iterator[tuple[int, Tensor]]:

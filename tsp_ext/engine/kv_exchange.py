@@ -16,7 +16,7 @@ import torch
 
 from . import comm
 from .heads import AttentionSpec
-from .layout import ZigzagLayout
+from .layout import ZigzagLayout, chunk_owner
 from .qkv import split_kv
 from .window import WindowExchange
 
@@ -31,7 +31,8 @@ def _pieces(layout: ZigzagLayout, keys: slice) -> list[tuple[int, slice, slice]]
     c, D = layout.chunk, layout.size
     out = []
     for j in range(keys.start // c, -(-keys.stop // c)):
-        q, offset = (j, 0) if j < D else (2 * D - 1 - j, c)  # rank j's first chunk or 2D-1-j's last
+        q, slot = chunk_owner(j, D)
+        offset = slot * c
         lo, hi = max(j * c, keys.start), min((j + 1) * c, keys.stop)
         rows = slice(offset + lo - j * c, offset + hi - j * c)
         out.append((q, rows, slice(lo - keys.start, hi - keys.start)))

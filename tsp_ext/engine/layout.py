@@ -36,6 +36,11 @@ class Span:
         return self.start + self.length
 
 
+def chunk_owner(j: int, D: int) -> tuple[int, int]:
+    """``(rank, slot)`` holding global chunk j of the zigzag layout (slot 0: first local chunk)."""
+    return (j, 0) if j < D else (2 * D - 1 - j, 1)
+
+
 @dataclass(frozen=True)
 class RowSpans:
     """Query spans that differ between batch rows (packed rows with different documents):

@@ -13,6 +13,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from . import comm
+from .layout import chunk_owner
 
 
 class _Gather(torch.autograd.Function):
@@ -39,11 +40,6 @@ def exchange_states(cm: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """All-gather this rank's two chunks' transitions ``cm [2, B, H, dk, dv + dk]`` (``[C | M]``)
     -> ``[D, 2, B, H, dk, dv + dk]``."""
     return gather(cm, group)
-
-
-def chunk_owner(j: int, D: int) -> tuple[int, int]:
-    """``(rank, slot)`` holding global chunk j of the zigzag layout (slot 0: first local chunk)."""
-    return (j, 0) if j < D else (2 * D - 1 - j, 1)
 
 
 def compose(
