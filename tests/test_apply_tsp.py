@@ -26,7 +26,8 @@ TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 # padding; windowed layers run at S = 5-10x their window. Variants: "" vocab-sharded (the
 # default) with a loss block smaller than the local tokens; "pad_id" with an embedding padding
 # row; "replicated" with TSPConfig(shard_vocab=False); "lean" without overlap, layers recomputed
-# (the longest-context options)
+# (the longest-context options); "buckets" with 4 KV heads projected and attended one KV head at
+# a time (``head_bucket=1``): biases and full-width q/k norms cut to a bucket
 CASES = [
     ("llama", torch.float64, 2, 21, 0, ""),
     ("llama_tied", torch.float64, 2, 16, 3, ""),
@@ -41,6 +42,8 @@ CASES = [
     ("gemma3", torch.float64, 2, 26, 3, ""),
     ("phi3", torch.float64, 2, 21, 2, ""),
     ("olmo2", torch.float64, 2, 22, 3, ""),
+    ("olmo2", torch.float64, 2, 22, 3, "buckets"),
+    ("qwen2", torch.float64, 2, 24, 5, "buckets"),
     ("llama", torch.float32, 2, 24, 0, ""),
     ("qwen2", torch.float32, 1, 21, 0, ""),
     ("llama", torch.float64, 2, 21, 0, "replicated"),
@@ -51,6 +54,10 @@ VARIANTS = {
     "pad_id": ({"pad_token_id": 3}, TSPConfig(loss_chunk=5)),
     "replicated": ({}, TSPConfig(shard_vocab=False)),
     "lean": ({}, TSPConfig(overlap=False, checkpoint_layers=True, loss_chunk=5)),
+    "buckets": (
+        {"num_key_value_heads": 4},
+        TSPConfig(overlap=False, checkpoint_layers=True, head_bucket=1, loss_chunk=5),
+    ),
 }
 
 

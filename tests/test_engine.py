@@ -167,6 +167,31 @@ def test_head_buckets_cover_a_group_with_a_remainder():
     assert spec.buckets(0, None) == spec.buckets(0, 3) == spec.buckets(0, 7)
 
 
+def test_a_bucket_cuts_the_group_shards_to_its_heads():
+    """``HeadBucket.shards`` and ``AttentionSpec.part``: group 1 of 8 query / 4 KV heads at D = 2
+    (q 4-7, kv 2-3), its second bucket of one KV head: q heads 6-7, kv head 3, as rows of q/k/v
+    and the gate, columns of o (head_dim 2)."""
+    from tsp_ext.engine.heads import AttentionSpec
+
+    spec = AttentionSpec(16, 8, 4, 2, tsp_size=2, scaling=1.0)
+    bucket = spec.buckets(1, 1)[1]
+    part = spec.part(1, bucket)
+    assert (part.q, part.kv, part.q_rows, part.kv_rows) == (
+        slice(6, 8), slice(3, 4), slice(12, 16), slice(6, 8),
+    )  # fmt: skip
+    rows = {"wq": 8, "wg": 8, "wk": 4, "wv": 4, "bq": 8, "bk": 4}
+    w = {n: torch.arange(r * 16.0).view(r, 16) if n[0] == "w" else torch.arange(r * 1.0)
+         for n, r in rows.items()}  # fmt: skip
+    w["wo"] = torch.arange(16 * 8.0).view(16, 8)
+    cut = bucket.shards(w, spec.head_dim)
+    for n in ("wq", "wg", "bq"):
+        assert torch.equal(cut[n], w[n][4:8])
+    for n in ("wk", "bk"):
+        assert torch.equal(cut[n], w[n][2:4])
+    assert torch.equal(cut["wo"], w["wo"][:, 4:8])
+    assert bucket.whole() == (slice(0, 1), slice(0, 2), None)
+
+
 def test_cpu_backends_are_covered():
     assert {"blockwise", "cpu_flash"} <= set(BACKENDS)
 

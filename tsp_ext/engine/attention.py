@@ -43,7 +43,7 @@ import torch
 from . import comm
 from .group_attention import group_backward, group_forward
 from .head_groups import AttentionCall, HeadGroup
-from .heads import AttentionSpec
+from .heads import AttentionSpec, HeadPart
 from .kv_exchange import heads_major as heads_major  # noqa: F401  (re-exported)
 from .kv_exchange import share_kv
 from .layout import RowSpans, Span
@@ -106,22 +106,21 @@ def tsp_attention_forward(
     lse_all = None
     adapters = sched.adapters.forward(x, lora_a, own, sched.acc)  # their terms apart from W's
 
-    def project(r, w):
-        norms = sched.norms_of(r, q_norm, k_norm)
+    def project(part, w):
+        norms = sched.norms_of(part, q_norm, k_norm)
         q, kv, _ = project_qkv(x, w, phases, *norms, spec, sched.stacked(w), adapters.u, rms)
         return q, kv  # the pre-norm projection is not kept: only the backward reads it
 
     for group in sched.projected_groups(own, project):
-        r, w = group.r, group.w
+        r, w, heads = group.r, group.w, group.part.q
         q = group.projected[0]  # heads-major already
         a, lse = group_forward(group, q, kv_sink, key_valid)
         del group
         if sinks is not None:  # A and lse with the sink, as kept for backward
-            a, lse = add_sink(a, lse, sinks[spec.q_heads(r)])
+            a, lse = add_sink(a, lse, sinks[heads])
         if keep:
             if lse_all is None:
                 lse_all = lse.new_empty(B, spec.n_heads, T)
-            heads = spec.q_heads(r)
             a_all[:, heads], lse_all[:, heads] = a.transpose(1, 2), lse
         if spec.output_gate:  # Qwen3-Next: A · sigmoid(X · Wg_rᵀ), per head and dim
             a = a * torch.sigmoid(torch.nn.functional.linear(x, w["wg"])).view(a.shape)
@@ -152,7 +151,7 @@ class _Attended(NamedTuple):
     """A group whose attention backward is done and whose projection backward is not: what
     ``_Backward.finish`` takes once the dK/dV exchange ``handle`` has landed in ``dkv``."""
 
-    r: int
+    part: HeadPart
     w: dict[str, torch.Tensor]
     weight: tuple  # ``qkv.stacked_weights`` of ``w``, as recomputed
     lin: torch.Tensor | None  # the recomputed projection (kept only for q/k norms)
@@ -188,22 +187,22 @@ class _Backward:
         """X_p: kept with ``overlap``, else rebuilt for each use."""
         return self.kept_x if self.kept_x is not None else from_saved(*self.saved_x)
 
-    def recompute(self, r, w):
-        """Q, K, V of group r from the saved X_p, its projection (only q/k norms read it: None
-        without them, so that it is not kept) and its stacked weights."""
+    def recompute(self, part, w):
+        """Q, K, V of ``part``'s heads from the saved X_p, their projection (only q/k norms read
+        it: None without them, so that it is not kept) and their stacked weights."""
         sched = self.sched
         weight = sched.stacked(w)
-        norms = sched.norms_of(r, *self.norms)
+        norms = sched.norms_of(part, *self.norms)
         q, kv, lin = project_qkv(
             self.x_p(), w, self.phases, *norms, sched.spec, weight, self.adapters.u_term, self.rms
         )
         return q, kv, lin if self.norms[0] is not None else None, weight
 
     def attend(self, group: HeadGroup) -> _Attended:
-        """Group r's attention backward, its dK/dV exchange posted."""
-        sched, spec, r, w = self.sched, self.sched.spec, group.r, group.w
+        """Group r's (or one of its buckets') attention backward, its dK/dV exchange posted."""
+        sched, spec, r, w, part = self.sched, self.sched.spec, group.r, group.w, group.part
+        heads = part.q
         # while K/V travel: dA = dY_p · Wo_r ;  dWo_r (partial) = dY_pᵀ · A_r
-        heads = spec.q_heads(r)
         a = self.a_all[:, heads]  # [B, n_q(r), T, d]
         gate = self.gate(w, a) if spec.output_gate else None
         a_out = a if gate is None else a * gate
@@ -219,7 +218,7 @@ class _Backward:
         lse, da, a = self.lse_all[:, heads], da.transpose(1, 2), a.transpose(1, 2)
         dq, dkv, handle = group_backward(group, q, da, a, lse)
         del group
-        return _Attended(r, w, weight, lin, dq, dkv, handle, d_out)
+        return _Attended(part, w, weight, lin, dq, dkv, handle, d_out)
 
     def gate(self, w, a: torch.Tensor) -> torch.Tensor:
         """The output gate ``sigmoid(X_p · Wg_rᵀ)`` of group r, heads-major like ``a``."""
@@ -245,41 +244,52 @@ class _Backward:
         dk, dv = split_kv(g.dkv.to(self.dy.dtype))
         grads, gn, d_lin = project_qkv_backward(
             g.dq, dk, dv, self.x_p(), g.w, g.weight, g.lin, self.inverse,
-            *sched.norms_of(g.r, *self.norms), sched.spec, sched.acc, sched.trainable,
+            *sched.norms_of(g.part, *self.norms), sched.spec, sched.acc, sched.trainable,
             self.adapters.u, self.rms,
         )  # fmt: skip
-        self.add_norms(g.r, gn)
+        self.add_norms(g.part, gn)
         grads.update(g.d_out)
         if self.names:
             buf = comm.pack([grads[n] for n in self.names], sched.acc)
-            self.reductions.append((g.r, buf, comm.reduce(buf, g.r, sched.group, async_op=True)))
+            handle = comm.reduce(buf, g.part.r, sched.group, async_op=True)
+            self.reductions.append((g.part, buf, handle))
         stacked, _, lora = g.weight
         add_matmul(self.dx.view(-1, self.dx.shape[-1]), d_lin, stacked)  # while dW_r travels
         self.adapters.projection_backward(d_lin, lora)
 
-    def add_norms(self, r: int, gn) -> None:
-        """Add group r's q/k norm gradients: per-head ones, or its slices of full-width ones
-        followed by ``d(rq), d(rk)``."""
+    def add_norms(self, part: HeadPart, gn) -> None:
+        """Add the q/k norm gradients of ``part``'s heads: per-head ones, or their slices of
+        full-width ones followed by ``d(rq), d(rk)``."""
         if gn is None:
             return
         if not self.sched.spec.qk_norm_full:
             self.d_norm = gn if self.d_norm is None else [a + b for a, b in zip(self.d_norm, gn)]
             return
-        spec = self.sched.spec
         if self.d_norm is None:
             self.d_norm = [torch.zeros_like(t, dtype=self.sched.acc) for t in self.norms] + [0, 0]
-        self.d_norm[0][spec.q_rows(r)] += gn[0]
-        self.d_norm[1][spec.kv_rows(r)] += gn[1]
+        self.d_norm[0][part.q_rows] += gn[0]
+        self.d_norm[1][part.kv_rows] += gn[1]
         self.d_norm[2:] = [a + b for a, b in zip(self.d_norm[2:], gn[2:])]
 
     def collect(self, keep: int) -> None:
-        """Wait for all but the last ``keep`` reductions; keep this rank's own sum."""
+        """Wait for all but the last ``keep`` reductions; keep this rank's own sum (a bucket's
+        into its rows of the shards' gradients)."""
+        d = self.sched.spec.head_dim
         while len(self.reductions) > keep:
-            r, buf, handle = self.reductions.pop(0)
+            part, buf, handle = self.reductions.pop(0)
             handle.wait()
-            if r == self.sched.p:
+            if part.r != self.sched.p:
+                continue
+            if part.bucket is None:
                 shapes = [self.own[n].shape for n in self.names]
                 self.d_own.update(zip(self.names, comm.unpack(buf, shapes)))
+                continue
+            at = [part.bucket.index(n, d) for n in self.names]
+            shapes = [self.own[n][i].shape for n, i in zip(self.names, at)]
+            for n, i, g in zip(self.names, at, comm.unpack(buf, shapes)):
+                if n not in self.d_own:
+                    self.d_own[n] = g.new_empty(self.own[n].shape)
+                self.d_own[n][i] = g
 
     def run(self) -> AttentionGrads:
         sched = self.sched

@@ -16,7 +16,7 @@ import torch
 from . import comm
 from .adapters import AttentionAdapters
 from .attention_backends import select_backend
-from .heads import AttentionSpec, HeadBucket
+from .heads import AttentionSpec, HeadBucket, HeadPart
 from .kv_exchange import KVExchange
 from .layout import ZigzagLayout
 from .lora import LoraPlan
@@ -103,48 +103,71 @@ class AttentionCall:
         receiver merges them)."""
         return stacked_weights(w, self.spec.head_dim, self.adapters.qkv_merge, self.spec.rotary)
 
+    def projects_buckets(self, buckets: list[HeadBucket]) -> bool:
+        """Whether a group of several head ``buckets`` is projected bucket by bucket too (each
+        bucket's Q/K/V, dA, dQ and dK/dV made and consumed before the next one's): where every
+        bucket streams its K/V and no LoRA adapter joins the projections."""
+        plan = self.adapters.plan
+        adapted = bool(plan.inputs) or plan.output is not None
+        return len(buckets) > 1 and all(map(self.streams, buckets)) and not adapted
+
     def projected_groups(self, own: dict[str, torch.Tensor], project: Callable):
-        """Yield ``HeadGroup``s r = 0..D-1: W_r, ``project(r, W_r)`` (a tuple starting ``q, k,
-        v``) and the K/V exchange of group r in flight. With ``overlap``, group r+1 is projected
-        and its exchange posted before group r is yielded, so the caller's attention of group r
-        hides it."""
+        """Yield ``HeadGroup``s r = 0..D-1 (or, ``projects_buckets``, each of group r's buckets
+        in turn): W_r (cut to the bucket), ``project(part, W)`` (a tuple starting ``q, k, v``)
+        and the K/V exchange of group r in flight. With ``overlap``, the next one is projected
+        and its exchange posted before this one is yielded, so the caller's attention hides
+        it."""
 
-        def start(item: tuple[int, dict[str, torch.Tensor]]) -> HeadGroup:
-            r, w = item
-            projected = project(r, w)
-            buckets = self.spec.buckets(r, self.bucket_size)
+        def parts():
+            for r, w in self.weight_stream(own):
+                buckets = self.spec.buckets(r, self.bucket_size)
+                if not self.projects_buckets(buckets):
+                    yield self.spec.part(r), w, buckets
+                    continue
+                for b in buckets:
+                    yield self.spec.part(r, b), b.shards(w, self.spec.head_dim), [b.whole()]
+
+        def start(item) -> HeadGroup:
+            part, w, buckets = item
+            projected = project(part, w)
             if len(buckets) > 1 or self.streams(buckets[0]):  # exchanged when attended
-                return HeadGroup(self, r, w, projected, buckets, None, None)
-            return HeadGroup(self, r, w, projected, buckets, *self.kv.gather(projected[1]))
+                return HeadGroup(self, part, w, projected, buckets, None, None)
+            return HeadGroup(self, part, w, projected, buckets, *self.kv.gather(projected[1]))
 
-        stream = self.weight_stream(own)
-        nxt = start(next(stream))
-        for r in range(self.D):
+        stream = parts()
+
+        def start_next() -> HeadGroup | None:
+            item = next(stream, None)
+            return None if item is None else start(item)
+
+        nxt = start_next()
+        while nxt is not None:
             cur, nxt = nxt, None
-            if r + 1 < self.D and self.options.overlap:
-                nxt = start(next(stream))
+            if self.options.overlap:
+                nxt = start_next()
             yield cur
-            del cur  # without overlap, group r's buffers go before group r+1's are made
-            if r + 1 < self.D and not self.options.overlap:
-                nxt = start(next(stream))
+            del cur  # without overlap, this one's buffers go before the next one's are made
+            if not self.options.overlap:
+                nxt = start_next()
 
-    def norms_of(self, r: int, q_norm, k_norm):
-        """The q/k norm weights group ``r`` uses: the per-head ones, or its slices of full-width
-        ones (``spec.qk_norm_full``)."""
+    def norms_of(self, part: HeadPart, q_norm, k_norm):
+        """The q/k norm weights ``part``'s heads use: the per-head ones, or their slices of
+        full-width ones (``spec.qk_norm_full``)."""
         if q_norm is None or not self.spec.qk_norm_full:
             return q_norm, k_norm
-        return q_norm[self.spec.q_rows(r)], k_norm[self.spec.kv_rows(r)]
+        return q_norm[part.q_rows], k_norm[part.kv_rows]
 
 
 class HeadGroup:
-    """One head group in flight: ``r``, its weights ``w``, the caller's ``projected`` tuple, its
+    """One head group (or, ``AttentionCall.projects_buckets``, one of its buckets) in flight:
+    its heads ``part`` (``r = part.r``), its weights ``w``, the caller's ``projected`` tuple, its
     head ``buckets`` (``AttentionSpec.buckets``) and, for a single bucket, its K/V exchange in
     flight (``kv()`` waits for it)."""
 
     def __init__(
-        self, sched: AttentionCall, r: int, w, projected: tuple, buckets, kv_all, handle
+        self, sched: AttentionCall, part: HeadPart, w, projected: tuple, buckets, kv_all, handle
     ) -> None:
-        self.sched, self.r, self.w, self.projected = sched, r, w, projected
+        self.sched, self.part, self.r, self.w, self.projected = sched, part, part.r, w, projected
         self.buckets = buckets
         self._kv_all, self._handle = kv_all, handle
 

@@ -24,6 +24,36 @@ class HeadBucket(NamedTuple):
     q: slice
     kv_map: list[int] | None
 
+    def index(self, name: str, d: int) -> tuple[slice, ...]:
+        """Where this bucket's part of group shard ``name`` lies: rows of its KV heads in
+        k/v's weights and biases, rows of its query heads in q's and the output gate's,
+        columns of its query heads in ``wo``."""
+        heads = self.kv if name[1] in "kv" else self.q
+        rows = slice(heads.start * d, heads.stop * d)
+        return (slice(None), rows) if name == "wo" else (rows,)
+
+    def shards(self, w: dict, d: int) -> dict:
+        """Group shards ``w`` (``wq, wk, wv, wo``, biases, gate) cut to this bucket (views)."""
+        return {n: t[self.index(n, d)] for n, t in w.items()}
+
+    def whole(self) -> HeadBucket:
+        """This bucket as the single bucket of its own heads."""
+        n_kv, n_q = self.kv.stop - self.kv.start, self.q.stop - self.q.start
+        return HeadBucket(slice(0, n_kv), slice(0, n_q), self.kv_map)
+
+
+class HeadPart(NamedTuple):
+    """The heads one pass of the attention schedule projects and attends: all of group ``r``
+    (``bucket`` None) or one of its head buckets; ``q``, ``kv``: their global query and KV
+    heads, ``q_rows``, ``kv_rows``: their rows of q_proj, and of k_proj / v_proj."""
+
+    r: int
+    bucket: HeadBucket | None
+    q: slice
+    kv: slice
+    q_rows: slice
+    kv_rows: slice
+
 
 def _gqa_or(local: list[int]) -> list[int] | None:
     """``local`` (each query head's KV head), or None when it is the kernels' GQA map."""
@@ -142,6 +172,15 @@ class AttentionSpec:
             bucket_map = _gqa_or([local[i] - j0 for i in q])
             out.append(HeadBucket(slice(j0, j1), slice(q[0], q[-1] + 1), bucket_map))
         return out
+
+    def part(self, p: int, bucket: HeadBucket | None = None) -> HeadPart:
+        """Group ``p``'s heads, or those of ``bucket`` (one of ``buckets(p, ...)``)."""
+        q, kv, d = self.q_heads(p), self.kv_heads(p), self.head_dim
+        if bucket is not None:
+            q = slice(q.start + bucket.q.start, q.start + bucket.q.stop)
+            kv = slice(kv.start + bucket.kv.start, kv.start + bucket.kv.stop)
+        rows = [slice(h.start * d, h.stop * d) for h in (q, kv)]
+        return HeadPart(p, bucket, q, kv, *rows)
 
     def first_kv_copied(self, p: int) -> bool:
         """Whether group ``p``'s first KV head is also used by group p-1 (a copy)."""
