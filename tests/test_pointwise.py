@@ -178,3 +178,41 @@ def test_rms_norm_in_row_tiles_is_the_untiled_norm(dtype, monkeypatch):
     tiled = run()
     assert torch.equal(tiled[0], whole[0]) and torch.equal(tiled[1], whole[1])
     torch.testing.assert_close(tiled[2], whole[2], rtol=GRAD_TOL[dtype], atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_token_rows_rebuild_the_normed_input_a_tile_at_a_time(dtype, monkeypatch):
+    """``TokenRows`` of a norm's input (tiles of 3 of 10 rows): its projection and weight
+    gradient are those of the whole normed input, and no tile is wider than 3 rows."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 24, dtype=dtype)
+    w, proj, d = (torch.randn(*s, dtype=dtype) for s in ((24,), (7, 24), (10, 7)))
+    normed = rms_norm_keeping_input(x, w, 1e-6)
+    saved = pointwise.to_save(normed)
+    assert saved[0] is x
+    monkeypatch.setattr(pointwise, "NORM_MIN_ROWS", 3)
+    monkeypatch.setattr(pointwise, "NORM_ROWS", 3)
+    rows = pointwise.TokenRows(*saved)
+    assert [r.stop - r.start for r, _ in rows._blocks()] == [3, 3, 3, 1]
+    assert torch.equal(rows.full(), normed)
+    torch.testing.assert_close(rows.linear(proj), normed @ proj.t(), rtol=1e-12, atol=1e-6)
+    torch.testing.assert_close(
+        rows.grad_weight(d, dtype), d.t() @ normed.view(10, 24), rtol=1e-12, atol=1e-5
+    )
+    plain = pointwise.TokenRows.of(normed)  # a tensor: read whole, no rebuild
+    assert plain.linear(proj).shape == (2, 5, 7) and pointwise.TokenRows.of(plain) is plain
+
+
+def test_merge_into_is_the_log_sum_exp_merge():
+    """``lse.merge_into`` (in place, lse laid out ``[B, H, r]``) gives ``merge_partials``'s
+    output and log-sum-exp, from an empty running state through two partials."""
+    from tsp_ext.engine.lse import merge_into, merge_partials
+
+    torch.manual_seed(0)
+    parts = [(torch.randn(2, 6, 3, 4), torch.randn(2, 3, 6)) for _ in range(2)]
+    out, lse = torch.zeros(2, 6, 3, 4), torch.full((2, 3, 6), float("-inf"))
+    for o, l in parts:
+        merge_into(out, lse, o, l)
+    want, want_lse = merge_partials([(o, l.transpose(1, 2)) for o, l in parts])
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(lse, want_lse.transpose(1, 2))

@@ -51,7 +51,7 @@ from .lora import LoraPlan, SeededDropout
 from .lse import add_sink, sink_grad
 from .nf4 import ShardCodec
 from .options import EngineOptions
-from .pointwise import add_matmul, from_saved, matmul, rope_phases, round_in_place, to_save
+from .pointwise import TokenRows, add_matmul, matmul, rope_phases, round_in_place, to_save
 from .qkv import project_qkv, project_qkv_backward, split_kv
 
 
@@ -178,14 +178,19 @@ class _Backward:
         self.d_norm = None
         self.d_own: dict[str, torch.Tensor] = {}
         self.reductions: list[tuple[int, torch.Tensor, comm.Pending]] = []
-        self.kept_x = from_saved(*saved_x) if sched.options.overlap else None
+        self.kept_x = TokenRows(*saved_x).full() if sched.options.overlap else None
         self.adapters = sched.adapters.backward(
             self.dy.view(B * T, h), lambda: self.x_p().reshape(B * T, h), lora_a, sched.acc
         )
 
+    def x_rows(self) -> TokenRows:
+        """X_p: kept with ``overlap``, else rebuilt for each use (by a projection and its weight
+        gradients, a tile of rows at a time)."""
+        return TokenRows(self.kept_x) if self.kept_x is not None else TokenRows(*self.saved_x)
+
     def x_p(self) -> torch.Tensor:
-        """X_p: kept with ``overlap``, else rebuilt for each use."""
-        return self.kept_x if self.kept_x is not None else from_saved(*self.saved_x)
+        """X_p whole (what the output gate and the adapters read)."""
+        return self.x_rows().full()
 
     def recompute(self, part, w):
         """Q, K, V of ``part``'s heads from the saved X_p, their projection (only q/k norms read
@@ -193,9 +198,8 @@ class _Backward:
         sched = self.sched
         weight = sched.stacked(w)
         norms = sched.norms_of(part, *self.norms)
-        q, kv, lin = project_qkv(
-            self.x_p(), w, self.phases, *norms, sched.spec, weight, self.adapters.u_term, self.rms
-        )
+        x, u = self.x_rows(), self.adapters.u_term
+        q, kv, lin = project_qkv(x, w, self.phases, *norms, sched.spec, weight, u, self.rms)
         return q, kv, lin if self.norms[0] is not None else None, weight
 
     def attend(self, group: HeadGroup) -> _Attended:
@@ -243,7 +247,7 @@ class _Backward:
         g.handle.wait()
         dk, dv = split_kv(g.dkv.to(self.dy.dtype))
         grads, gn, d_lin = project_qkv_backward(
-            g.dq, dk, dv, self.x_p(), g.w, g.weight, g.lin, self.inverse,
+            g.dq, dk, dv, self.x_rows(), g.w, g.weight, g.lin, self.inverse,
             *sched.norms_of(g.part, *self.norms), sched.spec, sched.acc, sched.trainable,
             self.adapters.u, self.rms,
         )  # fmt: skip

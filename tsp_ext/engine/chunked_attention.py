@@ -256,6 +256,7 @@ def chunked_attention_backward(
                 else:
                     into.add(False, keys, g_k)
                     into.add(True, keys, g_v)
+                del g_q, g_k, g_v  # before the next piece's are made
             dq[:, s.offset + block.start : s.offset + block.stop] = dq_b
     return dq, dk, dv
 

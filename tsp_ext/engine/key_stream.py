@@ -4,11 +4,11 @@ one causal stream or packed documents, no sliding window, the kernels' GQA map).
 Chunk j holds positions ``[j·c, (j+1)·c)``: rank j's first chunk or rank 2D-1-j's second. In
 token order, the chunk's owner broadcasts its K/V; every rank attends its local queries to the
 pieces of their keys that lie in it (``chunked_attention._blocks`` with ``key_block``, cut at the
-chunk) and merges the partial outputs in place. In backward every rank adds its queries'
-gradients of the chunk's keys into one chunk-sized buffer, summed into the owner's rows
-(``comm.reduce``). No rank holds a bucket's K/V or dK/dV of all S tokens, only one chunk's (two
-with ``overlap``: the next chunk's broadcast in flight), for the traffic of the all-gather and
-reduce-scatter they replace.
+chunk) and merges the partial outputs in place (``lse.merge_into``). In backward every rank
+adds its queries' gradients of the chunk's keys into one chunk-sized buffer, summed into the
+owner's rows (``comm.reduce``). No rank holds a bucket's K/V or dK/dV of all S tokens, only one
+chunk's (two with ``overlap``: the next chunk's broadcast in flight), for the traffic of the
+all-gather and reduce-scatter they replace.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from . import comm
 from .attention_backends import AttentionKernel
 from .chunked_attention import _backward, _blocks, _forward
 from .layout import RowSpans, Span, ZigzagLayout, chunk_owner
-from .lse import merge_partials, stats_dtype
+from .lse import merge_into, stats_dtype
 from .qkv import split_kv
 
 
@@ -106,10 +106,8 @@ def streamed_forward(
         for b, spans in _rows(q_spans, B):
             for rows, keys, mask in _chunk_pieces(spans, j, layout.chunk):
                 o, l = _forward(kernel, q[b, rows], k[b, keys], v[b, keys], scale, mask)
-                merged, l_m = merge_partials(
-                    [(acc[b, rows], lse[b, :, rows].transpose(1, 2)), (o, l.transpose(1, 2))]
-                )
-                acc[b, rows], lse[b, :, rows] = merged, l_m.transpose(1, 2)
+                merge_into(acc[b, rows], lse[b, :, rows], o, l)
+                del o, l  # before the next piece's are made
     return acc.to(q.dtype), lse
 
 
@@ -148,6 +146,7 @@ def streamed_backward(
                 dq[b, rows] += g_q
                 dk[b, keys] += g_k
                 dv[b, keys] += g_v
+                del g_q, g_k, g_v  # before the next piece's are made
         owner, row = _owner(layout, j)
         comm.reduce(g, owner, group).wait()
         if owner == p:

@@ -36,6 +36,17 @@ def merge_partials(parts: Sequence[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tens
     return out, lse
 
 
+def merge_into(out: Tensor, lse: Tensor, o: Tensor, l: Tensor) -> None:
+    """Merge the partial ``(o [B, r, H, d], l [B, H, r])`` into the running ``(out, lse)`` of
+    the same queries (laid out alike, ``stats_dtype``; lse -inf before the first partial), in
+    place: no temporary of out's size. Every query of the partial must have seen a key (finite
+    ``l``), as the pieces of one query span's keys do."""
+    new = torch.logaddexp(lse, l.to(lse.dtype))
+    out.mul_(torch.exp(lse - new).transpose(1, 2)[..., None])
+    out.addcmul_(o.to(out.dtype), torch.exp(l - new).transpose(1, 2)[..., None])
+    lse.copy_(new)
+
+
 def _empty_as_neg_inf(lse: Tensor) -> Tensor:
     return torch.where(torch.isnan(lse) | (lse == float("inf")), _NEG_INF, lse)
 

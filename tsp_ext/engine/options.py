@@ -29,13 +29,16 @@ class EngineOptions:
             for fp32 on CUDA; else ``blockwise``) or one of those names (``BACKENDS``).
         attn_block: query and key block size of the ``blockwise`` attention kernel; bounds its
             transient score block to ``B x heads/D x attn_block^2``.
-        head_bucket: KV heads per bucket of a head group's attention: each bucket's K/V is
-            all-gathered, attended and differentiated (its dK/dV reduce-scattered) before the
-            next one's, so that the gathered K/V, their gradients and the kernels' buffers
-            scale with the bucket, not the group (the last bucket takes the remainder); and a
-            query chunk's earlier keys are attended a chunk's length at a time, so that no
-            kernel call's key gradients exceed a chunk's. None: the whole group at once, its
-            gather overlapped with the previous group's attention, the keys in one call.
+        head_bucket: KV heads per bucket of a head group's attention (the last bucket takes
+            the remainder), attended one bucket after the other: each bucket's K/V streamed
+            past the ranks a zigzag chunk at a time and its dK/dV reduced to each chunk's owner
+            (``engine.key_stream``; sliding windows and non-kernel GQA maps: gathered per
+            bucket), and, without LoRA adapters, each bucket's Q/K/V projected and its
+            projection differentiated in turn, so that the K/V, the projections, their
+            gradients and the kernels' buffers scale with the bucket, not the group or S;
+            a query chunk's earlier keys are attended a chunk's length at a time. None: the
+            whole group at once, its gather overlapped with the previous group's attention,
+            the keys in one call.
         window_exchange: in sliding-window layers, send each rank only the keys its queries
             see (point to point, ``engine.window``) where that saves at least half of the K/V
             all-gather's traffic; off: all-gather every key as in full-attention layers.

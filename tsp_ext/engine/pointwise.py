@@ -99,7 +99,7 @@ NORM_ROWS = 4096
 """Most rows (tokens) per tile of the RMSNorms' float32 work: at long context its float32
 copies of ``x``, ``x̂`` and the gradients exist for this many rows at a time, not for all
 ``S/D``."""
-NORM_SPLIT = 8
+NORM_SPLIT = 16
 """Fewest tiles of a norm over more than ``NORM_SPLIT * NORM_MIN_ROWS`` rows, so that the
 tiles' float32 temporaries stay a fraction of one ``[S/D, h]`` tensor at every length."""
 NORM_MIN_ROWS = 256
@@ -219,6 +219,54 @@ def from_saved(t: torch.Tensor, weight: torch.Tensor | None, norm: tuple | None)
     if weight is None:
         return t
     return normalize(t, weight, *norm)[0]
+
+
+class TokenRows:
+    """The tokens ``X [B, T, h]`` a projection reads: a tensor, or (``to_save``) its RMSNorm's
+    input and weight, whose normed rows are then rebuilt one tile at a time where a GEMM reads
+    them (the norm's own operations per row: the same values), so that no ``[B, T, h]`` copy
+    of them exists at once. ``full()`` rebuilds all of it."""
+
+    def __init__(self, t: torch.Tensor, weight: torch.Tensor | None = None, norm=None) -> None:
+        self.t, self.weight, self.norm = t, weight, norm
+        self.shape = t.shape
+
+    @staticmethod
+    def of(x: torch.Tensor | TokenRows) -> TokenRows:
+        return x if isinstance(x, TokenRows) else TokenRows(x)
+
+    def full(self) -> torch.Tensor:
+        return from_saved(self.t, self.weight, self.norm)
+
+    def _blocks(self):
+        """Yield ``(rows, X[rows] [n, h])`` over the ``B·T`` rows, each made when reached."""
+        flat = self.t.reshape(-1, self.shape[-1])
+        if self.weight is None:
+            yield slice(0, flat.shape[0]), flat
+            return
+        for r in _row_tiles(flat.shape[0]):
+            yield r, from_saved(flat[r], self.weight, self.norm)
+
+    def linear(self, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        """``X · wᵀ (+ b)``: ``[B, T, rows]``."""
+        if self.weight is None:
+            return F.linear(self.t, w, b)
+        out = self.t.new_empty(*self.shape[:-1], w.shape[0])
+        flat = out.view(-1, w.shape[0])
+        for r, x in self._blocks():
+            flat[r] = F.linear(x, w, b)
+        return out
+
+    def grad_weight(self, d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``dᵀ · X`` ``[m, h]`` in ``dtype`` for ``d [B·T, m]``: a weight gradient, summed over
+        the tokens a tile at a time."""
+        out = None
+        for r, x in self._blocks():
+            if out is None:
+                out = matmul(d[r].t(), x, dtype)
+            else:
+                add_matmul(out, d[r].t(), x)
+        return out
 
 
 def rope_phases(

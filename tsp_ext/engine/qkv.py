@@ -31,11 +31,10 @@ sees the order.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .heads import AttentionSpec
 from .lora import block_diagonal, diagonal_blocks
-from .pointwise import add_matmul, inv_rms, matmul, rms_norm, rms_norm_backward, rope
+from .pointwise import TokenRows, add_matmul, inv_rms, matmul, rms_norm, rms_norm_backward, rope
 
 _W = ("wq", "wk", "wv")
 _B = ("bq", "bk", "bv")
@@ -118,7 +117,8 @@ def _full_norm_backward(pre, weight, r, g):
 
 def project_qkv(x, w, phases, q_norm, k_norm, spec: AttentionSpec, weight=None, u=None, rms=None):
     """Q ``[B, T, n_q, d]``, ``KV [B, 2 n_kv, T, d]`` (K's heads, then V's) and the pre-norm
-    projection ``L [B, T, rows]`` of the tokens ``x [B, T, h]`` for the head group whose shards
+    projection ``L [B, T, rows]`` of the tokens ``x [B, T, h]`` (a tensor or ``TokenRows``) for
+    the head group whose shards
     are ``w`` (RoPE by ``phases [B, T, 1, d/2]``, ``pointwise.rope_phases``). ``weight``: what
     ``stacked_weights(w, d)`` returned, if the caller has it; ``u [B·T, Σ r]``: the LoRA input
     projection (``lora.input_projection``) when ``w`` holds adapter rows not merged into W. Not
@@ -128,10 +128,11 @@ def project_qkv(x, w, phases, q_norm, k_norm, spec: AttentionSpec, weight=None, 
     copies), and RoPE writes that layout faster than a token-major one. ``split_kv`` views K and V
     ``[B, T, n_kv, d]``. ``rms = (rq, rk)``: the tokens' full-width reciprocal RMS, when
     ``spec.qk_norm_full`` (``q_norm, k_norm``: then the group's slices of the norm weights)."""
+    x = TokenRows.of(x)
     B, T, _ = x.shape
     d = spec.head_dim
     W, b, lora = weight if weight is not None else stacked_weights(w, d, rot=spec.rotary)
-    lin = F.linear(x, W, b)
+    lin = x.linear(W, b)
     if lora is not None and u is not None:
         add_matmul(lin.view(-1, lin.shape[-1]), u, lora.t())
     q, k, v = _split(lin, w, d)
@@ -142,8 +143,8 @@ def project_qkv(x, w, phases, q_norm, k_norm, spec: AttentionSpec, weight=None, 
         q = rms_norm(q, interleave_heads(q_norm, d, spec.rotary), eps, offset)
         k = rms_norm(k, interleave_heads(k_norm, d, spec.rotary), eps, offset)
     n_kv = k.shape[2]
-    q_out = x.new_empty(B, q.shape[2], T, d).transpose(1, 2)
-    kv = x.new_empty(B, 2 * n_kv, T, d)
+    q_out = lin.new_empty(B, q.shape[2], T, d).transpose(1, 2)
+    kv = lin.new_empty(B, 2 * n_kv, T, d)
     k_out, v_out = split_kv(kv)
     rope(k, phases, out=k_out)
     v_out.copy_(v)
@@ -170,10 +171,11 @@ def project_qkv_backward(
     ``dL`` are in the interleaved order, the returned weight and norm gradients in the shards'
     own. With ``rms`` (a full-width norm) the norm gradients are of the group's slices, followed
     by those of ``rq, rk`` ``[B, T]``."""
+    x = TokenRows.of(x)
     B, T, h = x.shape
     d = spec.head_dim
     W, b, lora = weight
-    d_lin = x.new_empty(B, T, W.shape[0])
+    d_lin = dq.new_empty(B, T, W.shape[0])
     dq_lin, dk_lin, dv_lin = _split(d_lin, w, d)
     dv_lin.copy_(dv)
     d_norms = None
@@ -201,11 +203,11 @@ def project_qkv_backward(
             d_pre, d_w = rms_norm_backward(pre, nw, r, rope(g, inverse), spec.qk_norm_offset)
             out.copy_(d_pre)
             d_norms.append(deinterleave_heads(d_w.to(acc), d, spec.rotary))
-    d2, x2 = d_lin.view(-1, W.shape[0]), x.reshape(-1, h)
+    d2 = d_lin.view(-1, W.shape[0])
     sizes = [w[n].shape[0] for n in _W]
     grads = {}
     if not trainable.isdisjoint(_W):
-        grads.update(zip(_W, matmul(d2.t(), x2, acc).split(sizes)))
+        grads.update(zip(_W, x.grad_weight(d2, acc).split(sizes)))
     if b is not None and not trainable.isdisjoint(_B):
         grads.update(zip(_B, d2.sum(0, dtype=acc).split(sizes)))
     if lora is not None:

@@ -131,8 +131,9 @@ def tsp_layer_working(m: ModelShape, w: Workload, D: int) -> float:
     """Bytes one TSP decoder layer's backward needs beyond what is saved, at the larger of its
     two phases, plus the weight shards and their float32 gradient accumulators (double-buffered
     with ``overlap``). Attention: the output gradient, the float32 input-gradient accumulator,
-    the normed input rebuilt from its norm's input, the head group's local projections, and
-    the group's K/V of all S tokens in token order with their float32 dK/dV accumulated in the
+    the normed input rebuilt from its norm's input, the head group's local projections (with
+    ``head_bucket``, one bucket's at a time: ``engine.head_groups``), and the group's K/V of all
+    S tokens in token order with their float32 dK/dV accumulated in the
     rank-major layout they are reduce-scattered from and one kernel call's key gradients (a
     query chunk's earlier keys); with ``head_bucket``, one bucket's K/V and dK/dV of one zigzag
     chunk at a time (``engine.key_stream``) and its float32 dK/dV rows. MLP: the output
@@ -149,7 +150,8 @@ def tsp_layer_working(m: ModelShape, w: Workload, D: int) -> float:
     bucket = nkv if w.head_bucket is None else min(w.head_bucket, nkv)
     shard = max(_layer_params(m, nh, nkv, 0) - m.num_experts * h, 3 * h * tsp_mlp_columns(m, D))
     tile = B * T if w.mlp_tile is None else min(w.mlp_tile, B * T)
-    local = B * T * (2 * nh + 2 * nkv) * d  # q, k, v and dA of the group's heads
+    nq = nh * bucket / nkv  # the query heads projected at once: a bucket's (all, without)
+    local = B * T * (2 * nq + 2 * bucket) * d  # q, k, v and dA of those heads
     if w.head_bucket is None:  # the group's K/V all-gathered, float32 dK/dV of all S tokens
         gathered = 2 * B * T * D * nkv * d
         keys = gathered * (2 * b + acc)  # + a kernel call's key gradients: all earlier keys
@@ -158,7 +160,7 @@ def tsp_layer_working(m: ModelShape, w: Workload, D: int) -> float:
         chunk = B * T * bucket * d
         keys = chunk * ((1 + w.overlap) * b + acc + b) + 2 * chunk * acc
     # dQ; the RoPE tables and their conjugate phases (complex64)
-    queries = B * T * nh * d * b + B * T * d * (2 * b + 4)
+    queries = B * T * nq * d * b + B * T * d * (2 * b + 4)
     attention = B * T * h * (2 * b + acc) + local * b + keys + queries
     mlp = B * T * h * (b + acc + b * w.overlap) + 6 * tile * F / D * b
     extra = 0.0
