@@ -291,9 +291,12 @@ def test_readme_headline_is_the_maxlen_run():
                 for d in (2, 4)]  # fmt: skip
 
     length = ratios("tsp_long", "alst")
-    at_128 = runs["tsp_long", 2, 128]["max_seq_len"] / runs["alst", 2, 128]["max_seq_len"]
+    at_128 = [
+        f"{runs['tsp_long', d, 128]['max_seq_len'] / runs['alst', d, 128]['max_seq_len']:.2f}×"
+        for d in (2, 4)
+    ]
     assert f"train **{length[0]} (D = 2) and {length[1]} (D = 4) ALST's sequence length" in readme
-    assert f"({at_128:.2f}× at 128 MiB and D = 2)" in readme
+    assert f"at 64 MiB per rank and {at_128[0]} / {at_128[1]} at 128 MiB" in readme
     step = times["tsp_long"]["step_seconds"] / times["alst"]["step_seconds"]
     assert f"with a step {step:.2f}× as long" in readme
     versus = "{} / {}".format(*ratios("tsp", "ulysses", digits=1))
