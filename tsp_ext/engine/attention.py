@@ -177,7 +177,7 @@ class _Backward:
         self.inverse = phases.conj().resolve_conj()  # RoPE's adjoint, for every group
         self.d_norm = None
         self.d_own: dict[str, torch.Tensor] = {}
-        self.reductions: list[tuple[int, torch.Tensor, comm.Pending]] = []
+        self.reductions: list[tuple[HeadPart, torch.Tensor, comm.Pending]] = []
         self.kept_x = TokenRows(*saved_x).full() if sched.options.overlap else None
         self.adapters = sched.adapters.backward(
             self.dy.view(B * T, h), lambda: self.x_p().reshape(B * T, h), lora_a, sched.acc

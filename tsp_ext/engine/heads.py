@@ -15,6 +15,11 @@ from typing import NamedTuple
 from .partition import split_range
 
 
+def head_rows(heads: slice, d: int) -> slice:
+    """Rows of a projection (or columns of o_proj) that hold ``heads`` of ``d`` dims each."""
+    return slice(heads.start * d, heads.stop * d)
+
+
 class HeadBucket(NamedTuple):
     """A few of a group's KV heads and the query heads using them, attended together: ``kv``
     and ``q`` slice the group's local heads; ``kv_map`` is ``AttentionSpec.kv_map`` within the
@@ -28,8 +33,7 @@ class HeadBucket(NamedTuple):
         """Where this bucket's part of group shard ``name`` lies: rows of its KV heads in
         k/v's weights and biases, rows of its query heads in q's and the output gate's,
         columns of its query heads in ``wo``."""
-        heads = self.kv if name[1] in "kv" else self.q
-        rows = slice(heads.start * d, heads.stop * d)
+        rows = head_rows(self.kv if name[1] in "kv" else self.q, d)
         return (slice(None), rows) if name == "wo" else (rows,)
 
     def shards(self, w: dict, d: int) -> dict:
@@ -141,13 +145,11 @@ class AttentionSpec:
 
     def q_rows(self, p: int) -> slice:
         """Rows of q_proj (= columns of o_proj) owned by group ``p``."""
-        q, d = self.q_heads(p), self.head_dim
-        return slice(q.start * d, q.stop * d)
+        return head_rows(self.q_heads(p), self.head_dim)
 
     def kv_rows(self, p: int) -> slice:
         """Rows of k_proj / v_proj used by group ``p``."""
-        k, d = self.kv_heads(p), self.head_dim
-        return slice(k.start * d, k.stop * d)
+        return head_rows(self.kv_heads(p), self.head_dim)
 
     def kv_map(self, p: int) -> list[int] | None:
         """Local KV head of each of group ``p``'s query heads, ``[n_q(p)]``, or None when it is
@@ -179,8 +181,7 @@ class AttentionSpec:
         if bucket is not None:
             q = slice(q.start + bucket.q.start, q.start + bucket.q.stop)
             kv = slice(kv.start + bucket.kv.start, kv.start + bucket.kv.stop)
-        rows = [slice(h.start * d, h.stop * d) for h in (q, kv)]
-        return HeadPart(p, bucket, q, kv, *rows)
+        return HeadPart(p, bucket, q, kv, head_rows(q, d), head_rows(kv, d))
 
     def first_kv_copied(self, p: int) -> bool:
         """Whether group ``p``'s first KV head is also used by group p-1 (a copy)."""
