@@ -4,7 +4,7 @@ and the benchmarks.
 Backends: ``gloo`` (CPU), ``nccl`` (one GPU per rank) and ``fake`` (PyTorch's fake process group:
 only the ``ranks`` asked for start, each alone in a D-rank world whose collectives move no data,
 for single-rank emulation). Every run gets a free port, a hard timeout, a report naming a rank
-that died (with its exit code), and faulthandler stack dumps of a hung worker.
+that died (with its exit code), and faulthandler stack dumps of a hung or crashed worker.
 
 ``run_processes`` starts fresh processes for one function; ``WorkerPool`` keeps D ranks and
 their process group alive to run many functions in turn (what the test suite uses: starting
@@ -99,7 +99,9 @@ def _share_one_gloo_device() -> None:
 
 def _run_one(fn, rank: int, world: int, args, timeout: float, results, stacks=sys.stderr) -> None:
     """``fn(rank, world, *args)``, its result or traceback put on ``results``; its stacks
-    dumped to ``stacks`` if it runs 10 s short of ``timeout`` (where a hung worker hangs)."""
+    dumped to ``stacks`` if it runs 10 s short of ``timeout`` (where a hung worker hangs) or
+    if a fatal signal kills it (what the report of its death quotes)."""
+    faulthandler.enable(file=stacks, all_threads=True)
     faulthandler.dump_traceback_later(max(timeout - 10, 1), file=stacks)
     try:
         result = fn(rank, world, *args)
@@ -111,6 +113,7 @@ def _run_one(fn, rank: int, world: int, args, timeout: float, results, stacks=sy
         results.put((rank, "error", traceback.format_exc()))
     finally:
         faulthandler.cancel_dump_traceback_later()
+        faulthandler.disable()  # it holds the file, which its caller closes
 
 
 def _worker(fn, rank: int, world: int, port: int, backend: str, args, results, timeout) -> None:
@@ -131,24 +134,37 @@ def _collect(procs: dict, results, timeout: float, stacks=None, exit_ok: bool = 
     got: dict[int, object] = {}
     errors: list[str] = []
     deadline = time.monotonic() + timeout
+    ended = (None, 0) if exit_ok else (None,)
     while len(got) < len(procs) and not errors:
         try:
             rank, status, payload = results.get(timeout=1.0)
         except queue_mod.Empty:
-            ended = (None, 0) if exit_ok else (None,)
-            dead = [(r, p.exitcode) for r, p in procs.items() if p.exitcode not in ended]
-            if dead:
-                errors.append(f"rank {dead[0][0]} died with exit code {dead[0][1]}")
-            elif time.monotonic() > deadline:
+            errors = _deaths(procs, ended, stacks)[:1]
+            if not errors and time.monotonic() > deadline:
                 errors.append(f"timed out after {timeout}s{_stack_dumps(stacks)}")
             continue
         if status == "ok":
             got[rank] = pickle.loads(payload)
         else:
             errors.append(f"rank {rank}:\n{payload}")
+            # the error may be the echo of another rank's crash (gloo: "closed by peer"), which
+            # has ended that rank by the time its peer's report arrives
+            errors += [
+                d for d in _deaths(procs, ended, stacks) if not d.startswith(f"rank {rank} ")
+            ]
     if errors:
         raise RuntimeError("distributed run failed:\n" + "\n".join(errors))
     return [got[r] for r in sorted(procs)]
+
+
+def _deaths(procs: dict, ended: tuple, stacks: dict[int, str] | None) -> list[str]:
+    """A report for each rank that exited (with a code not in ``ended``), quoting its stack
+    dump (written by faulthandler when a signal killed it)."""
+    return [
+        f"rank {r} died with exit code {p.exitcode}{_stack_dumps(stacks and {r: stacks[r]})}"
+        for r, p in sorted(procs.items())
+        if p.exitcode not in ended
+    ]
 
 
 def _stack_dumps(stacks: dict[int, str] | None) -> str:
@@ -157,8 +173,8 @@ def _stack_dumps(stacks: dict[int, str] | None) -> str:
         return " (see the stack dumps above)"
     text = ""
     for rank, path in sorted(stacks.items()):
-        with open(path) as f:
-            text += f"\nrank {rank}:\n{f.read() or '(no stack dump written)'}"
+        dump = open(path).read() if os.path.exists(path) else ""  # none before its first task
+        text += f"\nrank {rank}:\n{dump or '(no stack dump written)'}"
     return text
 
 
