@@ -28,6 +28,7 @@ import traceback
 import warnings
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from unittest import mock
 
 import torch.distributed as dist
@@ -146,12 +147,9 @@ def _collect(procs: dict, results, timeout: float, stacks=None, exit_ok: bool = 
         if status == "ok":
             got[rank] = pickle.loads(payload)
         else:
-            errors.append(f"rank {rank}:\n{payload}")
             # the error may be the echo of another rank's crash (gloo: "closed by peer"), which
             # has ended that rank by the time its peer's report arrives
-            errors += [
-                d for d in _deaths(procs, ended, stacks) if not d.startswith(f"rank {rank} ")
-            ]
+            errors += [f"rank {rank}:\n{payload}", *_deaths(procs, ended, stacks)]
     if errors:
         raise RuntimeError("distributed run failed:\n" + "\n".join(errors))
     return [got[r] for r in sorted(procs)]
@@ -173,7 +171,7 @@ def _stack_dumps(stacks: dict[int, str] | None) -> str:
         return " (see the stack dumps above)"
     text = ""
     for rank, path in sorted(stacks.items()):
-        dump = open(path).read() if os.path.exists(path) else ""  # none before its first task
+        dump = Path(path).read_text() if os.path.exists(path) else ""  # none before a first task
         text += f"\nrank {rank}:\n{dump or '(no stack dump written)'}"
     return text
 
