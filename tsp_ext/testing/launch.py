@@ -140,7 +140,7 @@ def _collect(procs: dict, results, timeout: float, stacks=None, exit_ok: bool = 
         try:
             rank, status, payload = results.get(timeout=1.0)
         except queue_mod.Empty:
-            errors = _deaths(procs, ended, stacks)[:1]
+            errors = _deaths(procs, ended, stacks)
             if not errors and time.monotonic() > deadline:
                 errors.append(f"timed out after {timeout}s{_stack_dumps(stacks)}")
             continue
@@ -171,7 +171,7 @@ def _stack_dumps(stacks: dict[int, str] | None) -> str:
         return " (see the stack dumps above)"
     text = ""
     for rank, path in sorted(stacks.items()):
-        dump = Path(path).read_text() if os.path.exists(path) else ""  # none before a first task
+        dump = Path(path).read_text() if Path(path).exists() else ""  # none before a first task
         text += f"\nrank {rank}:\n{dump or '(no stack dump written)'}"
     return text
 
