@@ -34,8 +34,11 @@ def rope_scaling(name: str) -> str:
     )
 
 
-def add_shared_args(p: argparse.ArgumentParser) -> None:
-    """The shared arguments, with their defaults (a recipe changes some by ``set_defaults``)."""
+def add_shared_args(p: argparse.ArgumentParser, documents: bool = True) -> None:
+    """The shared arguments, with their defaults (a recipe changes some by ``set_defaults``).
+    ``documents=False`` (a recipe that trains on prompts): no ``--dataset`` of documents, and
+    none of the flags that cut documents into blocks (``--text-column``, ``--seq-len``,
+    ``--packing``, ``--eval-blocks``)."""
     p.add_argument(
         "--model",
         default="tiny-llama",
@@ -51,19 +54,22 @@ def add_shared_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cache-dir", default=DEFAULT_CACHE, help="where GGUF files are converted to checkpoints"
     )
-    p.add_argument(
-        "--dataset", default=SHAKESPEARE, help="shakespeare, text:<glob>, json:<glob> or a hub name"
-    )
-    p.add_argument("--text-column", default="text")
-    p.add_argument("--seq-len", type=int, default=4096)
+    if documents:
+        p.add_argument(
+            "--dataset",
+            default=SHAKESPEARE,
+            help="shakespeare, text:<glob>, json:<glob> or a hub name",
+        )
+        p.add_argument("--text-column", default="text", help="the dataset's column of documents")
+        p.add_argument("--seq-len", type=int, default=4096, help="tokens per training sequence")
+        p.add_argument(
+            "--packing",
+            choices=("stream", "documents"),
+            default="stream",
+            help="stream: documents joined by EOS into one causal stream; documents: whole "
+            "documents per row, attention and positions per document",
+        )
     add_rope_args(p)
-    p.add_argument(
-        "--packing",
-        choices=("stream", "documents"),
-        default="stream",
-        help="stream: documents joined by EOS into one causal stream; documents: whole documents "
-        "per row, attention and positions per document",
-    )
     p.add_argument("--tsp-size", type=int, default=None, help="default: all processes")
     p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per TSP group")
     p.add_argument("--gradient-accumulation-steps", type=int, default=1)
@@ -73,7 +79,8 @@ def add_shared_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--eval-every", type=int, default=20)
-    p.add_argument("--eval-blocks", type=int, default=2, help="held-out blocks")
+    if documents:
+        p.add_argument("--eval-blocks", type=int, default=2, help="held-out blocks")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--lora-r",

@@ -54,7 +54,7 @@ def convert(path: str, out_dir: str, shard_bytes: int = 2**28) -> None:
     tokenizer) to ``out_dir``: what ``from_pretrained(folder, gguf_file=name)`` loads, without
     ever holding the model. Written beside ``out_dir`` and renamed into place (a complete
     directory or none; a concurrent conversion of the same file may win the rename)."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     folder, name = os.path.split(os.path.abspath(path))
     parent = os.path.dirname(os.path.abspath(out_dir))
@@ -63,6 +63,9 @@ def convert(path: str, out_dir: str, shard_bytes: int = 2**28) -> None:
     try:
         config = AutoConfig.from_pretrained(folder, gguf_file=name)
         _save_shards(_hf_tensors(path, config), tmp, shard_bytes)
+        # what PreTrainedModel.save_pretrained writes too: the class to load, the tensors' dtype
+        config.architectures = [AutoModelForCausalLM._model_mapping[type(config)].__name__]
+        config.dtype = "float32"
         config.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(tmp)
         os.rename(tmp, out_dir)

@@ -28,6 +28,7 @@ from _finish import finish, start
 from _metrics import peak_memory_bytes
 from _model import build_tokenizer, lora_config, preset_model, pretrained_model
 from _presets import PRESETS
+from _warmup import WarmupFromFirstStep
 from datasets import Dataset
 from transformers import TrainerCallback
 
@@ -126,7 +127,10 @@ def main(argv=None) -> None:
         train_dataset=split["train"],
         eval_dataset=split["test"],
         processing_class=tokenizer,
-        callbacks=[Progress(os.path.join(args.output_dir, "metrics.jsonl"))],
+        callbacks=[
+            Progress(os.path.join(args.output_dir, "metrics.jsonl")),
+            WarmupFromFirstStep(args.warmup_steps),
+        ],
         tsp=config,
         data_parallel=args.data_parallel,
         peft_config=lora_config(args),

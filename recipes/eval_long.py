@@ -67,13 +67,23 @@ def numbers(kind: type, flag: str):
         except ValueError:
             values = []
         if not values or min(values) < 0:
-            raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated numbers for {flag}")
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: give numbers for {flag}, space- or comma-separated"
+            )
         return values
 
     return parse
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+class _Numbers(argparse.Action):
+    """A list flag given either way: ``--lengths 1024 2048`` or ``--lengths 1024,2048``."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, [v for part in values for v in part])
+
+
+def parser() -> argparse.ArgumentParser:
+    """The recipe's flags, each described in ``--help``."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
         "--model", required=True, help="a checkpoint directory, a .gguf file, or a shortcut"
@@ -82,9 +92,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cache-dir", default=DEFAULT_CACHE, help="where GGUF files are converted")
     add_rope_args(p)
     p.add_argument("--dataset", default=SHAKESPEARE, help="long documents for the perplexity")
-    p.add_argument("--text-column", default="text")
-    p.add_argument("--lengths", type=numbers(int, "--lengths"), default=[2048, 4096, 8192])
-    p.add_argument("--depths", type=numbers(float, "--depths"), default=[0, 25, 50, 75, 100])
+    p.add_argument("--text-column", default="text", help="the dataset's column of documents")
+    p.add_argument(
+        "--lengths",
+        type=numbers(int, "--lengths"),
+        nargs="+",
+        action=_Numbers,
+        default=[2048, 4096, 8192],
+        help="sequence lengths in tokens, space- or comma-separated (default: %(default)s)",
+    )
+    p.add_argument(
+        "--depths",
+        type=numbers(float, "--depths"),
+        nargs="+",
+        action=_Numbers,
+        default=[0, 25, 50, 75, 100],
+        help="passkey depths, percent of the filler (default: %(default)s)",
+    )
     p.add_argument("--samples", type=int, default=1, help="documents, and keys per passkey cell")
     p.add_argument("--bucket", type=int, default=1024, help="positions per perplexity bucket")
     p.add_argument("--tasks", default="ppl,passkey", help="ppl, passkey or both")
@@ -93,13 +117,24 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="allow lengths beyond the model's max_position_embeddings (to see how it fails)",
     )
-    p.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="the weights' dtype")
     p.add_argument("--tsp-size", type=int, default=None, help="default: all processes")
     p.add_argument("--label", default=None, help="the run's name in tables and plots")
-    p.add_argument("--output-dir", default="outputs/eval-long")
+    p.add_argument(
+        "--output-dir", default="outputs/eval-long", help="where the JSON and the plots go"
+    )
     p.add_argument("--seed", type=int, default=0, help="draws the passkeys")
-    p.add_argument("--dist-timeout", type=float, default=1800.0)
-    args = p.parse_args(argv)
+    p.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=1800.0,
+        help="seconds a collective waits for a stopped or hung rank before failing",
+    )
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    args = parser().parse_args(argv)
     check_args(args)
     return args
 

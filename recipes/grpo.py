@@ -21,6 +21,7 @@ import argparse
 import json
 import logging
 import os
+import time
 
 from _args import DEEPSPEED_INSTEAD, add_data_parallel_arg, add_shared_args, trainer_settings
 from _finish import finish, start
@@ -28,6 +29,7 @@ from _metrics import StepRows, peak_memory_bytes
 from _model import build_tokenizer, lora_config, preset_model, pretrained_model
 from _presets import PRESETS
 from _tasks import TASKS, answer_only, correct_answer, file_dataset, task_dataset
+from _warmup import WarmupFromFirstStep
 
 from tsp_ext import TSPConfig, TSPGRPOTrainer, init_tsp_mesh, save_pretrained
 
@@ -36,11 +38,23 @@ log = logging.getLogger("grpo")
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_shared_args(p)
+    add_shared_args(p, documents=False)
+    p.add_argument(
+        "--dataset",
+        default=None,
+        help="local JSON / JSON-lines files (a path or glob, json: prefix allowed) with prompt "
+        "and answer columns (default: prompts of the built --task)",
+    )
     p.add_argument("--task", choices=tuple(TASKS), default="add", help="the built task")
     p.add_argument("--digits", type=int, default=1, help="digits of each operand of add")
     p.add_argument("--prompts", type=int, default=512, help="training prompts built")
-    p.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts")
+    p.add_argument(
+        "--eval-prompts",
+        type=int,
+        default=8,
+        help="held-out prompts, each with --num-generations completions, generated as one batch "
+        "before and after training",
+    )
     p.add_argument(
         "--format-reward", type=float, default=0.0, help="weight of answer_only (0: not used)"
     )
@@ -55,7 +69,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     add_data_parallel_arg(p, ("ddp", "fsdp2"), DEEPSPEED_INSTEAD)
     p.add_argument("--output-dir", default="outputs/grpo")
-    p.set_defaults(model="smollm2-135m", dataset=None, micro_batch_size=None, max_steps=20, lr=5e-5)
+    # a preset's positions (model_config) cover prompts and completions
+    p.set_defaults(model="smollm2-135m", seq_len=4096)
+    p.set_defaults(micro_batch_size=None, max_steps=20, lr=5e-5)
     p.set_defaults(warmup_steps=2, eval_every=0)
     args = p.parse_args(argv)
     if args.eval_prompts < 1:
@@ -98,6 +114,33 @@ class Progress(StepRows):
         "learning_rate",
     )
 
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.trainer, self.eval_t0, self.eval_batches, self.eval_tokens = None, 0.0, 0, 0.0
+
+    def evaluate(self, trainer, when: str) -> dict:
+        """``trainer.evaluate()``, each generated batch logged as it ends (batches, completions,
+        tokens, tokens/s), then the held-out reward."""
+        self.trainer, self.eval_t0, self.eval_batches, self.eval_tokens = trainer, 0.0, 0, 0.0
+        self.eval_t0 = time.perf_counter()
+        metrics = trainer.evaluate()
+        log.info(f"held-out reward {when} {metrics['eval_reward']:.3f}")
+        return metrics
+
+    def on_prediction_step(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero or self.trainer is None:
+            return
+        self.eval_batches += 1
+        lengths = self.trainer._metrics["eval"].get("completions/mean_length") or [0.0]
+        rows = args.per_device_eval_batch_size
+        self.eval_tokens += lengths[-1] * rows
+        seconds = time.perf_counter() - self.eval_t0
+        log.info(
+            f"held-out evaluation: batch {self.eval_batches}, {self.eval_batches * rows} "
+            f"completions, {self.eval_tokens:.0f} tokens, {self.eval_tokens / seconds:.1f} "
+            f"tokens/s ({seconds:.1f} s)"
+        )
+
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:
             return
@@ -136,9 +179,8 @@ def grpo_config(args):
     from trl import GRPOConfig
 
     settings = trainer_settings(args)
-    settings.update(  # evaluation: whole prompt groups, as many as a training micro batch holds
-        per_device_eval_batch_size=args.num_generations
-        * max(1, args.micro_batch_size // args.num_generations),
+    settings.update(  # evaluation: every held-out prompt's group in one generated batch
+        per_device_eval_batch_size=args.num_generations * args.eval_prompts,
         eval_strategy="steps" if args.eval_every else "no",
         eval_steps=args.eval_every or None,
         save_strategy="no",
@@ -174,6 +216,7 @@ def main(argv=None) -> None:
     if acc.is_main_process:  # what reward_curve.py records with the curve
         with open(os.path.join(args.output_dir, "run_args.json"), "w") as f:
             json.dump(vars(args), f, indent=1)
+    progress = Progress(os.path.join(args.output_dir, "metrics.jsonl"))
     trainer = TSPGRPOTrainer(
         model,
         reward_funcs=reward_functions(args)[0],
@@ -181,7 +224,7 @@ def main(argv=None) -> None:
         train_dataset=split["train"],
         eval_dataset=split["test"],
         processing_class=tokenizer,
-        callbacks=[Progress(os.path.join(args.output_dir, "metrics.jsonl"))],
+        callbacks=[progress, WarmupFromFirstStep(args.warmup_steps)],
         tsp=config,
         data_parallel=args.data_parallel,
         peft_config=lora_config(args),
@@ -194,10 +237,9 @@ def main(argv=None) -> None:
         f"tsp={args.tsp_size} with {args.data_parallel}, "
         f"{'LoRA' if args.lora_r else 'full fine-tuning'}"
     )
-    before = trainer.evaluate()
-    log.info(f"held-out reward before training {before['eval_reward']:.3f}")
+    before = progress.evaluate(trainer, "before training")
     trainer.train()
-    after = trainer.evaluate()
+    after = progress.evaluate(trainer, "after training")
     final = os.path.join(args.output_dir, "final")
     if args.lora_r:  # the adapter (PEFT format) and the merged model
         trainer.save_model(f"{final}-adapter")

@@ -22,6 +22,7 @@ from _finish import finish, start
 from _metrics import TrainerRows
 from _model import build_tokenizer, lora_config, preset_model, pretrained_model
 from _presets import PRESETS
+from _warmup import WarmupFromFirstStep
 from datasets import Dataset
 
 from tsp_ext import TSPConfig, TSPTrainer, TSPTrainerMixin, init_tsp_mesh
@@ -116,7 +117,10 @@ def main(argv=None) -> None:
         eval_dataset=held_out,
         data_collator=Collator(),
         processing_class=tokenizer,
-        callbacks=[TrainerRows(os.path.join(args.output_dir, "metrics.jsonl"), tokens)],
+        callbacks=[
+            TrainerRows(os.path.join(args.output_dir, "metrics.jsonl"), tokens),
+            WarmupFromFirstStep(args.warmup_steps),
+        ],
         tsp=config,
         data_parallel=args.data_parallel,
         peft_config=peft_config,

@@ -25,6 +25,7 @@ from _args import trainer_settings
 from _finish import finish, start
 from _metrics import TrainerRows
 from _vision import VLM_PRESETS, load_image_rows, preset_model, preset_processor, pretrained, shapes
+from _warmup import WarmupFromFirstStep
 from datasets import Dataset
 from trl import SFTConfig, SFTTrainer
 
@@ -109,7 +110,10 @@ def main(argv=None) -> None:
         train_dataset=train,
         eval_dataset=held_out,
         processing_class=processor,
-        callbacks=[TrainerRows(os.path.join(args.output_dir, "metrics.jsonl"))],
+        callbacks=[
+            TrainerRows(os.path.join(args.output_dir, "metrics.jsonl")),
+            WarmupFromFirstStep(args.warmup_steps),
+        ],
         tsp=tsp,
     )
     log.info(

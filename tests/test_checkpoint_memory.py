@@ -18,7 +18,15 @@ import pytest
 import torch
 from checks import table
 
-from tsp_ext import checkpoint, init_tsp_mesh, load_pretrained, save_pretrained, shard_batch
+from tsp_ext import (
+    TSPConfig,
+    checkpoint,
+    init_tsp_mesh,
+    load_pretrained,
+    save_pretrained,
+    shard_batch,
+)
+from tsp_ext.hf.self_check import self_check
 from tsp_ext.testing.launch import run_processes
 
 pytestmark = pytest.mark.multiproc
@@ -34,6 +42,7 @@ BIG = dict(
 SHARD = 64 * 2**20  # export max_shard_size
 GROUP = 64 * 2**20  # DeepSpeed save: max_group_bytes (one decoder layer, 51 MB, per group)
 ALLOWANCE = 48 * 2**20  # allocator slack, libraries' buffers
+SELF_CHECK = 40 * 2**20  # apply_tsp's self-check: a float64 miniature and its kernels' code
 SPREAD = 8  # MB: how far a fresh run's rise may sit from the one docs/checkpoints.md quotes
 
 
@@ -62,7 +71,13 @@ def memory_worker(rank, world, source, out):
     ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 128 * 1024)
     mesh = init_tsp_mesh(world)
     box = {}
-    res = {"load": _peak(lambda: box.update(m=load_pretrained(source, mesh, dtype=torch.float32)))}
+    # apply_tsp's self-check, measured on its own: load_pretrained's own (the same config) then
+    # finds the config proven
+    meta = _meta_model(source)
+    res = {
+        "self_check": _peak(lambda: self_check(meta, mesh, mesh["tsp"].get_group(), TSPConfig()))
+    }
+    res["load"] = _peak(lambda: box.update(m=load_pretrained(source, mesh, dtype=torch.float32)))
     model = box["m"]
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=1e-3)
@@ -78,6 +93,16 @@ def memory_worker(rank, world, source, out):
     )
     res.update(deepspeed_save(model, world, out))
     return res
+
+
+def _meta_model(source: str):
+    """The model ``load_pretrained(source, mesh)`` builds on the meta device (the same config)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(source), dtype=torch.float32
+        )
 
 
 def deepspeed_save(model, world: int, out: str) -> dict[str, int]:
@@ -130,6 +155,8 @@ def test_load_save_export_peaks_are_about_the_shard(tmp):
     largest_full = BIG["vocab_size"] * BIG["hidden_size"] * 4  # the embedding / LM head
     for rank, r in enumerate(ranks):
         local, one = r["local_params"], r["largest_local"]
+        # the self-check's miniature and the kernels it touches: the same for any model size
+        assert r["self_check"] < SELF_CHECK, r
         assert r["load"] < local + 1.5 * one + ALLOWANCE and r["load"] < 0.5 * full, r
         # the save writes this rank's params and both Adam moments from where they live
         assert r["save"] < 1.5 * one + ALLOWANCE and r["save"] < 0.25 * full, r
@@ -151,8 +178,8 @@ def test_docs_table_is_this_measurement(tmp):
     full, ranks = measured(tmp)
     mb = lambda n: round(n / 2**20)  # noqa: E731
     rows = table("docs/checkpoints.md", "| phase | rank 0 |")
-    keys = ("load", "save", "export", "ds_save", "ds_save_one_group")  # the table's order
-    assert len(rows) == len(keys) and f"({ranks[0]['ds_groups']} groups)" in rows[3][0]
+    keys = ("self_check", "load", "save", "export", "ds_save", "ds_save_one_group")  # its order
+    assert len(rows) == len(keys) and f"({ranks[0]['ds_groups']} groups)" in rows[4][0]
     for (name, first, rest, params, state, model), key in zip(rows, keys):
         assert params == f"{mb(ranks[0]['local_params'])} MB", name
         assert state in ("—", f"{mb(3 * ranks[0]['local_params'])} MB"), name

@@ -246,6 +246,7 @@ def test_tsp_block_takes_every_config_field():
         "checkpoint_device_bytes": 1024,
         "quantize_base": "nf4",
         "moe_schedule": "ring",
+        "self_check": False,
     }
     expected = TSPConfig(
         tsp_size=4,
@@ -265,6 +266,7 @@ def test_tsp_block_takes_every_config_field():
         checkpoint_device_bytes=1024,
         quantize_base="nf4",
         moe_schedule="ring",
+        self_check=False,
     )
     assert tsp_config_from_ds({"tsp": block}) == expected
     assert {f.name for f in dataclasses.fields(TSPConfig)} == set(block) - {"size"} | {"tsp_size"}

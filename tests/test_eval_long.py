@@ -114,6 +114,16 @@ def test_passkey_prompts_have_their_length_and_depth(tmp):
     assert read_key(" 12345. Remember") == "12345" and read_key(" the pass key") == ""
 
 
+def test_list_flags_take_spaces_or_commas_and_every_flag_is_described():
+    from eval_long import parse_args, parser
+
+    args = ["--model", "ckpt", "--lengths", "1024", "2048,4096", "--depths", "0", "50", "100"]
+    args = parse_args(args)
+    assert args.lengths == [1024, 2048, 4096] and args.depths == [0, 50, 100]
+    assert parse_args(["--model", "ckpt", "--lengths", "1024,2048"]).lengths == [1024, 2048]
+    assert all(a.help for a in parser()._actions), "a flag without a description in --help"
+
+
 def test_buckets_average_positions_and_documents():
     nll = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0], [3.0, 2.0, 1.0, 0.0, 1.0]], dtype=torch.float64)
     rows = bucket_perplexity(nll, 2)  # positions 0-1 (token 1 only), 2-3, 4-5

@@ -98,6 +98,15 @@ def test_gguf_converts_to_the_same_model_and_tokenizer(tmp_path):
     assert (
         AutoTokenizer.from_pretrained(out)(TEXT[0])["input_ids"] == tokenizer(TEXT[0])["input_ids"]
     )
+    config = json.load(open(os.path.join(out, "config.json")))  # as save_pretrained writes it
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["dtype"] == "float32"
+    # the same conversion as a command, for one's own scripts
+    from export_model import main as export_model
+
+    export_model([path, str(tmp_path / "exported")])
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported")).eval()
+    with torch.no_grad():
+        assert torch.equal(exported(ids).logits, model(ids).logits)
     # the cache key follows the file: the same file, the same place; a rewritten one, another
     assert cached_checkpoint(path, str(tmp_path / "cache")) == out
     os.utime(path, ns=(0, 0))

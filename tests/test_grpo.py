@@ -316,7 +316,8 @@ def trainer_for(tmp: str, model, world: int, **kw):
 
     reward_funcs = kw.pop("reward_funcs", [score])
     tsp = TSPConfig(tsp_size=world, loss_chunk=kw.pop("loss_chunk", 1024))
-    data = dict(train_dataset=prompts_dataset(), processing_class=word_tokenizer(V))
+    data = dict(train_dataset=kw.pop("train_dataset", prompts_dataset()))
+    data["processing_class"] = word_tokenizer(V)
     if "reward_processing_classes" in kw:
         data["reward_processing_classes"] = kw.pop("reward_processing_classes")
     args = grpo_args(tmp, **kw)
@@ -465,6 +466,8 @@ def errors_worker(rank, world, tmp):
     msgs["divide"] = refused(per_device_train_batch_size=2, num_generations=4)
     msgs["vllm"] = refused(use_vllm=True)
     msgs["fp32 head"] = refused(cast_lm_head_to_fp32=True)
+    questions = prompts_dataset().rename_column("prompt", "question")
+    msgs["no prompt"] = refused(train_dataset=questions)
     trainer = trainer_for(f"{tmp}/errors", copy.deepcopy(model), world)
     prompts = list(prompts_dataset()["prompt"][:2])
     with trainer._replicas():
@@ -492,6 +495,9 @@ def test_grpo_bad_input_is_refused_on_every_rank(workers, tmp):
         assert "num_generations (4) does not divide" in msgs["divide"], msgs
         assert "drop use_vllm" in msgs["vllm"]
         assert "drop it" in msgs["fp32 head"]
+        assert (
+            "train_dataset has no 'prompt' column (its columns: ['question'])" in msgs["no prompt"]
+        )
         assert "hold different prompts" in msgs["ranks differ"]
         assert "beyond the model's 512" in msgs["too long"]
         assert "RuntimeError: judge unreachable" in msgs["reward"]

@@ -268,6 +268,27 @@ def test_data_parallel_flag_and_its_deprecated_alias(capsys):
     )
 
 
+def test_trainer_recipes_warm_up_from_the_first_step():
+    """Hugging Face's warmup gives the first step a learning rate of 0; the Trainer recipes'
+    starts at 1 / warmup of it and keeps the schedule after the warmup."""
+    from transformers import get_scheduler
+
+    sys.path.insert(0, os.path.join(ROOT, "recipes"))
+    from _warmup import WarmupFromFirstStep
+
+    param = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([param], lr=1.0)
+    sched = get_scheduler("linear", opt, num_warmup_steps=2, num_training_steps=6)
+    assert opt.param_groups[0]["lr"] == 0.0
+    WarmupFromFirstStep(2).on_train_begin(None, None, None, lr_scheduler=sched, optimizer=opt)
+    rates = []
+    for _ in range(6):
+        rates.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert rates == [0.5, 1.0, 1.0, 0.75, 0.5, 0.25]
+
+
 @pytest.mark.parametrize(
     "args, expected",
     [

@@ -101,6 +101,8 @@ def test_grpo_recipe_trains_two_steps_and_exports(workers, tmp):
         assert 0.0 <= row["reward"] <= 1.5 and 0.0 <= row["clip_ratio/region_mean"] <= 1.0
         assert 0 < row["completions/mean_length"] <= 6
     assert "reward" in done.stdout and "length" in done.stdout and "kl" in done.stdout
+    assert "held-out evaluation: batch 1, 4 completions" in done.stdout  # progress shown
+    assert "tokens/s" in done.stdout and "held-out reward after training" in done.stdout
     with open(f"{out}/final_eval.json") as f:
         final = json.load(f)
     assert all(0.0 <= final[k] <= 1.5 for k in ("eval_reward_before", "eval_reward"))

@@ -38,6 +38,12 @@ class TSPConfig(EngineOptions):
         quantize_base: ``"nf4"`` (QLoRA): store the frozen projection shards of a PEFT LoRA
             model in 4-bit NormalFloat (``engine.nf4``, 0.5625 bytes a weight), send them so on
             the broadcast / ring and dequantize each just before use; None: as loaded.
+        self_check: before any weight moves, fold a miniature of the model's own config (its
+            class and flags, small widths, one layer of every kind) on the same mesh and compare
+            its outputs, loss, logits and every gradient with the unmodified miniature in
+            float64 (``hf.self_check``); a mismatch refuses the model with a ``ValueError``
+            naming the first module that differs. About a second, once per config and process.
+            Off: the model is folded unproven (only for a model already proven this way).
     """
 
     tsp_size: int | None = None
@@ -47,6 +53,7 @@ class TSPConfig(EngineOptions):
     offload_checkpoints: bool = False
     checkpoint_device_bytes: int = 0
     quantize_base: str | None = None
+    self_check: bool = True
 
     def __post_init__(self) -> None:
         if self.quantize_base not in (None, "nf4"):

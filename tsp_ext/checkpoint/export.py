@@ -207,10 +207,15 @@ def save_pretrained(
 
 
 def _write_config(model: nn.Module, folder: str, tokenizer) -> None:
-    config = copy.deepcopy(model.config)
+    """``config.json`` as ``PreTrainedModel.save_pretrained`` writes it (``architectures``,
+    ``dtype``), what ``apply_tsp`` changed undone; the generation config and the tokenizer."""
+    base = peft_base(model) or model  # a merged PEFT model: its base model's class
+    config = copy.deepcopy(base.config)
     text = config.get_text_config()  # where apply_tsp changed them (a VLM's language model)
-    for key, value in model.tsp.hf_config_values.items():  # undo what apply_tsp changed
+    for key, value in base.tsp.hf_config_values.items():  # undo what apply_tsp changed
         setattr(text, key, value)
+    config.architectures = [type(base).__name__]  # TRL, vLLM pick the model class from it
+    config.dtype = str(base.dtype).removeprefix("torch.")
     config.save_pretrained(folder)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(folder)

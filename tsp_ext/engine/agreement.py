@@ -19,13 +19,6 @@ from . import comm
 MESSAGE_BYTES = 1024  # longer messages are cut (UTF-8 bytes)
 
 
-def _device(group: dist.ProcessGroup) -> torch.device:
-    """Where the group's collectives take their tensors (NCCL: this process's GPU)."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def checksum(t: torch.Tensor) -> int:
     """An order-sensitive integer checksum of an integer tensor: a fact that tells two ranks'
     batches apart."""
@@ -47,7 +40,7 @@ def agree(error: str | None, facts: list[int], group: dist.ProcessGroup) -> torc
             ``"TSP rank r of D: <error>"`` for the lowest such rank r.
     """
     D, _ = comm.size_and_rank(group)
-    device = _device(group)
+    device = comm.group_device(group)
     mine = torch.tensor([error is not None, *facts], dtype=torch.int64, device=device)
     table = comm.all_gather_seq(mine, group)[0].cpu()
     failed = table[:, 0].nonzero().flatten().tolist()

@@ -46,6 +46,19 @@ class Pending:
         self._works = []
 
 
+def group_device(group: ProcessGroup) -> torch.device:
+    """Where the group's collectives take their tensors (NCCL: this process's GPU)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_max(t: torch.Tensor, group: ProcessGroup) -> None:
+    """In-place elementwise maximum of ``t`` over ``group``."""
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+
+
 def size_and_rank(group: ProcessGroup) -> tuple[int, int]:
     """``(D, p)`` of this process on ``group``."""
     return dist.get_world_size(group), dist.get_rank(group)

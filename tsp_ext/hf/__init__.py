@@ -7,6 +7,8 @@
 - ``linear_attention``: Gated DeltaNet (Qwen3-Next, Qwen3.5) on its head group, its cache layer
 - ``lora``, ``nf4``: PEFT LoRA adapters on TSP modules; QLoRA's 4-bit frozen base
 - ``apply``: ``apply_tsp`` (module replacement) and ``check_supported``
+- ``miniature``, ``self_check``: a small model of a config's own class and flags; ``apply_tsp``'s
+  proof on it that the fold computes what the original computes
 - ``causal_lm``: the global loss, the vocab-sharded ``forward`` and the input check
 - ``log_probs``: per-token log-probabilities without full logits (preference training)
 - ``checkpointing``: decoder layers recomputed in backward, their inputs offloaded (``HostStore``)

@@ -59,6 +59,7 @@ from .mlp import TSPGatedMLP
 from .moe import TSPSparseMoe, check_moe_block, n_experts_of
 from .nf4 import quantize_projections
 from .replicated import TSPEmbedding, TSPLMHead, TSPRMSNorm, replicated_vectors
+from .self_check import self_check
 from .vocab import TSPVocabEmbedding, TSPVocabLMHead
 
 # The attention implementation name a TSP model reports: transformers builds no mask for it.
@@ -133,6 +134,8 @@ def apply_tsp(
     _check_split(model.config.get_text_config(), dist.get_world_size(group), moe)
     if adapter is not None:
         check_adapters_agree(peft_model, group)
+    if config.self_check:  # a miniature of the model's config folds exactly, or nothing moves
+        self_check(model, mesh, group, config)
     # 2. replace the decoder layers' parts, the embedding and the LM head by their shards; the
     # parameters frozen before stay frozen (the TSP modules' shards start trainable)
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}

@@ -178,6 +178,22 @@ def check_online_config(args, kwargs: dict, trainer: str) -> None:
             raise ValueError(f"{trainer} does not support {what}: drop {name}=")
     if isinstance(kwargs.get("processing_class"), ProcessorMixin):
         raise ValueError(f"{trainer} trains text models: pass a tokenizer, not a processor")
+    for split in ("train_dataset", "eval_dataset"):
+        check_prompt_column(kwargs.get(split), split, trainer)
+
+
+def check_prompt_column(dataset, split: str, trainer: str) -> None:
+    """A dataset (or a dict of them, for evaluation) whose rows have no ``prompt`` is refused
+    when the trainer is built, not at its first step."""
+    datasets = dataset.values() if isinstance(dataset, dict) else [dataset]
+    for d in datasets:
+        columns = getattr(d, "column_names", None)  # an iterable dataset may not know them
+        if columns is not None and "prompt" not in columns:
+            raise ValueError(
+                f"{trainer}: the {split} has no 'prompt' column (its columns: {columns}); TRL's "
+                "online trainers generate from each row's prompt: rename the column holding "
+                "the prompts (dataset.rename_column(..., 'prompt'))"
+            )
 
 
 def count_replicas(args, dp: int) -> None:

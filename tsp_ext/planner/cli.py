@@ -58,7 +58,13 @@ def _parser() -> argparse.ArgumentParser:
         "and TP×SP layouts for one training step; recommends the fastest layout that fits.",
     )
     a = p.add_argument
-    a("--model", required=True, help=f"preset ({', '.join(PRESETS)}) or an HF config.json / dir")
+    a(
+        "--model",
+        required=True,
+        help=f"preset ({', '.join(PRESETS)}) or an HF config.json / dir of a causal LM with "
+        "softmax attention (dense or MoE); refused: a vision-language config (plan its "
+        "text_config as a config.json of its own) and hybrids with linear-attention layers",
+    )
     a("--seq-len", type=int, help="tokens per sequence (required unless --max-seq-len)")
     a(
         "--max-seq-len",

@@ -1,0 +1,91 @@
+"""Every causal LM of the pinned transformers under ``apply_tsp`` at D = 1 and D = 2: exact
+against the unmodified model, or refused with a ``ValueError`` saying why; none answers wrong,
+crashes with another error or hangs. The outcomes are the table in ``docs/apply_tsp.md``."""
+
+from __future__ import annotations
+
+import pytest
+from model_zoo import (
+    GRAD_TOL,
+    LOGITS_TOL,
+    LOSS_TOL,
+    doc_rows,
+    model_types,
+    table_rows,
+    zoo_config,
+    zoo_worker,
+)
+
+pytestmark = pytest.mark.multiproc
+
+TYPES = model_types()
+GROUPS = 8  # one kept-rank task per group of model types (a hang fails one group, not the run)
+
+
+@pytest.mark.parametrize("group", range(GROUPS))
+def test_every_causal_lm_is_exact_or_refused(workers, group):
+    types = TYPES[group::GROUPS]
+    results = workers.run(zoo_worker, 2, types, timeout=420)
+    assert results[0] == results[1], "the two ranks disagree"
+    outcomes = results[0]
+    for t, row in outcomes.items():
+        assert "crash" not in row["status"].values(), (t, row["why"])
+        for D, status in row["status"].items():
+            assert status in ("exact", "refused", "no miniature"), (t, D, status)
+            if status == "exact":
+                errors = row["errors"][D]
+                assert errors["logits"] < LOGITS_TOL, (t, D, errors)
+                assert errors["loss"] < LOSS_TOL, (t, D, errors)
+                assert errors["gradients"] < GRAD_TOL, (t, D, errors)
+            else:
+                assert row["why"][D], (t, D, "a refusal says why")
+    documented = {r[0]: r for r in doc_rows()}
+    for row in table_rows(outcomes, 2):
+        assert documented.get(row[0]) == row, (
+            f"docs/apply_tsp.md's zoo table says {documented.get(row[0])}, the test found {row}: "
+            "rewrite the table with `python tests/model_zoo.py`"
+        )
+
+
+def test_the_table_lists_every_type():
+    assert sorted(r[0] for r in doc_rows()) == sorted(f"`{t}`" for t in TYPES)
+
+
+def refusal_worker(rank, world):
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tsp_ext import TSPConfig, apply_tsp, init_tsp_mesh
+    from tsp_ext.hf.miniature import build_miniature
+
+    mesh = init_tsp_mesh(world)
+    config = zoo_config("smollm3")  # NoPE on every 4th layer: folded wrong before the check
+    model = build_miniature(AutoModelForCausalLM._model_mapping[type(config)], config)
+    before = copy.deepcopy(model.state_dict())
+    try:
+        apply_tsp(model, mesh)
+        message = "<no error>"
+    except ValueError as e:
+        message = str(e)
+    after = model.state_dict()
+    untouched = (
+        getattr(model, "tsp", None) is None
+        and all(torch.equal(before[k], after[k]) for k in before)
+        and before.keys() == after.keys()
+    )
+    unchecked = apply_tsp(model, mesh, config=TSPConfig(self_check=False))
+    return message, untouched, unchecked.tsp.config.self_check
+
+
+def test_a_mismatch_names_the_first_module_and_moves_nothing(workers):
+    results = workers.run(refusal_worker, 2)
+    assert results[0][0] == results[1][0]  # every rank raises the same error
+    message, untouched, checked = results[0]
+    assert "SmolLM3ForCausalLM (model_type='smollm3') is not supported under TSP" in message
+    # layer 3 is the first without RoPE: its attention is the first module that differs
+    assert "different output of model.layers.3.self_attn" in message
+    assert "relative error" in message and "TSPConfig(self_check=False)" in message
+    assert untouched, "a refused model keeps its modules and weights"
+    assert checked is False  # self_check=False folds without the proof

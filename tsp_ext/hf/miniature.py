@@ -1,0 +1,236 @@
+"""A miniature of a Hugging Face model's own config: the same class and every flag, small widths,
+and the fewest leading layers that hold one layer of every kind the model has.
+
+``apply_tsp``'s self-check (``hf.self_check``) folds the miniature to prove the fold exact before
+any real weight moves; the model zoo test builds its models with it. What is shrunk: widths
+(hidden size, head size, MLP and expert widths, latent ranks, state sizes), the vocabulary (special
+token ids kept inside it), the depth (per-layer lists cut with it) and windows / attention chunks
+(to a few tokens, so that a short sequence crosses them). What is kept: head and expert counts
+(they decide how TSP splits a layer over the ranks), every other flag (multipliers, norms, biases,
+rotary settings, routers, activations, NoPE layers).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+HEAD_DIM = 16  # each head's width in a miniature of up to 16 heads (fewer dims for more heads)
+HIDDEN = 64
+INTERMEDIATE = 32
+EXPERT_INTERMEDIATE = 16
+VOCAB = 128
+MAX_PARAMETERS = 8_000_000  # a miniature above this has widths it did not shrink: refused
+WINDOW = 8  # sliding windows and attention chunks: crossed by the check's 32-token rows
+# int config fields set to a small width wherever a config has them (latent ranks, state sizes)
+_SMALL = {
+    "moe_intermediate_size": EXPERT_INTERMEDIATE,
+    "shared_expert_intermediate_size": EXPERT_INTERMEDIATE,
+    "expert_intermediate_size": EXPERT_INTERMEDIATE,
+    "ffn_hidden_size": INTERMEDIATE,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": HEAD_DIM,
+    "qk_rope_head_dim": HEAD_DIM,
+    "v_head_dim": HEAD_DIM,
+    "linear_key_head_dim": HEAD_DIM,
+    "linear_value_head_dim": HEAD_DIM,
+    "mamba_d_state": 16,
+    "ssm_state_size": 16,
+    "state_size": 16,
+}
+_WINDOWS = ("sliding_window", "attention_chunk_size")
+_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
+
+
+def miniature_config(config):
+    """A deep copy of ``config`` (a ``PretrainedConfig``) with small widths and a short
+    vocabulary; its sub-configs (a VLM's text and vision configs) shrunk the same way. The depth
+    is cut separately, by ``cut_layers`` (it needs the model's modules)."""
+    mini = copy.deepcopy(config)
+    for c in _configs(mini):
+        _shrink(c)
+        c._experts_implementation = "eager"  # grouped-GEMM experts have no float64 on CPU
+    return mini
+
+
+def build_miniature(model_class, config, device: torch.device | str = "cpu") -> nn.Module:
+    """A float64 ``model_class`` of ``miniature_config(config)``, cut to its layer kinds, its
+    weights drawn from a fixed seed (the same on every rank) and moved off their init values (a
+    zero bias or a unit norm weight would hide a fold that drops it)."""
+    mini = miniature_config(config)
+    # the reference's attention runs anywhere in float64: SDPA (eager's softmax is float32)
+    mini._attn_implementation = "sdpa" if model_class._supports_sdpa else "eager"
+    with torch.device("meta"):
+        skeleton = model_class._from_config(mini)
+        cut_layers(mini, _layer_signatures(skeleton))
+        size = sum(p.numel() for p in model_class._from_config(mini).parameters())
+    if size > MAX_PARAMETERS:
+        raise ValueError(
+            f"a miniature of this {config.model_type!r} config keeps {size / 1e6:.1f}M parameters "
+            f"(at most {MAX_PARAMETERS / 1e6:.0f}M): some width of it is not one the miniature "
+            "knows how to shrink"
+        )
+    with torch.random.fork_rng(devices=[]), torch.device(device):
+        torch.manual_seed(0)
+        model = model_class._from_config(mini, dtype=torch.float64)
+        with torch.no_grad():
+            for p in model.parameters():
+                scale = p.abs().mean().clamp_min(0.02)
+                p.add_(0.25 * scale * torch.randn_like(p))
+    return model
+
+
+def cut_layers(config, signatures: list[str]) -> None:
+    """Keep the fewest leading layers that hold every distinct layer ``signatures`` lists: set
+    ``num_hidden_layers`` and cut the per-layer lists (``layer_types``, ``no_rope_layers``, ...)
+    of every (sub-)config to that length."""
+    first = {}
+    for i, s in enumerate(signatures):
+        first.setdefault(s, i)
+    keep = max(first.values(), default=0) + 1
+    for c in _configs(config):
+        n = getattr(c, "num_hidden_layers", None)
+        if not isinstance(n, int) or n <= keep:
+            continue
+        for key, value in list(vars(c).items()):
+            per_layer = isinstance(value, (list, tuple)) or (
+                isinstance(value, str) and "pattern" in key
+            )
+            if per_layer and len(value) == n and not key.startswith("_"):
+                setattr(c, key, value[:keep])
+        c.num_hidden_layers = keep
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList | None:
+    """The longest ``nn.ModuleList`` of a model: its decoder layers (None if it has none)."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    return max(lists, key=len, default=None)
+
+
+def _layer_signatures(model: nn.Module) -> list[str]:
+    """One string per decoder layer saying what kind of layer it is: its submodules' names,
+    classes, parameter shapes and scalar attributes (a layer's index excepted)."""
+    layers = decoder_layers(model)
+    if layers is None:
+        return []
+    return [_signature(layer) for layer in layers]
+
+
+def _signature(layer: nn.Module) -> str:
+    parts = []
+    for name, module in layer.named_modules():
+        attrs = sorted(
+            (k, v)
+            for k, v in vars(module).items()
+            if not k.startswith("_") and "idx" not in k and "index" not in k
+            if isinstance(v, (bool, int, float, str, type(None))) and k != "training"
+        )
+        shapes = [(n, tuple(p.shape)) for n, p in module.named_parameters(recurse=False)]
+        parts.append(f"{name}:{type(module).__name__}:{shapes}:{attrs}")
+    return "|".join(parts)
+
+
+def _configs(config) -> Iterator:
+    """``config`` and every sub-config in it, depth first."""
+    yield config
+    for key in getattr(config, "sub_configs", None) or {}:
+        sub = getattr(config, key, None)
+        if sub is not None and hasattr(sub, "to_dict"):
+            yield from _configs(sub)
+
+
+def _set(config, key: str, value) -> None:
+    """Set ``key`` where the config has it (or maps it: ``attribute_map``) and accepts it."""
+    try:
+        current = getattr(config, key)
+    except AttributeError:
+        return
+    if current is None or isinstance(current, bool):
+        return
+    try:
+        setattr(config, key, value)
+    except (AttributeError, TypeError, ValueError):
+        pass  # a read-only property derived from other fields
+
+
+def _shrink(c) -> None:
+    head_dim = _shrink_heads(c)
+    rotary = getattr(c, "rotary_dim", None)
+    if isinstance(rotary, int) and head_dim:  # rotary dims of each head: the same share of it
+        size = _head_size(getattr(c, "num_attention_heads", None))
+        _set(c, "rotary_dim", max(2, rotary * size // head_dim // 2 * 2))
+    inter = getattr(c, "intermediate_size", None)
+    if isinstance(inter, (list, tuple)):
+        c.intermediate_size = type(inter)(INTERMEDIATE for _ in inter)
+    elif isinstance(inter, int):
+        _set(c, "intermediate_size", INTERMEDIATE)
+    for key, value in _SMALL.items():
+        if isinstance(getattr(c, key, None), int):
+            _set(c, key, value)
+    for key in _WINDOWS:
+        value = getattr(c, key, None)
+        if isinstance(value, int) and value > WINDOW:
+            _set(c, key, WINDOW)
+    vocab = getattr(c, "vocab_size", None)
+    if isinstance(vocab, int) and vocab > VOCAB:
+        _set(c, "vocab_size", VOCAB)
+        _keep_ids_in_vocabulary(c, VOCAB)
+
+
+def _head_size(heads) -> int:
+    """A miniature's head size: ``HEAD_DIM``, less for many heads (at least 4) so that the
+    projections stay small."""
+    if not isinstance(heads, int) or heads <= 16:
+        return HEAD_DIM
+    return max(4, HEAD_DIM * 16 // heads // 2 * 2)
+
+
+def _shrink_heads(c) -> int | None:
+    """Small heads and the hidden size that goes with them; returns the head size they replaced
+    (None: unchanged). M-RoPE configs keep both: their sections split each head."""
+    heads = getattr(c, "num_attention_heads", None)
+    hidden = getattr(c, "hidden_size", None)
+    if _mrope(c):
+        return None
+    size = _head_size(heads)
+    head_dim = vars(c).get("head_dim")
+    if not isinstance(head_dim, int):  # derived: hidden / heads
+        if isinstance(heads, int) and heads > 0 and isinstance(hidden, int):
+            _set(c, "hidden_size", heads * size)
+            return hidden // heads
+        _set(c, "hidden_size", HIDDEN)
+        return None
+    _set(c, "head_dim", size)
+    # keep hidden = heads x head_dim where it was so (some models take one for the other)
+    tied = isinstance(heads, int) and hidden == heads * head_dim
+    _set(c, "hidden_size", heads * size if tied else HIDDEN)
+    return head_dim
+
+
+def _mrope(c) -> bool:
+    """Whether a config's rotary parameters split each head into M-RoPE sections."""
+    rope = getattr(c, "rope_parameters", None) or {}
+    tables = [v for v in rope.values() if isinstance(v, dict)] or [rope]
+    return any("mrope_section" in t for t in tables)
+
+
+def _keep_ids_in_vocabulary(c, vocab: int) -> None:
+    """Special token ids at or past the shrunk vocabulary moved to its last ids (distinct ids
+    stay distinct; a padding id stays a padding id)."""
+    moved: dict[int, int] = {}
+
+    def inside(i):
+        if not isinstance(i, int) or isinstance(i, bool) or i < vocab:
+            return i
+        return moved.setdefault(i, vocab - 1 - len(moved))
+
+    for key in _IDS:
+        value = getattr(c, key, None)
+        if isinstance(value, (list, tuple)):
+            _set(c, key, type(value)(inside(i) for i in value))
+        elif isinstance(value, int):
+            _set(c, key, inside(value))

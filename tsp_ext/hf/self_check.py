@@ -1,0 +1,224 @@
+"""``apply_tsp``'s proof that a fold is exact: fold a miniature of the model's own config on the
+same mesh and compare it with the unmodified miniature, before any real weight moves.
+
+The miniature (``hf.miniature``) has the model's class and every flag of its config, small widths
+and one layer of every kind. Every rank builds the same float64 miniature (same seed) and runs it
+whole as the reference; the folded copy runs on the TSP group (under PyTorch's fake process group,
+whose collectives move no data, there is nothing to compare: no check). Compared, on two rows of
+32 tokens (the next multiple of 2·D), with labels:
+
+- the output of every module the two models share by name (embedding, each decoder layer, its
+  attention, MLP and norms, the final norm), on this rank's tokens, in the reference's call order,
+- the logits and the loss,
+- the gradient of every parameter of the reference (a parameter the fold dropped has none).
+
+Every rank reduces the errors over the group, so all raise the same ``ValueError`` (or none),
+naming the first module whose output differs. A model whose config is proven once is not proven
+again in the same process (a reference model folded beside its policy, a reloaded model).
+
+Tolerances are float32-level: relative 1e-5 for outputs, logits and loss, 1e-4 for gradients, or
+ten times the error of the same reference run whole in float32 where that is larger (a badly
+conditioned quantity). Hugging Face computes parts of a float64 model in float32 itself (its loss,
+rotary tables, Gemma's norms, the Gated DeltaNet kernels), so folds agree to float32 rounding
+there; every fold found wrong so far was off by 1e-3 or more.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..engine import comm
+from ..engine.agreement import agree
+from ..engine.layout import ZigzagLayout
+from .miniature import build_miniature
+
+# float32-level tolerances (relative to the largest magnitude): Hugging Face computes parts of a
+# float64 model in float32 itself (the loss, rotary tables, Gemma's norms, the Gated DeltaNet
+# kernels), so a fold agrees to float32 rounding, not float64's; where a quantity is worse
+# conditioned than that (a float32 run of the reference misses it by more), ten times that
+VALUE_TOL, GRAD_TOL, MARGIN = 1e-5, 1e-4, 10
+ROWS = 2
+_proven: set[tuple] = set()  # (class, config JSON, miniature options) of folds proven exact
+
+
+class FoldMismatch(ValueError):
+    """A folded miniature computes a different ``what`` (a module's output, the loss, the logits
+    or a gradient) than the unmodified one: relative error ``error`` above ``tolerance``."""
+
+    def __init__(self, message: str, what: str, error: float, tolerance: float) -> None:
+        super().__init__(message)
+        self.what, self.error, self.tolerance = what, error, tolerance
+
+
+def self_check(model: nn.Module, mesh, group: dist.ProcessGroup, config) -> None:
+    """Raise ``ValueError`` on every rank of ``group`` unless a miniature of ``model``'s config
+    folds exactly under ``config`` (a ``TSPConfig``) on ``mesh``."""
+    if dist.get_backend(group) == "fake":  # emulation: collectives move no data, nothing to see
+        return
+    options = miniature_options(config, dist.get_world_size(group))
+    key = (type(model).__qualname__, model.config.to_json_string(), options)
+    if key in _proven:
+        return
+    name = type(model).__name__
+    for what, err, tol in miniature_errors(model, mesh, group, options):
+        if not err <= tol:  # NaN included
+            raise FoldMismatch(
+                f"{name} (model_type={model.config.model_type!r}) is not supported under TSP: "
+                f"folded, a miniature of its config computes a different {what} than Hugging "
+                f"Face (relative error {err:.3g}, tolerance {tol:.3g}); something in this model "
+                "(a config flag or a module) is not what TSP's layers compute. Nothing was "
+                "changed. TSPConfig(self_check=False) skips this proof at your own risk",
+                what,
+                err,
+                tol,
+            )
+    _proven.add(key)
+
+
+def miniature_options(config, D: int):
+    """The options a miniature is folded with: the engine's as given, the model-level memory
+    options (layer checkpoints, offload, QLoRA) off, no self-check of its own."""
+    return replace(
+        config,
+        tsp_size=D,
+        self_check=False,
+        quantize_base=None,
+        checkpoint_layers=False,
+        offload_checkpoints=False,
+        checkpoint_every=1,
+        checkpoint_device_bytes=0,
+    )
+
+
+@torch.inference_mode(False)
+@torch.enable_grad()
+def miniature_errors(
+    model: nn.Module, mesh, group: dist.ProcessGroup, options
+) -> list[tuple[str, float, float]]:
+    """``(what, relative error, tolerance)`` of a miniature of ``model``'s config folded under
+    ``options`` (``miniature_options``) against the unmodified one, the same on every rank of
+    ``group``: each shared module's output in call order, then the logits, the loss and each
+    parameter's gradient (collective)."""
+    from ..checkpoint.state import full_grads
+    from .apply import apply_tsp  # apply_tsp calls this module
+    from .batch import shard_batch
+
+    D, p = comm.size_and_rank(group)
+    device = comm.group_device(group)  # where the miniature runs
+    name = type(model).__name__
+    folded = error = None
+    try:
+        ref = build_miniature(type(model), model.config, device)
+        folded = apply_tsp(copy.deepcopy(ref), mesh, config=options)
+    except ValueError as e:
+        error = str(e)
+    except Exception as e:  # a model TSP's checks did not foresee: refuse it, saying what broke
+        error = (
+            f"{name} is not supported under TSP: folding a miniature of its config failed with "
+            f"{type(e).__name__}: {e}"
+        )
+    agree(error, [], group)  # every rank raises this rank's error, or none does
+
+    S = 2 * D * max(2, -(-16 // D))  # >= 32 tokens, two chunks of >= 2 tokens per rank
+    ids = torch.randint(0, _vocab(ref), (ROWS, S), generator=torch.Generator().manual_seed(0))
+    full = {"input_ids": ids.to(device), "labels": ids.to(device)}
+    layout = ZigzagLayout(S, D)
+    want, order = _run(ref, full)
+    rounded, _ = _run(copy.deepcopy(ref).float(), full, order)  # float32's rounding: the bound
+    batch = shard_batch(full, mesh)
+    if options.shard_vocab:
+        batch["return_logits"] = True
+    got, _ = _run(folded, batch, order)
+    grads = full_grads(folded)
+    whats, rows = [], []  # rows: |folded - reference|, |reference|, |float32 - reference|
+    for what in (*order, "logits", "loss"):
+        r, g = want[what], got.get(what)
+        local = layout.shard(r, p) if r.dim() >= 2 and r.shape[:2] == (ROWS, S) else r
+        if g is None or g.shape != local.shape:
+            continue  # outputs of other shapes (e.g. a sharded LM head's): not comparable
+        whats.append(what if what in ("loss", "logits") else f"output of {what}")
+        rows.append(_row(g, local, rounded[what], r))
+    for n, param in ref.named_parameters():
+        if param.grad is None:
+            continue
+        whats.append(f"gradient of {n}")
+        g = grads.get(n)
+        if g is None or g.shape != param.grad.shape:  # the fold dropped or reshaped it
+            g = torch.full_like(param.grad, torch.inf)
+        rows.append(_row(g, param.grad, rounded.grads[n], param.grad))
+    table = torch.tensor(rows, dtype=torch.float64, device=device)
+    comm.all_reduce_max(table, group)
+    table = table.cpu().tolist()
+    errors = []
+    for what, (diff, scale, rounding) in zip(whats, table):
+        floor = GRAD_TOL if what.startswith("gradient") else VALUE_TOL
+        tol = max(floor, MARGIN * rounding / max(scale, 1e-30))
+        errors.append((what, diff / max(scale, 1e-30), tol))
+    return errors
+
+
+def _row(got, want, rounded, full) -> list[float]:
+    """``[max |got - want|, max |want|, max |rounded - full|]`` (``rounded``: the float32
+    reference's value of the reference's ``full``)."""
+    want = want.double()
+    return [
+        (got.double() - want).abs().max().item(),
+        want.abs().max().item(),
+        (rounded.double() - full.double()).abs().max().item(),
+    ]
+
+
+def _run(model: nn.Module, batch: dict, shared: list[str] | None = None):
+    """``model(**batch)`` in train mode, its loss backpropagated. Returns the outputs (``"loss"``,
+    ``"logits"``, each module's first output tensor by name; ``.grads``: each parameter's
+    gradient) and the names of the modules whose output was recorded, in call order. Modules:
+    those of ``shared`` (the reference's) or, if None, every module of ``model``."""
+    outputs: dict[str, torch.Tensor | None] = {}
+    modules = dict(model.named_modules())
+    names = [n for n in (shared if shared is not None else modules) if n and n in modules]
+
+    def record(name):
+        def hook(_module, _args, out):
+            if name not in outputs:
+                outputs[name] = _first_tensor(out)
+
+        return hook
+
+    handles = [modules[n].register_forward_hook(record(n)) for n in names]
+    try:
+        model.train()
+        out = model(**batch)
+        out.loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+    recorded = [n for n, t in outputs.items() if t is not None]
+    result = _Outputs({n: outputs[n].detach() for n in recorded})
+    result.update(loss=out.loss.detach(), logits=out.logits.detach())
+    result.grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return result, recorded
+
+
+class _Outputs(dict):
+    """A run's outputs by name, and its gradients (``grads``)."""
+
+    grads: dict[str, torch.Tensor]
+
+
+def _first_tensor(out) -> torch.Tensor | None:
+    if isinstance(out, torch.Tensor):
+        return out if out.is_floating_point() else None
+    if isinstance(out, (tuple, list)) and out:
+        return _first_tensor(out[0])
+    if hasattr(out, "to_tuple"):
+        return _first_tensor(out.to_tuple())
+    return None
+
+
+def _vocab(model: nn.Module) -> int:
+    return model.config.get_text_config().vocab_size
