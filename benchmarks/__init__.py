@@ -22,5 +22,7 @@
   (``python -m benchmarks.gpt_oss``), and ``qwen3_next``, a tiny-width Qwen3-Next (hybrid
   linear attention) likewise (``python -m benchmarks.qwen3_next``), both run by ``model_paths``
   (one model along every path);
+- ``self_check``: what ``apply_tsp``'s self-check costs per model type (seconds, the miniature's
+  size) at D = 2 and 4 (``python -m benchmarks.self_check``);
 - ``comm_counter``, ``report``, ``plots``, ``baseline_rows``: the pieces they share.
 """

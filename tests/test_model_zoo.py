@@ -9,6 +9,7 @@ from model_zoo import (
     GRAD_TOL,
     LOGITS_TOL,
     LOSS_TOL,
+    ROOT,
     doc_rows,
     model_types,
     table_rows,
@@ -47,8 +48,12 @@ def test_every_causal_lm_is_exact_or_refused(workers, group):
         )
 
 
-def test_the_table_lists_every_type():
-    assert sorted(r[0] for r in doc_rows()) == sorted(f"`{t}`" for t in TYPES)
+def test_the_table_lists_every_type_and_the_readme_counts_it():
+    rows = doc_rows()
+    assert sorted(r[0] for r in rows) == sorted(f"`{t}`" for t in TYPES)
+    exact = sum(r[3] == "exact" for r in rows)
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert f"{exact} exact, the rest refused with the reason" in readme
 
 
 def refusal_worker(rank, world):

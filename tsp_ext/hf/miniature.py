@@ -5,9 +5,10 @@ and the fewest leading layers that hold one layer of every kind the model has.
 any real weight moves; the model zoo test builds its models with it. What is shrunk: widths
 (hidden size, head size, MLP and expert widths, latent ranks, state sizes), the vocabulary (special
 token ids kept inside it), the depth (per-layer lists cut with it) and windows / attention chunks
-(to a few tokens, so that a short sequence crosses them). What is kept: head and expert counts
-(they decide how TSP splits a layer over the ranks), every other flag (multipliers, norms, biases,
-rotary settings, routers, activations, NoPE layers).
+(to a few tokens, so that a short sequence crosses them) and, for a given TSP size, the routed
+experts (to a multiple of it). What is kept: head counts (they decide how TSP splits a layer
+over the ranks), every other flag (multipliers, norms, biases, rotary settings, routers,
+activations, NoPE layers).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ _SMALL = {
     "state_size": 16,
 }
 _WINDOWS = ("sliding_window", "attention_chunk_size")
+_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
+_TOP_K = ("num_experts_per_tok", "moe_topk", "top_k")
 _IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
 
 
@@ -57,11 +60,17 @@ def miniature_config(config):
     return mini
 
 
-def build_miniature(model_class, config, device: torch.device | str = "cpu") -> nn.Module:
+def build_miniature(
+    model_class, config, device: torch.device | str = "cpu", tsp_size: int | None = None
+) -> nn.Module:
     """A float64 ``model_class`` of ``miniature_config(config)``, cut to its layer kinds, its
     weights drawn from a fixed seed (the same on every rank) and moved off their init values (a
-    zero bias or a unit norm weight would hide a fold that drops it)."""
+    zero bias or a unit norm weight would hide a fold that drops it). With ``tsp_size``, a
+    mixture of experts keeps fewer experts (``fewer_experts``)."""
     mini = miniature_config(config)
+    if tsp_size is not None:
+        for c in _configs(mini):
+            fewer_experts(c, tsp_size)
     # the reference's attention runs anywhere in float64: SDPA (eager's softmax is float32)
     mini._attn_implementation = "sdpa" if model_class._supports_sdpa else "eager"
     with torch.device("meta"):
@@ -82,6 +91,25 @@ def build_miniature(model_class, config, device: torch.device | str = "cpu") -> 
                 scale = p.abs().mean().clamp_min(0.02)
                 p.add_(0.25 * scale * torch.randn_like(p))
     return model
+
+
+def fewer_experts(c, tsp_size: int) -> None:
+    """Routed experts cut to the fewest that keep how D ranks split them: a multiple of D (when
+    the count was one) of at least twice the experts a token picks; kept where the count does
+    not split evenly, or a router groups the experts (``n_group``)."""
+    for key in _EXPERT_COUNTS:
+        n = getattr(c, key, None)
+        if (
+            not isinstance(n, int)
+            or isinstance(n, bool)
+            or n % tsp_size
+            or (getattr(c, "n_group", None) or 1) > 1
+        ):
+            continue
+        top_k = max((getattr(c, k, 0) or 0) for k in _TOP_K)
+        fewer = -(-max(2 * top_k, 2 * tsp_size, 4) // tsp_size) * tsp_size
+        if fewer < n:
+            _set(c, key, fewer)
 
 
 def cut_layers(config, signatures: list[str]) -> None:
