@@ -60,7 +60,7 @@ def worker(rank: int, world: int, types: tuple[str, ...], repeats: int) -> list[
             t0 = time.perf_counter()
             check.self_check(model, mesh, group, TSPConfig())
             seconds.append(time.perf_counter() - t0)
-        mini = build_miniature(cls, config)
+        mini = build_miniature(cls, config, tsp_size=world)  # what the check folds
         rows.append(
             {
                 "model_type": model_type,
@@ -74,10 +74,12 @@ def worker(rank: int, world: int, types: tuple[str, ...], repeats: int) -> list[
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """One line per model type: the miniature's layers and parameters, seconds per D."""
+    """One line per model type: the miniature's layers and parameters (at the first D: its
+    experts follow D), seconds per D."""
     sizes = sorted({r["D"] for r in rows})
-    head = "| model type | miniature layers | miniature parameters | " + " | ".join(
-        f"D = {d} (s)" for d in sizes
+    head = (
+        f"| model type | miniature layers | miniature parameters (D = {sizes[0]}) | "
+        + " | ".join(f"D = {d} (s)" for d in sizes)
     )
     lines = [head + " |", "|---|---|---|" + "---|" * len(sizes)]
     for t in dict.fromkeys(r["model_type"] for r in rows):

@@ -415,3 +415,22 @@ def test_grpo_rows_tsp_below_trl(tmp_path):
     assert rows["tsp"]["max_len"] >= (rows["zero3"]["max_len"] or 0)
     assert rows["trl"]["tokens_per_s_ratio"] == rows["trl"]["step_seconds_ratio"] == 1.0
     assert markdown(result).count("\n| ") == 3  # a line per row
+
+
+def test_self_check_table_is_its_json():
+    """docs/benchmarks.md's self-check table is ``benchmarks.self_check``'s JSON, rendered, and
+    the ranges its text quotes hold."""
+    import json
+    from pathlib import Path
+
+    from benchmarks.self_check import TYPES, markdown_table
+
+    root = Path(__file__).parents[1]
+    rows = json.loads((root / "docs/benchmarks/self_check_cpu.json").read_text())["rows"]
+    assert {r["model_type"] for r in rows} == set(TYPES)
+    doc = (root / "docs/benchmarks.md").read_text()
+    assert markdown_table(rows) in doc
+    longer = ("gemma3_text", "qwen3_next", "qwen3_5_text")
+    assert max(r["seconds"] for r in rows if r["model_type"] not in longer) <= 0.6, rows
+    hybrid = [r["seconds"] for r in rows if r["model_type"] in longer[1:] and r["D"] == 4]
+    assert f"{min(hybrid):.1f}–{max(hybrid):.1f} s at D = 4" in " ".join(doc.split())
