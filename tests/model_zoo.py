@@ -110,11 +110,12 @@ def _fold(model, mesh) -> tuple[str, str, dict]:
 
 
 def _errors(model, folded, mesh) -> dict[str, float]:
-    """Loss, logits and the largest gradient error of ``folded`` against ``model`` on a batch
-    of its own (not the self-check's)."""
-    from checks import rel_err
+    """Loss, logits, the largest gradient error and the eval-mode logits of ``folded`` against
+    ``model`` after one backward on a batch of its own (not the self-check's):
+    ``checks.trained_errors``, its per-parameter errors folded into one."""
+    from checks import trained_errors
 
-    from tsp_ext import full_grads, gather_sequence, shard_batch
+    from tsp_ext import shard_batch
 
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(1))
@@ -126,18 +127,10 @@ def _errors(model, folded, mesh) -> dict[str, float]:
         batch["return_logits"] = True
     got = folded.train()(**batch)
     got.loss.backward()
-    grads = full_grads(folded)
-    errors = {
-        "loss": rel_err(got.loss.detach(), want.loss.detach()),
-        "logits": rel_err(gather_sequence(got.logits.detach(), mesh, seq_len=24), want.logits),
-        "gradients": 0.0,
-    }
-    for name, p in ref.named_parameters():
-        if p.grad is not None:
-            g = grads.get(name)
-            err = float("inf") if g is None else rel_err(g, p.grad)
-            errors["gradients"] = max(errors["gradients"], err)
-    return errors
+    errs = trained_errors(folded, ref, mesh, ids, got, want, want.loss)
+    named = {n for n, p in ref.named_parameters() if p.grad is not None}
+    gradients = max((errs.pop(n) for n in named), default=0.0)
+    return {**{k: v for k, v in errs.items() if "." not in k}, "gradients": gradients}
 
 
 def _first_line(e: Exception) -> str:

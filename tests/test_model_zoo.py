@@ -17,6 +17,8 @@ from model_zoo import (
     zoo_worker,
 )
 
+from tsp_ext.hf.miniature import build_miniature
+
 pytestmark = pytest.mark.multiproc
 
 TYPES = model_types()
@@ -37,6 +39,7 @@ def test_every_causal_lm_is_exact_or_refused(workers, group):
             if status == "exact":
                 errors = row["errors"][D]
                 assert errors["logits"] < LOGITS_TOL, (t, D, errors)
+                assert errors["eval_logits"] < LOGITS_TOL, (t, D, errors)
                 assert errors["loss"] < LOSS_TOL, (t, D, errors)
                 assert errors["gradients"] < GRAD_TOL, (t, D, errors)
             else:
@@ -65,7 +68,6 @@ def refusal_worker(rank, world):
     from transformers import AutoModelForCausalLM
 
     from tsp_ext import TSPConfig, apply_tsp, init_tsp_mesh
-    from tsp_ext.hf.miniature import build_miniature
 
     mesh = init_tsp_mesh(world)
     config = zoo_config("smollm3")  # NoPE on every 4th layer: folded wrong before the check
@@ -96,3 +98,29 @@ def test_a_mismatch_names_the_first_module_and_moves_nothing(workers):
     assert "relative error" in message and "TSPConfig(self_check=False)" in message
     assert untouched, "a refused model keeps its modules and weights"
     assert checked is False  # self_check=False folds without the proof
+
+
+def rng_worker(rank, world):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tsp_ext import TSPConfig, apply_tsp, init_tsp_mesh
+    from tsp_ext.hf import self_check
+
+    mesh = init_tsp_mesh(world)
+    config = zoo_config("llama")
+    model = build_miniature(AutoModelForCausalLM._model_mapping[type(config)], config)
+    self_check._proven.clear()
+    torch.manual_seed(100 + rank)  # every rank's random state differs
+    state = torch.get_rng_state()
+    self_check.self_check(model, mesh, mesh["tsp"].get_group(), TSPConfig())  # proves the fold
+    untouched = torch.equal(state, torch.get_rng_state())
+    apply_tsp(model, mesh)  # the config proven: no check again
+    return untouched
+
+
+def test_the_self_check_is_the_same_on_every_rank_whatever_their_random_state(workers):
+    """The miniature's weights and the check's batch come from fixed seeds, not the ranks' own
+    random states (which the check leaves as they were): ranks seeded differently prove the same
+    fold."""
+    assert workers.run(rng_worker, 2) == [True, True]

@@ -42,7 +42,8 @@ class TSPConfig(EngineOptions):
             class and flags, small widths, one layer of every kind) on the same mesh and compare
             its outputs, loss, logits and every gradient with the unmodified miniature in
             float64 (``hf.self_check``); a mismatch refuses the model with a ``ValueError``
-            naming the first module that differs. About a second, once per config and process.
+            naming the first module that differs. 0.1-0.6 s for a dense or MoE model, about
+            2.4 s for a hybrid at D = 4 (2 CPU cores), once per config and process.
             Off: the model is folded unproven (only for a model already proven this way).
     """
 

@@ -3,7 +3,8 @@ TSP model, in place.
 
 Steps, in order (numbered as in ``apply_tsp``):
   1. check the model (structure and config), the mesh and the split of heads, MLP rows and
-     experts over it, before anything is touched;
+     experts over it, then fold a miniature of its config and prove it exact (``self_check``),
+     before anything is touched;
   2. replace each decoder layer's attention (head group p), MLP (slice p; a mixture-of-experts
      block: E/D whole experts) and norms, then the embedding and LM head (vocabulary row block p;
      ``TSPConfig(shard_vocab=False)`` keeps them replicated), by TSP modules built from them;
@@ -97,7 +98,8 @@ def apply_tsp(
     Args:
         model: a Hugging Face ``*ForCausalLM`` of a supported family (``hf.families``: Llama,
             Mistral, Qwen2 / 3, Gemma, Gemma-3, Phi-3, OLMo-2, Qwen-MoE, Mixtral, or any model
-            with one's structure), with the same weights on every rank; or a
+            with one's structure that the self-check proves exact), with the same weights on
+            every rank; or a
             ``peft.PeftModel`` of one with a LoRA adapter on some of q/k/v/o/gate/up/down
             (``get_peft_model`` first, then ``apply_tsp``; the same adapter on every rank).
         mesh: a mesh with a ``"tsp"`` dimension; built with ``init_tsp_mesh(tsp_size)`` if None.
@@ -105,7 +107,8 @@ def apply_tsp(
         config: engine options (``TSPConfig``).
 
     Raises:
-        ValueError: unsupported model or config, a TSP size larger than the number of query
+        ValueError: unsupported model or config (a miniature of it folded wrong included), a
+            TSP size larger than the number of query
             heads, or a mesh whose TSP size disagrees with ``tsp_size`` / ``config``.
     """
     config = config or TSPConfig()

@@ -13,8 +13,10 @@ whose collectives move no data, there is nothing to compare: no check). Compared
 - the gradient of every parameter of the reference (a parameter the fold dropped has none).
 
 Every rank reduces the errors over the group, so all raise the same ``ValueError`` (or none),
-naming the first module whose output differs. A model whose config is proven once is not proven
-again in the same process (a reference model folded beside its policy, a reloaded model).
+naming the first module whose output differs. The miniature and its batch come from fixed seeds,
+not the ranks' random states, which the check leaves as they were. A model whose config is proven
+once is not proven again in the same process (a reference model folded beside its policy, a
+reloaded model).
 
 Tolerances are float32-level: relative 1e-5 for outputs, logits and loss, 1e-4 for gradients, or
 ten times the error of the same reference run whole in float32 where that is larger (a badly
@@ -61,7 +63,10 @@ def self_check(model: nn.Module, mesh, group: dist.ProcessGroup, config) -> None
     if key in _proven:
         return
     name = type(model).__name__
-    for what, err, tol in miniature_errors(model, mesh, group, options):
+    device = comm.group_device(group)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        errors = miniature_errors(model, mesh, group, options)  # the caller's RNG left as it was
+    for what, err, tol in errors:
         if not err <= tol:  # NaN included
             raise FoldMismatch(
                 f"{name} (model_type={model.config.model_type!r}) is not supported under TSP: "
