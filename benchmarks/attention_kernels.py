@@ -30,10 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from tsp_ext.engine.attention import heads_major
-from tsp_ext.engine.attention_backends import BACKENDS, available_backends
-from tsp_ext.engine.chunked_attention import chunked_attention_backward, chunked_attention_forward
-from tsp_ext.engine.layout import ZigzagLayout
+from tsp_ext.engine.attention.kv_exchange import heads_major
+from tsp_ext.engine.kernels.backends import BACKENDS, available_backends
+from tsp_ext.engine.kernels.chunked import chunked_attention_backward, chunked_attention_forward
+from tsp_ext.engine.sharding.layout import ZigzagLayout
 
 log = logging.getLogger("benchmarks.attention_kernels")
 

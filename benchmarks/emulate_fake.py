@@ -42,7 +42,7 @@ from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 from torch.utils._pytree import tree_leaves
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tsp_ext.engine import pointwise
+from tsp_ext.engine.kernels import pointwise
 
 from . import registry
 from .harness import (

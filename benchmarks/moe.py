@@ -17,8 +17,8 @@ measured as ``benchmarks.harness`` does, after the timing), the bytes a rank rec
 and backward (``CommCounter``), the step time (median of ``--steps`` after one warm-up) and its
 ratio to the single process's. ``--crossover`` times ring and all-to-all at D = ``--tsp`` for
 several token counts per rank and prints where all-to-all starts to win, measured (linear
-interpolation of the time ratio) and as ``engine.moe_traffic.schedule_for`` predicts from the
-elements each moves.
+interpolation of the time ratio) and as ``engine.feed_forward.moe_traffic.schedule_for`` predicts
+from the elements each moves.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 from benchmarks.comm_counter import CommCounter
 from benchmarks.harness import memory_now, mmap_large_allocations, peak_memory, reset_peak
 from tsp_ext import TSPConfig
-from tsp_ext.engine.layout import ZigzagLayout
-from tsp_ext.engine.moe_traffic import traffic
+from tsp_ext.engine.feed_forward.moe_traffic import traffic
+from tsp_ext.engine.sharding.layout import ZigzagLayout
 from tsp_ext.hf.families import QWEN_MOE
 from tsp_ext.hf.moe import TSPSparseMoe
 from tsp_ext.memory import SavedTensorBytes

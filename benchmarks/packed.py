@@ -10,7 +10,7 @@ separately (median of ``--repeats`` after ``--warmup``). Rows:
 - ``stream``: one causal stream (per chunk, a prefix call and a causal diagonal call);
 - ``split``: the row packed with documents of ``--doc-lens`` tokens; each chunk cut where a
   document starts, each piece one prefix call from its document's first key and one causal
-  diagonal call (``engine.documents``: what a TSP model runs);
+  diagonal call (``engine.sharding.documents``: what a TSP model runs);
 - ``masked``: the masked alternative: per chunk, one SDPA call over the keys of the chunk's
   documents with the explicit block-diagonal causal mask (backward through SDPA's autograd).
 
@@ -30,11 +30,11 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.attention_kernels import fmt, median_ms
-from tsp_ext.engine.attention import heads_major
-from tsp_ext.engine.attention_backends import select_backend
-from tsp_ext.engine.chunked_attention import chunked_attention_backward, chunked_attention_forward
-from tsp_ext.engine.documents import query_spans
-from tsp_ext.engine.layout import ZigzagLayout
+from tsp_ext.engine.attention.kv_exchange import heads_major
+from tsp_ext.engine.kernels.backends import select_backend
+from tsp_ext.engine.kernels.chunked import chunked_attention_backward, chunked_attention_forward
+from tsp_ext.engine.sharding.documents import query_spans
+from tsp_ext.engine.sharding.layout import ZigzagLayout
 
 log = logging.getLogger("benchmarks.packed")
 

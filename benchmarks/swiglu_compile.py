@@ -2,9 +2,9 @@
 
     python -m benchmarks.swiglu_compile --seq-len 4096 --tsp 2 --intermediate 704 --json out.json
 
-Times ``tsp_ext.engine.mlp.swiglu_pointwise_backward`` (silu, its derivative and the products:
-``dM`` and the gate/up pre-activations in, ``[dG | dU]`` over them and the activation out) on
-S/D tokens and one MLP shard of F/D columns, as the engine runs it and compiled by inductor
+Times ``tsp_ext.engine.feed_forward.mlp.swiglu_pointwise_backward`` (silu, its derivative and the
+products: ``dM`` and the gate/up pre-activations in, ``[dG | dU]`` over them and the activation
+out) on S/D tokens and one MLP shard of F/D columns, as the engine runs it and compiled by inductor
 (median of ``--repeats``; the first compiled call, compilation included, reported apart). Prints
 a markdown table; ``--json`` writes the rows.
 """
@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from tsp_ext.engine.mlp import swiglu_pointwise_backward
+from tsp_ext.engine.feed_forward.mlp import swiglu_pointwise_backward
 
 
 def _median_ms(fn, reset, repeats: int) -> float:

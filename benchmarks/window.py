@@ -6,8 +6,8 @@
 One ``TSPAttention`` layer of a Mistral-style model (h 512, 8 query / 4 KV heads of 64, fp32,
 batch 1) with ``sliding_window = W`` at S = 8W, forward + backward on this rank's tokens, in two
 modes of one run: ``window`` (``TSPConfig(window_exchange=True)``: each rank receives only the
-keys its queries see, ``engine.window``) and ``all-gather`` (``window_exchange=False``: every
-key, as a full-attention layer). The attention computed is the same (windowed kernels); only
+keys its queries see, ``engine.attention.window``) and ``all-gather`` (``window_exchange=False``:
+every key, as a full-attention layer). The attention computed is the same (windowed kernels); only
 the K/V traffic and the gathered K/V differ.
 
 Per row: K/V bytes received per rank in forward (the gather) and backward (dK/dV going home),
@@ -30,8 +30,8 @@ from transformers import MistralConfig, MistralForCausalLM
 
 from benchmarks.comm_counter import CommCounter
 from tsp_ext import TSPConfig, apply_tsp, init_tsp_mesh
-from tsp_ext.engine.layout import ZigzagLayout
-from tsp_ext.engine.window import WindowExchange
+from tsp_ext.engine.attention.window import WindowExchange
+from tsp_ext.engine.sharding.layout import ZigzagLayout
 
 MODEL = dict(
     hidden_size=512,

@@ -77,7 +77,11 @@ def _modules(package: Path) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "package", sorted(p.parent.name for p in (ROOT / "tsp_ext").glob("*/__init__.py"))
+    "package",
+    sorted(
+        str(p.parent.relative_to(ROOT / "tsp_ext"))
+        for p in (ROOT / "tsp_ext").glob("*/**/__init__.py")
+    ),
 )
 def test_package_docstring_names_every_module(package):
     path = ROOT / "tsp_ext" / package

@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tsp_ext.engine.attention import heads_major
-from tsp_ext.engine.attention_backends import (
+from tsp_ext.engine.attention.kv_exchange import heads_major
+from tsp_ext.engine.kernels.backends import (
     BACKENDS,
     _aligns_bottom_right,
     available_backends,
     select_backend,
 )
-from tsp_ext.engine.chunked_attention import chunked_attention_backward, chunked_attention_forward
-from tsp_ext.engine.layout import Span, ZigzagLayout
+from tsp_ext.engine.kernels.chunked import chunked_attention_backward, chunked_attention_forward
+from tsp_ext.engine.sharding.layout import Span, ZigzagLayout
 
 CPU = torch.device("cpu")
 TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 2e-2}

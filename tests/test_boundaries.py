@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import pkgutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -19,12 +21,54 @@ def imported_after(statement: str) -> set[str]:
     return set(out.stdout.split())
 
 
+def _engine_modules() -> list[str]:
+    return [m.name for m in pkgutil.walk_packages(tsp_ext.engine.__path__, "tsp_ext.engine.")]
+
+
 def test_engine_imports_torch_only():
-    names = [m.name for m in pkgutil.iter_modules(tsp_ext.engine.__path__)]
-    assert {"attention", "mlp", "vocab", "comm", "layout"} <= set(names)
-    loaded = imported_after("\n".join(f"import tsp_ext.engine.{n}" for n in names))
+    names = _engine_modules()
+    assert {
+        f"tsp_ext.engine.{n}" for n in ("attention", "feed_forward", "vocab", "parallel")
+    } <= set(names)
+    loaded = imported_after("\n".join(f"import {n}" for n in names))
     assert "torch" in loaded
     assert not loaded & {"transformers", "deepspeed", "accelerate", "datasets", "safetensors"}
+
+
+def _engine_imports(module: str) -> set[str]:
+    """Modules ``module`` imports (its own source; relative imports resolved)."""
+    path = Path(tsp_ext.engine.__file__).parent.joinpath(*module.split(".")[2:])
+    is_package = path.is_dir()
+    path = path / "__init__.py" if is_package else path.with_suffix(".py")
+    package = module.split(".") if is_package else module.split(".")[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else []))
+            found |= {target} | {f"{target}.{a.name}" for a in node.names}
+    return found
+
+
+@pytest.mark.parametrize("package", ["kernels", "sharding.layout", "sharding.partition"])
+def test_kernels_and_layouts_never_communicate(package):
+    """What engine/__init__.py says: these modules import neither ``torch.distributed`` nor the
+    engine's communication (``engine.parallel``), directly or through another engine module."""
+    modules = set(_engine_modules())
+    todo = [n for n in modules if n.startswith(f"tsp_ext.engine.{package}")]
+    assert todo
+    seen: set[str] = set()
+    while todo:
+        module = todo.pop()
+        seen.add(module)
+        imports = _engine_imports(module)
+        talks = [
+            i for i in imports if i.startswith(("torch.distributed", "tsp_ext.engine.parallel"))
+        ]
+        assert not talks, f"{module} imports {talks}"
+        todo += [i for i in imports & modules if i not in seen]
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tsp_ext.engine import comm
+from tsp_ext.engine.parallel import comm
 
 pytestmark = pytest.mark.multiproc
 

@@ -28,7 +28,7 @@ from tsp_ext import (
     init_tsp_mesh,
     shard_batch,
 )
-from tsp_ext.engine.attention_backends import available_backends
+from tsp_ext.engine.kernels.backends import available_backends
 from tsp_ext.testing.launch import free_port
 
 pytestmark = [

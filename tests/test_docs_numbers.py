@@ -352,9 +352,9 @@ def test_window_table_is_its_json_and_the_bytes_follow_from_the_exchange():
     the all-gather) times 2 (K and V) · head_dim · 4 bytes · the KV heads of all D head groups,
     max over ranks."""
     from benchmarks.window import MODEL, markdown_table
-    from tsp_ext.engine.heads import AttentionSpec
-    from tsp_ext.engine.layout import ZigzagLayout
-    from tsp_ext.engine.window import WindowExchange
+    from tsp_ext.engine.attention.heads import AttentionSpec
+    from tsp_ext.engine.attention.window import WindowExchange
+    from tsp_ext.engine.sharding.layout import ZigzagLayout
 
     rows = json.loads((RESULTS / "window_cpu.json").read_text())
     assert markdown_table(rows) in (ROOT / "docs" / "engine.md").read_text()
@@ -373,7 +373,7 @@ def test_moe_tables_are_their_json_and_the_expert_bytes_are_e_over_d():
     """docs/moe.md's tables are ``benchmarks.moe``'s of its JSON files; every row's experts are
     E/D of the model's (float32), and the crossover line is the planner's count."""
     from benchmarks.moe import crossover_table, markdown_table
-    from tsp_ext.engine.moe_traffic import traffic
+    from tsp_ext.engine.feed_forward.moe_traffic import traffic
 
     doc = (ROOT / "docs" / "moe.md").read_text()
     result = json.loads((RESULTS / "moe_cpu.json").read_text())

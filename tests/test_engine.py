@@ -20,7 +20,7 @@ from tsp_ext import (
     pad_sequence,
     padded_length,
 )
-from tsp_ext.engine.attention_backends import available_backends
+from tsp_ext.engine.kernels.backends import available_backends
 
 pytestmark = pytest.mark.multiproc
 
@@ -157,7 +157,7 @@ BACKENDS = sorted(
 def test_head_buckets_cover_a_group_with_a_remainder():
     """``AttentionSpec.buckets``: 9 query / 3 KV heads on one rank in buckets of 2 KV heads:
     (kv 0-1, q 0-5) and the remainder (kv 2, q 6-8); each bucket's map is the kernels' GQA."""
-    from tsp_ext.engine.heads import AttentionSpec
+    from tsp_ext.engine.attention.heads import AttentionSpec
 
     spec = AttentionSpec(72, 9, 3, 8, tsp_size=1, scaling=1.0)
     assert [(b.kv, b.q, b.kv_map) for b in spec.buckets(0, 2)] == [
@@ -171,7 +171,7 @@ def test_a_bucket_cuts_the_group_shards_to_its_heads():
     """``HeadBucket.shards`` and ``AttentionSpec.part``: group 1 of 8 query / 4 KV heads at D = 2
     (q 4-7, kv 2-3), its second bucket of one KV head: q heads 6-7, kv head 3, as rows of q/k/v
     and the gate, columns of o (head_dim 2)."""
-    from tsp_ext.engine.heads import AttentionSpec
+    from tsp_ext.engine.attention.heads import AttentionSpec
 
     spec = AttentionSpec(16, 8, 4, 2, tsp_size=2, scaling=1.0)
     bucket = spec.buckets(1, 1)[1]

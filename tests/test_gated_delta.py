@@ -17,9 +17,9 @@ from hybrid import float64_twin, twins
 from transformers import Qwen3NextConfig
 
 from tsp_ext import ZigzagLayout, pad_sequence, padded_length
-from tsp_ext.engine import linear_attention as engine_la
-from tsp_ext.engine.gated_delta import chunk_gated_delta, recurrent_gated_delta
-from tsp_ext.engine.linear_attention import LinearAttentionSpec, group_shapes
+from tsp_ext.engine.kernels.gated_delta import chunk_gated_delta, recurrent_gated_delta
+from tsp_ext.engine.linear_attention import schedule as engine_la
+from tsp_ext.engine.linear_attention.schedule import LinearAttentionSpec, group_shapes
 from tsp_ext.hf.cache import LinearStateCacheLayer
 from tsp_ext.hf.linear_attention import TSPGatedDeltaNet
 
@@ -239,7 +239,7 @@ def test_fla_kernel_matches_the_pytorch_one():
     state and the gradients of every input (the initial state's included) against the
     pure-PyTorch kernel in float32, with resets, on [v | 0] / [0 | I] as the layer calls it."""
     pytest.importorskip("fla")
-    from tsp_ext.engine.gated_delta import uses_fla
+    from tsp_ext.engine.kernels.gated_delta import uses_fla
 
     *inputs, s0 = (t.float() for t in _kernel_inputs(dv=8))
     q, k, v, g, beta = inputs

@@ -16,8 +16,8 @@ from transformers import GptOssConfig
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
 from tsp_ext import TSPConfig, ZigzagLayout
-from tsp_ext.engine.moe_traffic import SCHEDULES
-from tsp_ext.engine.partition import split_range
+from tsp_ext.engine.feed_forward.moe_traffic import SCHEDULES
+from tsp_ext.engine.sharding.partition import split_range
 from tsp_ext.hf.families import GPT_OSS
 from tsp_ext.hf.moe import TSPSparseMoe, check_moe_block
 

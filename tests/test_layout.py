@@ -60,7 +60,7 @@ def test_bad_layouts_are_clear_errors():
 def test_rank_major_grads_add_key_ranges_where_rank_major_puts_them(D):
     """``RankMajorGrads`` adds a key range's gradients, within a chunk or across chunks, into the
     rank-major rows where ``KVExchange.rank_major`` lays out the token-order sums."""
-    from tsp_ext.engine.kv_exchange import KVExchange, RankMajorGrads
+    from tsp_ext.engine.attention.kv_exchange import KVExchange, RankMajorGrads
 
     lay, B, hk, d = ZigzagLayout(12 * D, D), 2, 2, 3
     exchange = KVExchange(lay, None, None, torch.float64)

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 import tsp_ext
 from tsp_ext import TSPConfig, apply_tsp, full_grads, init_tsp_mesh, shard_batch
-from tsp_ext.engine.lora import SeededDropout
+from tsp_ext.engine.adapters.lora import SeededDropout
 from tsp_ext.memory import SavedTensorBytes
 
 pytestmark = pytest.mark.multiproc
@@ -380,7 +380,7 @@ def qlora_worker(rank, world, tmp):
     gathered in full, the packed bytes this rank stores; exports the merged model to
     ``tmp/qlora-merged``."""
     from tsp_ext.checkpoint.state import full_tensor
-    from tsp_ext.engine import nf4
+    from tsp_ext.engine.adapters import nf4
     from tsp_ext.hf.nf4 import NF4Linear
 
     mesh = init_tsp_mesh(world)

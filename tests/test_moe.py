@@ -28,7 +28,7 @@ from tsp_ext import (
     save_pretrained,
     shard_batch,
 )
-from tsp_ext.engine.moe_traffic import SCHEDULES
+from tsp_ext.engine.feed_forward.moe_traffic import SCHEDULES
 from tsp_ext.hf.families import QWEN_MOE
 from tsp_ext.hf.moe import TSPSparseMoe
 from tsp_ext.memory import SavedTensorBytes

@@ -13,10 +13,10 @@ from models import build, lm_loss
 from transformers import DataCollatorWithFlattening
 
 from tsp_ext import TSPConfig, apply_tsp, full_grads, gather_sequence, init_tsp_mesh, shard_batch
-from tsp_ext.engine.attention_backends import BACKENDS
-from tsp_ext.engine.chunked_attention import chunked_attention_backward, chunked_attention_forward
-from tsp_ext.engine.documents import query_spans
-from tsp_ext.engine.layout import RowSpans, Span, ZigzagLayout
+from tsp_ext.engine.kernels.backends import BACKENDS
+from tsp_ext.engine.kernels.chunked import chunked_attention_backward, chunked_attention_forward
+from tsp_ext.engine.sharding.documents import query_spans
+from tsp_ext.engine.sharding.layout import RowSpans, Span, ZigzagLayout
 
 # Documents per batch row. At D = 1, 2, 4 (chunks of 21, 11, 6 tokens after padding to 42, 44,
 # 48) they straddle chunk and rank boundaries, include a document of one token and documents

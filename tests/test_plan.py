@@ -283,11 +283,11 @@ def test_step_time_model_calibrates_within_25_percent_of_measured():
 def test_moe_presets_count_the_hf_models_parameters_and_pick_the_schedule(name):
     """A MoE preset's parameters are the Hugging Face model's (built on the meta device from
     its config keys); TSP's per-layer traffic runs the ring or the all-to-all as
-    ``engine.moe_traffic.schedule_for`` picks for the tokens a rank holds."""
+    ``engine.feed_forward.moe_traffic.schedule_for`` picks for the tokens a rank holds."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from tsp_ext.engine.moe_traffic import schedule_for
+    from tsp_ext.engine.feed_forward.moe_traffic import schedule_for
     from tsp_ext.planner.comm import tsp_comm
 
     shape = planner.PRESETS[name]

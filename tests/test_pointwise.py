@@ -8,8 +8,9 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from tsp_ext.engine import pointwise
-from tsp_ext.engine.pointwise import (
+from tsp_ext.engine.attention.qkv import deinterleave_heads, interleave_heads
+from tsp_ext.engine.kernels import pointwise
+from tsp_ext.engine.kernels.pointwise import (
     add_matmul,
     matmul,
     rms_norm,
@@ -17,7 +18,6 @@ from tsp_ext.engine.pointwise import (
     rope,
     rope_phases,
 )
-from tsp_ext.engine.qkv import deinterleave_heads, interleave_heads
 from tsp_ext.memory import SavedTensorBytes
 
 # relative to the largest gradient: float64 replays the taped order; others are fused (rounding)
@@ -206,7 +206,7 @@ def test_token_rows_rebuild_the_normed_input_a_tile_at_a_time(dtype, monkeypatch
 def test_merge_into_is_the_log_sum_exp_merge():
     """``lse.merge_into`` (in place, lse laid out ``[B, H, r]``) gives ``merge_partials``'s
     output and log-sum-exp, from an empty running state through two partials."""
-    from tsp_ext.engine.lse import merge_into, merge_partials
+    from tsp_ext.engine.kernels.lse import merge_into, merge_partials
 
     torch.manual_seed(0)
     parts = [(torch.randn(2, 6, 3, 4), torch.randn(2, 3, 6)) for _ in range(2)]

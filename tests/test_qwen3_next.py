@@ -32,7 +32,7 @@ from tsp_ext import (
     save_pretrained,
     shard_batch,
 )
-from tsp_ext.engine.moe_traffic import SCHEDULES
+from tsp_ext.engine.feed_forward.moe_traffic import SCHEDULES
 from tsp_ext.hf.cache import LinearStateCacheLayer
 from tsp_ext.hf.linear_attention import TSPGatedDeltaNet
 

@@ -14,9 +14,9 @@ from transformers import GptOssConfig
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention, GptOssRotaryEmbedding
 
 from tsp_ext import TSPConfig, ZigzagLayout
-from tsp_ext.engine.attention_backends import BACKENDS, available_backends
-from tsp_ext.engine.chunked_attention import chunked_attention_backward, chunked_attention_forward
-from tsp_ext.engine.lse import add_sink, sink_grad
+from tsp_ext.engine.kernels.backends import BACKENDS, available_backends
+from tsp_ext.engine.kernels.chunked import chunked_attention_backward, chunked_attention_forward
+from tsp_ext.engine.kernels.lse import add_sink, sink_grad
 
 TOL = 1e-10
 WINDOW = 6

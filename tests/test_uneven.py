@@ -29,7 +29,7 @@ from tsp_ext import (
     shard_batch,
 )
 from tsp_ext.dp.grad_norm import clip_grad_norm_
-from tsp_ext.engine.heads import AttentionSpec
+from tsp_ext.engine.attention.heads import AttentionSpec
 from tsp_ext.hf.families import family_of
 
 pytestmark = pytest.mark.multiproc

@@ -15,7 +15,7 @@ from models import lm_loss
 from vlm_models import VIDEO, VLMS, build_vlm, first_row, left_padded, vlm_batch, vlm_prompt
 
 from tsp_ext import TSPConfig, apply_tsp, full_grads, gather_sequence, init_tsp_mesh, shard_batch
-from tsp_ext.engine.layout import ZigzagLayout
+from tsp_ext.engine.sharding.layout import ZigzagLayout
 from tsp_ext.hf.vision import encode
 from tsp_ext.hf.vision_plan import deal, exchange
 from tsp_ext.memory import SavedTensorBytes

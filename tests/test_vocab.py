@@ -130,7 +130,7 @@ def fused_loss_worker(rank, world):
     """``ring_cross_entropy`` against ``F.cross_entropy`` of the full logits (float64, V = 37
     split unevenly, 5-token blocks): the loss, and dH / dW for a backward scaled by 3.5, run
     twice on a retained graph; under no_grad the same loss."""
-    from tsp_ext.engine.partition import split_offsets
+    from tsp_ext.engine.sharding.partition import split_offsets
     from tsp_ext.engine.vocab import ring_cross_entropy
 
     mesh = init_tsp_mesh(world)

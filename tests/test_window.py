@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tsp_ext.engine.layout import ZigzagLayout, padded_length
-from tsp_ext.engine.window import WindowExchange
+from tsp_ext.engine.attention.window import WindowExchange
+from tsp_ext.engine.sharding.layout import ZigzagLayout, padded_length
 
 
 @pytest.mark.parametrize("S,D,W", [(64, 4, 8), (48, 3, 5), (40, 2, 3), (96, 4, 30), (24, 4, 2)])

@@ -21,7 +21,7 @@ guard.install()  # a "tsp" block or a TSP model given to plain deepspeed.initial
 
 # public name -> module that defines it (relative to this package)
 _EXPORTS = {
-    "AttentionSpec": ".engine.attention",
+    "AttentionSpec": ".engine.attention.schedule",
     "TSPAttention": ".hf.attention",
     "TSPCache": ".hf.cache",
     "gather_sequence": ".hf.batch",
@@ -32,10 +32,10 @@ _EXPORTS = {
     "iter_weights": ".checkpoint.weight_sync",
     "stream_weights": ".checkpoint.weight_sync",
     "weight_metadata": ".checkpoint.weight_sync",
-    "IGNORE_INDEX": ".engine.layout",
-    "ZigzagLayout": ".engine.layout",
-    "pad_sequence": ".engine.layout",
-    "padded_length": ".engine.layout",
+    "IGNORE_INDEX": ".engine.sharding.layout",
+    "ZigzagLayout": ".engine.sharding.layout",
+    "pad_sequence": ".engine.sharding.layout",
+    "padded_length": ".engine.sharding.layout",
     "load_pretrained": ".checkpoint.loading",
     "init_tsp_mesh": ".mesh",
     "tsp_group": ".mesh",

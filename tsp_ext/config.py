@@ -36,8 +36,8 @@ class TSPConfig(EngineOptions):
             on the device (the first layers'; the rest go to host memory): a device with room
             left spends it instead of host memory and copies. 0: all in host memory.
         quantize_base: ``"nf4"`` (QLoRA): store the frozen projection shards of a PEFT LoRA
-            model in 4-bit NormalFloat (``engine.nf4``, 0.5625 bytes a weight), send them so on
-            the broadcast / ring and dequantize each just before use; None: as loaded.
+            model in 4-bit NormalFloat (``engine.adapters.nf4``, 0.5625 bytes a weight), send them
+            so on the broadcast / ring and dequantize each just before use; None: as loaded.
         self_check: before any weight moves, fold a miniature of the model's own config (its
             class and flags, small widths, one layer of every kind) on the same mesh and compare
             its outputs, loss, logits and every gradient with the unmodified miniature in

@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..checkpoint.state import full_state_dict as tsp_full_state_dict
 from ..config import TSPConfig
-from ..engine.heads import AttentionSpec
+from ..engine.attention.heads import AttentionSpec
 from ..hf.apply import apply_tsp
 from ..hf.lora import peft_base
 from ..hf.sharding import Role, param_roles

@@ -26,12 +26,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import comm
-from .heads import AttentionSpec
-from .kv_exchange import expand_kv
-from .lse import add_sink, merge_partials
-from .masked_attention import partial_attention
-from .pointwise import gate_activation
+from .attention.heads import AttentionSpec
+from .attention.kv_exchange import expand_kv
+from .kernels.lse import add_sink, merge_partials
+from .kernels.masked import partial_attention
+from .kernels.pointwise import gate_activation
+from .parallel import comm
 
 # tokens per block of a KV head's cache split across its replicas (D > n_kv_heads)
 KV_BLOCK = 32

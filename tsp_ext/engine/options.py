@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention_backends import BACKENDS
+from .kernels.backends import BACKENDS
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class EngineOptions:
         head_bucket: KV heads per bucket of a head group's attention (the last bucket takes
             the remainder), attended one bucket after the other: each bucket's K/V streamed
             past the ranks a zigzag chunk at a time and its dK/dV reduced to each chunk's owner
-            (``engine.key_stream``; sliding windows and non-kernel GQA maps: gathered per
+            (``engine.attention.key_stream``; sliding windows and non-kernel GQA maps: gathered per
             bucket), and, without LoRA adapters, each bucket's Q/K/V projected and its
             projection differentiated in turn, so that the K/V, the projections, their
             gradients and the kernels' buffers scale with the bucket, not the group or S;
@@ -40,8 +40,8 @@ class EngineOptions:
             whole group at once, its gather overlapped with the previous group's attention,
             the keys in one call.
         window_exchange: in sliding-window layers, send each rank only the keys its queries
-            see (point to point, ``engine.window``) where that saves at least half of the K/V
-            all-gather's traffic; off: all-gather every key as in full-attention layers.
+            see (point to point, ``engine.attention.window``) where that saves at least half of the
+            K/V all-gather's traffic; off: all-gather every key as in full-attention layers.
         recompute_mlp: recompute the MLP's gate/up projections shard by shard in backward (saves
             only X_p). Off keeps them: ``2 x B x S/D x F`` more saved elements per layer, two
             fewer matmuls per ring step in backward.
@@ -53,7 +53,7 @@ class EngineOptions:
         moe_schedule: how a mixture-of-experts layer's tokens meet its experts (each rank owns
             E/D whole experts): ``"ring"`` (the experts travel the ring, tokens stay),
             ``"all_to_all"`` (tokens go to their experts' owners and back) or ``"auto"``: per
-            call, the one that moves fewer bytes (``engine.moe_traffic``).
+            call, the one that moves fewer bytes (``engine.feed_forward.moe_traffic``).
     """
 
     accum_dtype: torch.dtype = torch.float32

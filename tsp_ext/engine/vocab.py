@@ -42,10 +42,10 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from . import comm
+from .kernels.pointwise import add_matmul
 from .options import EngineOptions
-from .pointwise import add_matmul
-from .weight_ring import GradientRing, circulate
+from .parallel import comm
+from .parallel.weight_ring import GradientRing, circulate
 
 # --- embedding: all-to-all exchange of the rows each rank needs ------------------------------
 

@@ -33,19 +33,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..config import TSPConfig
-from ..engine.attention import AttentionSpec
-from ..engine.partition import check_split
+from ..engine.attention.schedule import AttentionSpec
+from ..engine.sharding.partition import check_split
 from ..mesh import init_tsp_mesh, tsp_group
 from .attention import TSPAttention
 from .causal_lm import TSPCausalLMLoss, check_inputs
 from .checkpointing import HostStore, enable_layer_checkpointing
-from .families import (
-    FAMILIES,
-    Family,
-    family_of,
-    gate_activation,
-    supported_names,
-)
+from .families import FAMILIES, Family, family_of, gate_activation, supported_names
 from .generate import tsp_forward, tsp_generate, tsp_vision_forward
 from .linear_attention import TSPGatedDeltaNet, check_linear_attention
 from .lora import (

@@ -1,9 +1,9 @@
 """``TSPAttention``: the Hugging Face attention module replaced by its TSP head group.
 
 The schedule itself (broadcast of head-group weights, K/V all-gather, hand-written backward) is
-``tsp_ext.engine.attention``; this module holds the shards under the Hugging Face names, slices
-them from a Hugging Face module and checks the call. ``prefill`` / ``decode`` are its inference
-steps with a KV cache (``hf.inference`` runs the layers through them).
+``tsp_ext.engine.attention.schedule``; this module holds the shards under the Hugging Face names,
+slices them from a Hugging Face module and checks the call. ``prefill`` / ``decode`` are its
+inference steps with a KV cache (``hf.inference`` runs the layers through them).
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import TSPConfig
-from ..engine import comm
-from ..engine.attention import AttentionSpec, tsp_attention, tsp_attention_prefill
+from ..engine.attention.qk_rms import decode_qk_rms, qk_rms
+from ..engine.attention.qkv import project_qkv
+from ..engine.attention.schedule import AttentionSpec, tsp_attention, tsp_attention_prefill
 from ..engine.decode import decode_attention, row_parallel
-from ..engine.documents import query_spans
-from ..engine.layout import ZigzagLayout
-from ..engine.pointwise import rope_phases
-from ..engine.qk_rms import decode_qk_rms, qk_rms
-from ..engine.qkv import project_qkv
+from ..engine.kernels.pointwise import rope_phases
+from ..engine.parallel import comm
+from ..engine.sharding.documents import query_spans
+from ..engine.sharding.layout import ZigzagLayout
 from .families import LLAMA, Family
 from .lora import adapters_of, plan_of
 from .nf4 import storage
@@ -66,9 +66,9 @@ class TSPAttention(ShardedModule):
     Same call signature as Hugging Face's ``LlamaAttention``: ``hidden_states [B, S/D, h]`` in
     zigzag layout and ``position_embeddings = (cos, sin)`` of those tokens' positions;
     returns ``(output [B, S/D, h], None)``. ``position_ids`` restarting at 0 per document (packed
-    rows, ``engine.documents``) make attention causal within each document and blocked across
-    documents; plain global positions give one causal stream. Parameters keep the Hugging Face
-    names; q/k/v_proj hold rows, o_proj columns of this rank's head group; o_proj's bias, the
+    rows, ``engine.sharding.documents``) make attention causal within each document and blocked
+    across documents; plain global positions give one causal stream. Parameters keep the Hugging
+    Face names; q/k/v_proj hold rows, o_proj columns of this rank's head group; o_proj's bias, the
     q/k norms and gpt-oss's ``sinks [n_heads]`` (one logit per query head in its softmax's
     denominator; if any) are replicated, their gradients summed over the TSP group. A projection
     may be a ``TSPLoraLinear`` (PEFT LoRA, ``hf.lora``): its adapter joins the schedule.
@@ -113,7 +113,10 @@ class TSPAttention(ShardedModule):
         self.options = (config or TSPConfig()).engine_options()
         h, d = spec.hidden_size, spec.head_dim
         kw = {"dtype": dtype, "device": device}
-        nq, nk = spec.n_q(p) * d, spec.n_kv(p) * d  # this rank's head group (engine.heads)
+        nq, nk = (
+            spec.n_q(p) * d,
+            spec.n_kv(p) * d,
+        )  # this rank's head group (engine.attention.heads)
         if spec.output_gate and qkv_bias:
             raise ValueError("q/k/v biases with an output-gated attention are not supported")
         # an output gate's rows sit in q_proj after each head's query rows (Qwen3-Next)

@@ -6,9 +6,9 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..engine.comm import gather_seq
-from ..engine.documents import HOW, breaks
-from ..engine.layout import IGNORE_INDEX, ZigzagLayout, pad_sequence, padded_length
+from ..engine.parallel.comm import gather_seq
+from ..engine.sharding.documents import HOW, breaks
+from ..engine.sharding.layout import IGNORE_INDEX, ZigzagLayout, pad_sequence, padded_length
 from ..mesh import tsp_submesh
 from .vision import BATCH_KEYS, shard_vision_batch
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..engine import comm
 from ..engine.decode import kept_tokens
+from ..engine.parallel import comm
 
 
 class _GlobalLength(CacheLayerMixin):

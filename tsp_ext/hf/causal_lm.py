@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from ..engine import comm
-from ..engine.agreement import agree, checksum
-from ..engine.documents import check_chunks, local_error, query_spans
-from ..engine.layout import IGNORE_INDEX, ZigzagLayout
+from ..engine.parallel import comm
+from ..engine.parallel.agreement import agree, checksum
+from ..engine.sharding.documents import check_chunks, local_error, query_spans
+from ..engine.sharding.layout import IGNORE_INDEX, ZigzagLayout
 from .attention import SPANS_KWARG
 
 NEEDS_SHIFT_LABELS = (
@@ -197,11 +197,12 @@ def replicated_head_forward(
 def check_inputs(model: nn.Module, args: tuple, kwargs: dict):
     """Forward pre-hook: reject inputs that would silently give wrong results under TSP (calls
     with a KV cache are checked by the inference path instead) and hand every layer's attention
-    the local query spans its ``position_ids`` describe (packed documents: ``engine.documents``).
+    the local query spans its ``position_ids`` describe (packed documents:
+    ``engine.sharding.documents``).
 
     Runs before the first collective of the call, and every rank of the TSP group raises the same
-    ``ValueError`` when any rank's inputs are invalid (``engine.agreement``): no rank is left
-    waiting in a collective, and a caller that catches the error can go on with the next batch.
+    ``ValueError`` when any rank's inputs are invalid (``engine.parallel.agreement``): no rank is
+    left waiting in a collective, and a caller that catches the error can go on with the next batch.
     """
     if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
         return None

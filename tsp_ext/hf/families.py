@@ -222,7 +222,7 @@ PHI3 = Family(
         ("gate_up_proj", ("gate_proj", "up_proj")),
     ),
 )
-# post-norms only, and q/k norms over the whole projection (``engine.qk_rms``)
+# post-norms only, and q/k norms over the whole projection (``engine.attention.qk_rms``)
 OLMO2 = Family(
     "OLMo-2",
     ("Olmo2ForCausalLM",),

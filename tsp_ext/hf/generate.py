@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from ..engine import comm
+from ..engine.parallel import comm
 from .cache import TSPCache
 from .causal_lm import vocab_sharded_forward
 from .inference import inference_forward

@@ -19,10 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from ..engine import comm
-from ..engine.agreement import agree, checksum
 from ..engine.decode import gather_vocab_logits
-from ..engine.layout import ZigzagLayout, pad_sequence, padded_length
+from ..engine.parallel import comm
+from ..engine.parallel.agreement import agree, checksum
+from ..engine.sharding.layout import ZigzagLayout, pad_sequence, padded_length
 from .cache import TSPCache
 from .vision import BATCH_KEYS, merge_vision, shard_vision_batch
 from .vocab import TSPVocabEmbedding, TSPVocabLMHead

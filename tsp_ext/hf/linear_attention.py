@@ -1,7 +1,7 @@
 """``TSPGatedDeltaNet``: Hugging Face's ``Qwen3NextGatedDeltaNet`` / ``Qwen3_5GatedDeltaNet``
 replaced by its TSP head group.
 
-The schedule is ``tsp_ext.engine.linear_attention``; this module holds the shards under the
+The schedule is ``tsp_ext.engine.linear_attention.schedule``; this module holds the shards under the
 Hugging Face names (rows of this rank's head group in each input projection: Qwen3-Next's
 ``in_proj_qkvz`` / ``in_proj_ba``, or Qwen3.5's ``in_proj_q`` / ``in_proj_k`` / ``in_proj_v``
 (its ``in_proj_qkv`` split by ``Family.unfuse``) / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``;
@@ -18,11 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import TSPConfig
-from ..engine import comm
-from ..engine.documents import query_spans
-from ..engine.gated_delta import recurrent_gated_delta
-from ..engine.layout import ZigzagLayout
-from ..engine.linear_attention import (
+from ..engine.kernels.gated_delta import recurrent_gated_delta
+from ..engine.linear_attention.schedule import (
     Documents,
     LinearAttentionSpec,
     causal_conv,
@@ -33,6 +30,9 @@ from ..engine.linear_attention import (
     project,
     tsp_gated_delta,
 )
+from ..engine.parallel import comm
+from ..engine.sharding.documents import query_spans
+from ..engine.sharding.layout import ZigzagLayout
 from .attention import SPANS_KWARG
 from .cache import LinearStateCacheLayer
 from .families import LLAMA, Family

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 from transformers.utils import ModelOutput
 
-from ..engine import comm
-from ..engine.layout import IGNORE_INDEX, ZigzagLayout
+from ..engine.parallel import comm
+from ..engine.sharding.layout import IGNORE_INDEX, ZigzagLayout
 from ..engine.vocab import STATS
 from .batch import shard_batch, shifted_labels
 from .causal_lm import check_shards, vocab_sharded_forward

@@ -14,9 +14,9 @@ Parameter names stay PEFT's (``q_proj.base_layer.weight``, ``q_proj.lora_A.defau
 ``full_state_dict`` / ``full_grads`` / DCP see the PEFT model's names, and the PEFT tooling that
 walks ``BaseTunerLayer`` modules (``disable_adapter``, ``merge_and_unload``: local merges, no
 communication) works on the TSP model. The schedules compute the adapter terms
-(``engine.lora``); the base shards are frozen and get no gradient GEMMs. A PEFT model built on a
-model that is already a TSP model (``load_pretrained``, then ``get_peft_model``) has adapters of
-the shards' shapes already: ``apply_tsp`` on it folds them (``fold_on_shards``).
+(``engine.adapters.lora``); the base shards are frozen and get no gradient GEMMs. A PEFT model
+built on a model that is already a TSP model (``load_pretrained``, then ``get_peft_model``) has
+adapters of the shards' shapes already: ``apply_tsp`` on it folds them (``fold_on_shards``).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..engine import comm
-from ..engine.agreement import agree
-from ..engine.lora import LoraPlan
+from ..engine.adapters.lora import LoraPlan
+from ..engine.parallel import comm
+from ..engine.parallel.agreement import agree
 from .families import family_of
 from .sharding import Role, ShardedModule
 

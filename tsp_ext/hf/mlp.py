@@ -1,7 +1,7 @@
 """``TSPGatedMLP``: the Hugging Face SwiGLU MLP replaced by its slice of the intermediate dim.
 
-The ring schedule is ``tsp_ext.engine.mlp``; this module holds the slices under the Hugging Face
-names and builds them from a Hugging Face module.
+The ring schedule is ``tsp_ext.engine.feed_forward.mlp``; this module holds the slices under the
+Hugging Face names and builds them from a Hugging Face module.
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from ..config import TSPConfig
-from ..engine import comm
 from ..engine.decode import decode_mlp
-from ..engine.mlp import tsp_mlp
-from ..engine.partition import check_split, split_range, split_sizes
+from ..engine.feed_forward.mlp import tsp_mlp
+from ..engine.parallel import comm
+from ..engine.sharding.partition import check_split, split_range, split_sizes
 from .families import LLAMA, Family, gate_activation
 from .lora import adapters_of, plan_of
 from .nf4 import storage

@@ -1,8 +1,8 @@
 """``TSPSparseMoe``: a Hugging Face mixture-of-experts block (Qwen3-MoE, Qwen2-MoE, Mixtral,
 gpt-oss) with E/D whole experts per rank, and the global load-balancing loss.
 
-The schedules (experts on a ring, or tokens by all-to-all) are ``tsp_ext.engine.moe``. The
-router ``[E, h]`` is replicated (its gradient summed over the TSP group) and routes each rank's
+The schedules (experts on a ring, or tokens by all-to-all) are ``tsp_ext.engine.feed_forward.moe``.
+The router ``[E, h]`` is replicated (its gradient summed over the TSP group) and routes each rank's
 own tokens as Hugging Face's does (gpt-oss's router has a bias, replicated the same way, and
 takes the top k of the logits, then their softmax); Qwen2-MoE's shared expert is a
 ``TSPGatedMLP`` (its own ring) behind its replicated sigmoid gate.
@@ -21,10 +21,10 @@ from torch import nn
 from transformers.utils import ModelOutput
 
 from ..config import TSPConfig
-from ..engine import comm
-from ..engine.moe import decode_experts, router_logits, tsp_experts
-from ..engine.moe_clamped import ClampedSwiGLU
-from ..engine.partition import check_split, split_range, split_sizes
+from ..engine.feed_forward.moe import decode_experts, router_logits, tsp_experts
+from ..engine.feed_forward.moe_clamped import ClampedSwiGLU
+from ..engine.parallel import comm
+from ..engine.sharding.partition import check_split, split_range, split_sizes
 from .families import Family, expert_intermediate_size, gate_activation
 from .mlp import TSPGatedMLP
 from .sharding import ShardedModule
@@ -38,7 +38,7 @@ class TSPExperts(ShardedModule):
     the first ``E mod D`` ranks one more); with ``activation`` a ``ClampedSwiGLU``, gpt-oss's
     ``gate_up_proj [E_p, h, 2F]`` (gate/up interleaved), ``gate_up_proj_bias [E_p, 2F]``,
     ``down_proj [E_p, F, h]`` and ``down_proj_bias [E_p, h]``. ``schedule``: how tokens and
-    experts meet (``engine.moe``: ``"ring"``, ``"all_to_all"`` or ``"auto"``)."""
+    experts meet (``engine.feed_forward.moe``: ``"ring"``, ``"all_to_all"`` or ``"auto"``)."""
 
     shard_dims = {"gate_up_proj": 0, "down_proj": 0, "gate_up_proj_bias": 0, "down_proj_bias": 0}
 
@@ -98,7 +98,8 @@ class TSPExperts(ShardedModule):
         return (split_range(self.n_experts, dist.get_world_size(self.group), rank),)
 
     def weights(self) -> tuple[nn.Parameter, ...]:
-        """The experts' weights in the engine's order (``engine.moe.tsp_experts``'s ``ws``)."""
+        """The experts' weights in the engine's order (``engine.feed_forward.moe.tsp_experts``'s
+        ``ws``)."""
         if isinstance(self.activation, ClampedSwiGLU):
             return self.gate_up_proj, self.gate_up_proj_bias, self.down_proj, self.down_proj_bias
         return self.gate_up_proj, self.down_proj

@@ -1,4 +1,5 @@
-"""QLoRA's frozen base under TSP: projection shards kept in 4-bit NormalFloat (``engine.nf4``).
+"""QLoRA's frozen base under TSP: projection shards kept in 4-bit NormalFloat
+(``engine.adapters.nf4``).
 
 ``TSPConfig(quantize_base="nf4")`` makes ``apply_tsp`` replace every frozen q/k/v/o/gate/up/down
 shard of a PEFT LoRA model by an ``NF4Linear``: the packed bytes are what the rank stores and what
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..engine import nf4
+from ..engine.adapters import nf4
 from .families import family_of
 from .lora import TSPLoraLinear
 

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..dp.storage import gathered_per_use
-from ..engine.comm import bucketed_replicated, replicated
-from ..engine.pointwise import rms_norm_keeping_input
+from ..engine.kernels.pointwise import rms_norm_keeping_input
+from ..engine.parallel.comm import bucketed_replicated, replicated
 from .linear_attention import TSPGatedDeltaNet
 from .lora import ADAPTER_MARK
 from .moe import TSPSparseMoe

@@ -34,9 +34,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..engine import comm
-from ..engine.agreement import agree
-from ..engine.layout import ZigzagLayout
+from ..engine.parallel import comm
+from ..engine.parallel.agreement import agree
+from ..engine.sharding.layout import ZigzagLayout
 from .miniature import build_miniature
 
 VALUE_TOL, GRAD_TOL, MARGIN = 1e-5, 1e-4, 10  # relative, float32-level (the docstring's why)

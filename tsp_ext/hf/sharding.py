@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..engine import comm
+from ..engine.parallel import comm
 
 
 class Role(enum.Enum):

@@ -21,18 +21,10 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from ..engine import comm
-from ..engine.layout import ZigzagLayout, pad_sequence
+from ..engine.parallel import comm
+from ..engine.sharding.layout import ZigzagLayout, pad_sequence
 from .causal_lm import replicated_head_forward, vocab_sharded_forward
-from .vision_plan import (
-    Units,
-    VisionSpec,
-    deal,
-    exchange,
-    grid_units,
-    image_units,
-    pad_positions,
-)
+from .vision_plan import Units, VisionSpec, deal, exchange, grid_units, image_units, pad_positions
 
 # the Hugging Face processor's multimodal keys that shard_batch takes
 BATCH_KEYS = (

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.layout import ZigzagLayout, padded_length
+from ..engine.sharding.layout import ZigzagLayout, padded_length
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from ..config import TSPConfig
-from ..engine import comm
 from ..engine.decode import vocab_embedding
-from ..engine.layout import IGNORE_INDEX
-from ..engine.partition import check_split, split_offsets
+from ..engine.parallel import comm
+from ..engine.sharding.layout import IGNORE_INDEX
+from ..engine.sharding.partition import check_split, split_offsets
 from ..engine.vocab import embedding_exchange, ring_cross_entropy, ring_logits, ring_token_logps
 from .replicated import embedding_scale, scaled
 from .sharding import ShardedModule

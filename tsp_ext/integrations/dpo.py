@@ -33,7 +33,7 @@ from torch import nn
 from trl import DPOConfig, DPOTrainer
 from trl.trainer import dpo_trainer
 
-from ..engine.agreement import agree
+from ..engine.parallel.agreement import agree
 from ..hf.lora import peft_base
 from .reference import (
     adapter_made_already,

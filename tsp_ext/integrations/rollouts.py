@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..engine import comm
-from ..engine.agreement import agree
+from ..engine.parallel import comm
+from ..engine.parallel.agreement import agree
 from .scoring import tsp_base
 
 

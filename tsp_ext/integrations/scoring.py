@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..engine.layout import IGNORE_INDEX
+from ..engine.sharding.layout import IGNORE_INDEX
 from ..hf.lora import peft_base
 
 

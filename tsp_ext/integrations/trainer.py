@@ -43,7 +43,7 @@ from ..checkpoint.export import save_pretrained
 from ..config import TSPConfig
 from ..dp.engines import DataParallel, data_parallel_engine
 from ..dp.guard import accelerate_deepspeed_config
-from ..engine.layout import IGNORE_INDEX
+from ..engine.sharding.layout import IGNORE_INDEX
 from ..hf.apply import apply_tsp
 from ..hf.batch import shard_batch, shifted_labels
 from ..mesh import init_tsp_mesh

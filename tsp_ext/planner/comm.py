@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..engine.moe_traffic import schedule_for, traffic
+from ..engine.feed_forward.moe_traffic import schedule_for, traffic
 from .inputs import Cluster, Layout, Transfer, Workload
 from .memory import _tsp_seq
 from .shapes import (
@@ -24,8 +24,8 @@ def tsp_comm(m: ModelShape, w: Workload, c: Cluster, lay: Layout) -> tuple[list,
     dK/dV reduce-scattered; embedding rows exchanged and LM-head shards ringed (shard_vocab)
     or the replicated vocabulary gradients all-reduced (with head buckets: the K/V exchanges of
     each bucket in turn, not overlapped). MoE layers ring ⌈E/D⌉ experts, or send
-    token rows by all-to-all, as ``engine.moe_traffic.schedule_for`` picks for the B·S/D
-    tokens of a rank. Uneven splits: ring buffers carry the largest shard (⌈F/D⌉, ⌈V/D⌉
+    token rows by all-to-all, as ``engine.feed_forward.moe_traffic.schedule_for`` picks for the
+    B·S/D tokens of a rank. Uneven splits: ring buffers carry the largest shard (⌈F/D⌉, ⌈V/D⌉
     rows), broadcasts the largest head group."""
     D, B, h, d, b, acc = lay.tp, w.micro_batch, m.hidden_size, m.head_dim, w.beta, w.acc
     bw, ov = c.bandwidth(1, D), w.overlap

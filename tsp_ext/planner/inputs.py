@@ -41,7 +41,9 @@ class Workload:
     head_bucket: int | None = None  # TSP: KV heads per bucket of a head group's attention
     offload_optimizer: bool = False  # optimizer state (and float32 master copies) in host memory
     offload_params: bool = False  # ZeRO-3 weight partitions in host memory (ALST on one device)
-    moe_schedule: str = "auto"  # TSP's MoE layers: "ring", "all_to_all" or "auto" (engine.moe)
+    moe_schedule: str = (
+        "auto"  # TSP's MoE layers: "ring", "all_to_all" or "auto" (engine.feed_forward.moe)
+    )
 
     def __post_init__(self) -> None:
         checks = [

@@ -132,11 +132,11 @@ def tsp_layer_working(m: ModelShape, w: Workload, D: int) -> float:
     two phases, plus the weight shards and their float32 gradient accumulators (double-buffered
     with ``overlap``). Attention: the output gradient, the float32 input-gradient accumulator,
     the normed input rebuilt from its norm's input, the head group's local projections (with
-    ``head_bucket``, one bucket's at a time: ``engine.head_groups``), and the group's K/V of all
-    S tokens in token order with their float32 dK/dV accumulated in the
+    ``head_bucket``, one bucket's at a time: ``engine.attention.head_groups``), and the group's K/V
+    of all S tokens in token order with their float32 dK/dV accumulated in the
     rank-major layout they are reduce-scattered from and one kernel call's key gradients (a
     query chunk's earlier keys); with ``head_bucket``, one bucket's K/V and dK/dV of one zigzag
-    chunk at a time (``engine.key_stream``) and its float32 dK/dV rows. MLP: the output
+    chunk at a time (``engine.attention.key_stream``) and its float32 dK/dV rows. MLP: the output
     gradient, the float32 accumulator, the normed input (rebuilt tile by tile without
     ``overlap``), one tile's intermediates. ``full``: the recomputed layer's saved tensors (its
     input back from the host when offloaded; the MLP's norm input is freed before the

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..engine.heads import AttentionSpec
+from ..engine.attention.heads import AttentionSpec
 from ..hf.model_types import expert_intermediate_size, model_type_of, num_experts
 
 

@@ -1,6 +1,6 @@
 """The schedules' LoRA hooks: what the attention schedule (``AttentionAdapters``) and the MLP ring
 (``MlpRingAdapters``) call at fixed points of each head group or ring step, so that the schedules
-read as the algorithm and the adapters live in one place (the maths: ``engine.lora``).
+read as the algorithm and the adapters live in one place (the maths: ``engine.adapters.lora``).
 
 Each hook holds one pass's merge policy (without active dropout the owner merges its adapters into
 its shards before they travel; an NF4-packed base is merged by every receiver), the adapter pieces
@@ -14,7 +14,9 @@ from typing import NamedTuple
 
 import torch
 
-from . import comm
+from ..kernels.pointwise import add_matmul, matmul, matmul_into
+from ..parallel import comm
+from ..parallel.weight_ring import circulate
 from .lora import (
     LoraPlan,
     SeededDropout,
@@ -24,16 +26,14 @@ from .lora import (
     input_projection_backward,
     scaled_stack,
 )
-from .pointwise import add_matmul, matmul, matmul_into
-from .weight_ring import circulate
 
 # --- the attention schedule's adapters ---
 
 
 class AttentionAdapters:
-    """The attention schedule's LoRA hook (``engine.attention``; ``plan.inputs`` a subset of q/k/v,
-    ``plan.output`` o's). The B rows ``lq, lk, lv [rows, r]`` of the adapted q/k/v travel with
-    their head group's shards and add ``U · B_rᵀ`` to its projection (``U`` made once per pass
+    """The attention schedule's LoRA hook (``engine.attention.schedule``; ``plan.inputs`` a subset
+    of q/k/v, ``plan.output`` o's). The B rows ``lq, lk, lv [rows, r]`` of the adapted q/k/v travel
+    with their head group's shards and add ``U · B_rᵀ`` to its projection (``U`` made once per pass
     from the replicated A's); o's A columns ``lo [r, n_q·d]`` travel too and add ``drop(A_r) ·
     Ao_rᵀ`` into ``Z [B·T, r]``, which the replicated ``B_o`` maps into the output. Frozen base
     shards still travel but get no gradient GEMMs and no reduction (the schedule's ``trainable``).
@@ -258,7 +258,7 @@ class MlpAdapterTile(NamedTuple):
 
 
 class MlpRingAdapters:
-    """The MLP ring's LoRA hook for one pass (forward or backward; ``engine.mlp``).
+    """The MLP ring's LoRA hook for one pass (forward or backward; ``engine.feed_forward.mlp``).
 
     Gate/up's B rows (block-diagonal ``[2 f_q, r_g + r_u]``) and down's A columns ``[r_d, f_q]``
     ride a second ring beside the base shards (``circulate``; they may be kept in a wider

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from . import comm
+from ..parallel import comm
 from .layout import RowSpans, Span, ZigzagLayout
 
 HOW = (

@@ -34,13 +34,13 @@ import math
 
 import torch
 
-from . import comm
+from ..kernels.pointwise import add_matmul, from_saved, gate_activation, matmul, to_save
+from ..options import EngineOptions
+from ..parallel import comm
+from ..parallel.weight_ring import GradientRing, circulate
+from ..sharding.partition import split_range, split_sizes
 from .mlp import swiglu_pointwise_backward
 from .moe_traffic import schedule_for
-from .options import EngineOptions
-from .partition import split_range, split_sizes
-from .pointwise import add_matmul, from_saved, gate_activation, matmul, to_save
-from .weight_ring import GradientRing, circulate
 
 
 class Routing:

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .comm import Pending
-from .layout import ZigzagLayout
+from ..parallel.comm import Pending
+from ..sharding.layout import ZigzagLayout
 
 
 @dataclass(frozen=True)

@@ -32,12 +32,10 @@ from __future__ import annotations
 
 import torch
 
-from . import comm
-from .adapters import MlpLora, MlpRingAdapters, MlpStepAdapters
-from .lora import LoraPlan, SeededDropout
-from .nf4 import StackedShard
-from .options import EngineOptions
-from .pointwise import (
+from ..adapters.hooks import MlpLora, MlpRingAdapters, MlpStepAdapters
+from ..adapters.lora import LoraPlan, SeededDropout
+from ..adapters.nf4 import StackedShard
+from ..kernels.pointwise import (
     add_matmul,
     from_saved,
     gate_activation,
@@ -46,7 +44,9 @@ from .pointwise import (
     round_in_place,
     to_save,
 )
-from .weight_ring import GradientRing, circulate
+from ..options import EngineOptions
+from ..parallel import comm
+from ..parallel.weight_ring import GradientRing, circulate
 
 
 def swiglu_pointwise_backward(
@@ -339,9 +339,9 @@ def tsp_mlp(
     ``f_q`` (``partition.split_sizes(F, D)``; None: all equal to this rank's); ``activation``:
     the gate's (``pointwise.GATE_ACTIVATIONS``: SwiGLU with ``"silu"``).
 
-    LoRA (``engine.lora``): ``lora`` names the adapted projections and ``adapters`` holds their
-    pieces: the replicated A's ``a_gate, a_up [r, h]`` (their gradient is this rank's part: wrap
-    them in ``comm.replicated``), this rank's B rows ``b_gate, b_up [f_p, r]``, down's A
+    LoRA (``engine.adapters.lora``): ``lora`` names the adapted projections and ``adapters`` holds
+    their pieces: the replicated A's ``a_gate, a_up [r, h]`` (their gradient is this rank's part:
+    wrap them in ``comm.replicated``), this rank's B rows ``b_gate, b_up [f_p, r]``, down's A
     columns ``a_down [r, f_p]`` and down's replicated B ``b_down [h, r]`` (wrapped alike).
     """
     plan = lora or LoraPlan()

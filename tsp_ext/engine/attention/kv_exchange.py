@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from . import comm
+from ..parallel import comm
+from ..sharding.layout import ZigzagLayout, chunk_owner
 from .heads import AttentionSpec
-from .layout import ZigzagLayout, chunk_owner
 from .qkv import split_kv
 from .window import WindowExchange
 

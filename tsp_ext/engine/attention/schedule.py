@@ -1,7 +1,7 @@
 """TSP attention: head-group weights travel by broadcast, K/V by sequence all-gather.
 
 Rank p holds head group p (``⌊n_heads/D⌋`` or ``⌈n_heads/D⌉`` consecutive query heads, the K/V
-heads they use, the matching columns of o_proj; ``engine.heads``) and the tokens of zigzag
+heads they use, the matching columns of o_proj; ``engine.attention.heads``) and the tokens of zigzag
 shard p. Forward, for r = 0..D-1:
 
     W_r = broadcast(Wq_r, Wk_r, Wv_r, Wo_r, src=r)        # prefetched two groups ahead
@@ -40,18 +40,17 @@ from typing import NamedTuple
 
 import torch
 
-from . import comm
-from .group_attention import group_backward, group_forward
+from ..adapters.lora import LoraPlan, SeededDropout
+from ..adapters.nf4 import ShardCodec
+from ..kernels.lse import add_sink, sink_grad
+from ..kernels.pointwise import TokenRows, add_matmul, matmul, rope_phases, round_in_place, to_save
+from ..options import EngineOptions
+from ..parallel import comm
+from ..sharding.layout import RowSpans, Span
+from .attend import group_backward, group_forward
 from .head_groups import AttentionCall, HeadGroup
 from .heads import AttentionSpec, HeadPart
-from .kv_exchange import heads_major as heads_major  # noqa: F401  (re-exported)
 from .kv_exchange import share_kv
-from .layout import RowSpans, Span
-from .lora import LoraPlan, SeededDropout
-from .lse import add_sink, sink_grad
-from .nf4 import ShardCodec
-from .options import EngineOptions
-from .pointwise import TokenRows, add_matmul, matmul, rope_phases, round_in_place, to_save
 from .qkv import project_qkv, project_qkv_backward, split_kv
 
 
@@ -88,7 +87,7 @@ def tsp_attention_forward(
     sinks: torch.Tensor | None = None,
 ):
     """Forward schedule (RoPE by ``phases``, ``pointwise.rope_phases`` of the tokens' cos/sin;
-    ``rms``: the tokens' full-width q/k reciprocal RMS, ``engine.qk_rms``, with
+    ``rms``: the tokens' full-width q/k reciprocal RMS, ``engine.attention.qk_rms``, with
     ``spec.qk_norm_full``; ``sinks [n_h]``: every head's sink logit, ``lse.add_sink``, or None).
     Returns ``Y_p [B, T, h]`` plus, if ``keep``, ``A [B, n_h, T, d]`` and ``lse [B, n_h, T]`` of
     every group's heads (what backward needs), else None for both. LoRA: ``lora_a`` the
@@ -136,7 +135,7 @@ class AttentionGrads(NamedTuple):
     """What ``tsp_attention_backward`` returns: ``dX_p``, the fully reduced gradients of this
     rank's own shards in ``sched.trainable``, and this rank's partial gradients of the
     replicated ones (None where absent): the q/k norm weights, the LoRA A's, o's LoRA B and the
-    full-width norms' ``rq, rk`` (``engine.qk_rms``) and the sinks ``[n_h]``."""
+    full-width norms' ``rq, rk`` (``engine.attention.qk_rms``) and the sinks ``[n_h]``."""
 
     dx: torch.Tensor
     d_own: dict[str, torch.Tensor]
@@ -471,11 +470,11 @@ def tsp_attention(
     holds this rank's head-group shards (``wq, wo, wk, wv`` and optional ``bq, bk, bv``);
     ``q_norm, k_norm`` the replicated per-head norm weights or None (with
     ``spec.qk_norm_full``: the full-width ones, and ``rms = engine.qk_rms.qk_rms(...)``);
-    ``q_spans`` the local query spans of packed documents (``engine.documents.query_spans``;
-    None: one causal stream).
+    ``q_spans`` the local query spans of packed documents
+    (``engine.sharding.documents.query_spans``; None: one causal stream).
 
-    LoRA (``engine.lora``): ``lora`` names the adapted projections; ``weights`` then also holds
-    the B rows ``lq, lk, lv`` ``[rows, r]`` of the adapted q/k/v and o's A columns ``lo [r,
+    LoRA (``engine.adapters.lora``): ``lora`` names the adapted projections; ``weights`` then also
+    holds the B rows ``lq, lk, lv`` ``[rows, r]`` of the adapted q/k/v and o's A columns ``lo [r,
     n_q·d]``, ``lora_a`` the replicated A's ``[r, h]`` of ``lora.inputs`` and ``b_out`` o's
     replicated B ``[h, r]`` (their gradients are this rank's part: wrap them in
     ``comm.replicated``). ``sinks [n_h]``: every head's replicated sink logit (gpt-oss), or None;

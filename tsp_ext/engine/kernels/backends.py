@@ -16,7 +16,7 @@ cuda_flash     cuda   bf16 fp16              ``aten._scaled_dot_product_flash_at
 cuda_cudnn     cuda   bf16 fp16              ``aten._scaled_dot_product_cudnn_attention``
 cuda_efficient cuda   fp32 bf16 fp16         ``aten._scaled_dot_product_efficient_attention``
 flash_attn     cuda   bf16 fp16              ``flash_attn`` (>= 2.7) ``_flash_attn_forward``
-blockwise      any    any float              ``engine.blockwise_attention`` (exact)
+blockwise      any    any float              ``engine.kernels.blockwise`` (exact)
 ============== ====== ====================== =================================================
 
 cpu_flash, cuda_flash, cuda_cudnn and flash_attn handle GQA natively and take ``[B, H, L, d]``
@@ -41,8 +41,8 @@ import importlib.util
 import torch
 from torch import Tensor
 
-from .blockwise_attention import attention_backward, attention_forward
-from .layout import Span
+from ..sharding.layout import Span
+from .blockwise import attention_backward, attention_forward
 from .lse import stats_dtype
 
 aten = torch.ops.aten

@@ -25,7 +25,7 @@ Nothing of the adapters is saved for backward: ``U`` and ``Z`` are rebuilt, and 
 drawn again from a per-call seed and a key (projection, group, tile). A LoRA step saves exactly
 what a full fine-tuning step saves.
 
-This module holds the maths; ``engine.adapters`` the schedules' hooks that apply it.
+This module holds the maths; ``engine.adapters.hooks`` the schedules' hooks that apply it.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .pointwise import add_matmul, matmul
+from ..kernels.pointwise import add_matmul, matmul
 
 
 @dataclass(frozen=True)

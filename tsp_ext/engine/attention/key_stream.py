@@ -18,11 +18,11 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor
 
-from . import comm
-from .attention_backends import AttentionKernel
-from .chunked_attention import _backward, _blocks, _forward
-from .layout import RowSpans, Span, ZigzagLayout, chunk_owner
-from .lse import merge_into, stats_dtype
+from ..kernels.backends import AttentionKernel
+from ..kernels.chunked import _backward, _blocks, _forward
+from ..kernels.lse import merge_into, stats_dtype
+from ..parallel import comm
+from ..sharding.layout import RowSpans, Span, ZigzagLayout, chunk_owner
 from .qkv import split_kv
 
 

@@ -8,12 +8,13 @@ Forward, for the local tokens ``X [B, T, h]`` and group r's shards::
     Q, K = rope(norm(Q)), rope(norm(K))    # norms only where the model has them
 
 A full-width q/k norm (OLMo-2: one RMS over all heads of a token's projection, which no head
-group has alone) takes each token's reciprocal RMS ``rq, rk [B, T]`` from ``engine.qk_rms`` and
-the group's slice of the norm weight: ``norm(Q) = w_r · (Q · rq)``; the backward returns the
-gradient of ``rq, rk`` too (``qk_rms`` carries it back to X and the weights).
+group has alone) takes each token's reciprocal RMS ``rq, rk [B, T]`` from
+``engine.attention.qk_rms`` and the group's slice of the norm weight: ``norm(Q) = w_r · (Q · rq)``;
+the backward returns the gradient of ``rq, rk`` too (``qk_rms`` carries it back to X and the
+weights).
 
-With LoRA adapters on some of q/k/v (``engine.lora``) ``L += U · B_rᵀ``, ``U`` the adapters'
-input projection and ``B_r`` their group-r rows, block-diagonal.
+With LoRA adapters on some of q/k/v (``engine.adapters.lora``) ``L += U · B_rᵀ``, ``U`` the
+adapters' input projection and ``B_r`` their group-r rows, block-diagonal.
 
 Backward: ``dL = [rope⁻ᵀ(dQ) | rope⁻ᵀ(dK) | dV]`` (through the norms where present),
 ``dW = dLᵀ · X`` and ``db = Σ dL`` (for trainable bases only), ``dB_r = dLᵀ · U``, then the
@@ -32,9 +33,17 @@ from __future__ import annotations
 
 import torch
 
+from ..adapters.lora import block_diagonal, diagonal_blocks
+from ..kernels.pointwise import (
+    TokenRows,
+    add_matmul,
+    inv_rms,
+    matmul,
+    rms_norm,
+    rms_norm_backward,
+    rope,
+)
 from .heads import AttentionSpec
-from .lora import block_diagonal, diagonal_blocks
-from .pointwise import TokenRows, add_matmul, inv_rms, matmul, rms_norm, rms_norm_backward, rope
 
 _W = ("wq", "wk", "wv")
 _B = ("bq", "bk", "bv")
@@ -72,8 +81,8 @@ def stacked_weights(
     interleaved (``interleave_heads``), the stacked biases alike (or None) and the LoRA B rows of
     ``w`` (``lq, lk, lv``, those present) alike, block-diagonal ``[rows, Σ r]`` (or None).
     ``merge``: the adapters' scaled A's ``[Σ r, h]`` (``lora.scaled_stack``): W is then
-    ``W + B · merge``, the adapted projection (``engine.lora``). ``rot``: the rotated dims of each
-    head (partial rotary; default all)."""
+    ``W + B · merge``, the adapted projection (``engine.adapters.lora``). ``rot``: the rotated dims
+    of each head (partial rotary; default all)."""
 
     def interleaved(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
         return interleave_heads(t, d, rot) if t is not None and name[1] in "qk" else t

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .layout import Span
+from ..sharding.layout import Span
 from .lse import stats_dtype
 
 _NEG_INF = float("-inf")

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch.distributed import ProcessGroup
 
-from . import comm
-from .layout import chunk_owner
+from ..parallel import comm
+from ..sharding.layout import chunk_owner
 
 
 class _Gather(torch.autograd.Function):

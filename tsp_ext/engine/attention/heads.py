@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .partition import split_range
+from ..sharding.partition import split_range
 
 
 def head_rows(heads: slice, d: int) -> slice:

@@ -25,10 +25,10 @@ import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 from torch.utils import checkpoint
 
-from . import comm
-from .gated_delta import chunk_gated_delta, compute_dtype
-from .layout import RowSpans, ZigzagLayout
-from .partition import split_range
+from ..kernels.gated_delta import chunk_gated_delta, compute_dtype
+from ..parallel import comm
+from ..sharding.layout import RowSpans, ZigzagLayout
+from ..sharding.partition import split_range
 from .state_exchange import compose, exchange_states, halo
 
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from . import comm
-from .chunked_attention import segments_backward, segments_forward
+from ..kernels.chunked import segments_backward, segments_forward
+from ..kernels.masked import masked_chunked_attention
+from ..parallel import comm
 from .head_groups import HeadGroup
 from .key_stream import streamed_backward, streamed_forward
 from .kv_exchange import expand_kv, fold_kv
-from .masked_attention import masked_chunked_attention
 
 
 def group_forward(group: HeadGroup, q: torch.Tensor, kv_sink=None, key_valid=None):
@@ -39,8 +39,8 @@ def group_forward(group: HeadGroup, q: torch.Tensor, kv_sink=None, key_valid=Non
 
 
 def _bucket_forward(group: HeadGroup, bucket, segments, local, q, kv_sink, key_valid):
-    """One bucket's attention: its ``local`` K/V streamed (``engine.key_stream``), or over its
-    gathered ``segments`` (inference: handed to ``kv_sink``, padded keys masked)."""
+    """One bucket's attention: its ``local`` K/V streamed (``engine.attention.key_stream``), or
+    over its gathered ``segments`` (inference: handed to ``kv_sink``, padded keys masked)."""
     sched, spec = group.sched, group.sched.spec
     if local is not None:
         return streamed_forward(

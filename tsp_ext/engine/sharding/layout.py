@@ -23,7 +23,8 @@ class Span:
     """Consecutive tokens at local offset ``offset`` with global positions ``[start, stop)``.
 
     As queries, they see the keys at positions ``[first_key, own position]``: ``first_key`` is 0
-    in one causal stream, the start of their document in a packed row (``engine.documents``).
+    in one causal stream, the start of their document in a packed row
+    (``engine.sharding.documents``).
     """
 
     offset: int

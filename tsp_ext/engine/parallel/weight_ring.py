@@ -19,9 +19,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from ..adapters.nf4 import ShardCodec
 from . import comm
 from .comm import Ring
-from .nf4 import ShardCodec
 
 
 def circulate(

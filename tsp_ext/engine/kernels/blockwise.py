@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from .layout import Span
+from ..sharding.layout import Span
 from .lse import stats_dtype
 
 KVSpan = tuple[Span, torch.Tensor, torch.Tensor]  # (positions, k [B, L, Hk, d], v [B, L, Hk, d])

@@ -7,8 +7,8 @@ sees keys <= i + Lk - Lq; ``one_call_causal``), that is one call. Otherwise (top
 query i sees keys <= i) it is two, merged by log-sum-exp: the prefix keys ``[0, s)`` with no mask
 and the square diagonal block ``[s, s+C)`` with ``is_causal=True``, where both alignments agree.
 The transients are one chunk's outputs and gradients; nothing of size T x S exists. In a packed
-row (``engine.documents``) chunks are cut where documents start and a span's keys begin at its
-document's first key (``Span.first_key``): no call ever touches another document's keys.
+row (``engine.sharding.documents``) chunks are cut where documents start and a span's keys begin at
+its document's first key (``Span.first_key``): no call ever touches another document's keys.
 
 Under a sliding window (query i sees keys ``(i - window, i]``) a span is cut into blocks of
 window - 1 queries, each the diagonal (causal), the keys all its queries see (no mask) and the
@@ -22,8 +22,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .attention_backends import AttentionKernel
-from .layout import RowSpans, Span
+from ..sharding.layout import RowSpans, Span
+from .backends import AttentionKernel
 from .lse import merge_partials, stats_dtype
 
 

@@ -1,5 +1,5 @@
-"""One TSP attention call's head groups: the context the attention schedule (``engine.attention``)
-and the full-width q/k RMS (``engine.qk_rms``) share.
+"""One TSP attention call's head groups: the context the attention schedule
+(``engine.attention.schedule``) and the full-width q/k RMS (``engine.attention.qk_rms``) share.
 
 Rank p owns head group p's shards; a call streams every group's shards past every rank
 (``weight_ring.broadcast_stream``), projects the local tokens with each (``projected_groups``)
@@ -13,24 +13,24 @@ from collections.abc import Callable
 
 import torch
 
-from . import comm
-from .adapters import AttentionAdapters
-from .attention_backends import select_backend
+from ..adapters.hooks import AttentionAdapters
+from ..adapters.lora import LoraPlan
+from ..adapters.nf4 import ShardCodec
+from ..kernels.backends import select_backend
+from ..options import EngineOptions
+from ..parallel import comm
+from ..parallel.weight_ring import broadcast_stream
+from ..sharding.layout import ZigzagLayout
 from .heads import AttentionSpec, HeadBucket, HeadPart
 from .kv_exchange import KVExchange
-from .layout import ZigzagLayout
-from .lora import LoraPlan
-from .nf4 import ShardCodec
-from .options import EngineOptions
 from .qkv import stacked_weights
-from .weight_ring import broadcast_stream
 from .window import WindowExchange
 
 
 class AttentionCall:
     """One call's fixed context: group, layout, query spans (default: the zigzag chunks; packed
-    documents: ``engine.documents.query_spans``), spec, options, the adapters' hook, the shards
-    that get gradients (``trainable``, set by the autograd function) and how K/V travel
+    documents: ``engine.sharding.documents.query_spans``), spec, options, the adapters' hook, the
+    shards that get gradients (``trainable``, set by the autograd function) and how K/V travel
     (``kv``): the all-gather, or under a sliding window the ``WindowExchange`` of the keys each
     rank's queries see (unless ``options.window_exchange`` is off or ``gather_all``: a prefill
     keeps every key of its group as its KV cache)."""
@@ -66,7 +66,7 @@ class AttentionCall:
         )
 
     def streams(self, bucket: HeadBucket) -> bool:
-        """Whether ``bucket``'s K/V stream past a chunk at a time (``engine.key_stream``)
+        """Whether ``bucket``'s K/V stream past a chunk at a time (``engine.attention.key_stream``)
         rather than being all-gathered: with head buckets, in one causal stream or packed
         documents without a sliding window, where the bucket's GQA map is the kernels'."""
         return self.key_block and self.spec.window is None and bucket.kv_map is None

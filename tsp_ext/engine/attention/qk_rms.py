@@ -20,12 +20,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import comm
+from ..kernels.pointwise import add_matmul, matmul
+from ..options import EngineOptions
+from ..parallel import comm
 from .head_groups import AttentionCall
 from .heads import AttentionSpec
 from .kv_exchange import share_kv
-from .options import EngineOptions
-from .pointwise import add_matmul, matmul
 
 
 def _counted(t: torch.Tensor, spec: AttentionSpec, r: int) -> torch.Tensor:
