@@ -14,7 +14,7 @@ import torch
 
 from tsp_ext import TSPConfig, apply_tsp, checkpoint, save_pretrained
 from tsp_ext.dp.engines import data_parallel_engine
-from tsp_ext.dp.storage import partition
+from tsp_ext.storage import partition
 
 
 def lr_lambda(warmup: int, total: int):

@@ -13,7 +13,8 @@ from checks import doc_positions, hf_mask, rel_err
 
 from tsp_ext import TSPAttention, TSPConfig, ZigzagLayout, pad_sequence, padded_length
 from tsp_ext.hf.cache import TSPCacheLayer
-from tsp_ext.hf.families import LLAMA, Family
+from tsp_ext.hf.families import LLAMA
+from tsp_ext.hf.spec import Family
 
 
 def _same(tables):

@@ -51,7 +51,9 @@ def _defined_names(path: Path) -> set[str]:
 def test_where_to_add_names_places_that_exist():
     rows = _where_to_add_rows()
     assert {what.lower() for what, _ in rows} >= {
-        "a model family",
+        "a model family of an existing kind",
+        "a kind of token mixer",
+        "a kind of channel mixer (or expert form)",
         "an attention backend",
         "a data-parallel engine",
         "a benchmark layout",

@@ -141,3 +141,55 @@ def test_llama_structure_is_named_only_in_the_family_table():
                 assert not (chain and n.attr == LLAMA.layers), (path, n.lineno)
             if isinstance(n, ast.Constant) and id(n) not in docstrings:
                 assert not (isinstance(n.value, str) and n.value in names), (path, n.lineno)
+
+
+# each layer and the layers it may import (lazy imports inside functions included); the core is
+# the top-level modules below
+CORE = {"mesh", "config", "storage", "writer"}
+LAYERS = {
+    "engine": set(),
+    "core": {"engine"},
+    "hf": {"engine", "core"},
+    "dp": {"engine", "core", "hf"},
+    "checkpoint": {"engine", "core", "hf", "dp"},
+    "integrations": {"engine", "core", "hf", "dp", "checkpoint"},
+    "planner": {"engine", "hf"},  # torch-free modules only: tests/test_planner_boundary.py
+    "testing": set(),
+}
+
+
+def _layer(module: str) -> str | None:
+    """The layer of ``tsp_ext.<name>...``; None for the top-level facades (``__init__``,
+    ``deepspeed``, ``fsdp``, ``plan``, ``memory``), which may import any layer."""
+    name = module.split(".")[1] if module.count(".") else ""
+    return "core" if name in CORE else name if name in LAYERS else None
+
+
+def test_layers_import_only_the_layers_below():
+    root = Path(tsp_ext.__file__).parent
+    wrong = []
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        package = module.split(".") if parts[-1] == "__init__" else module.split(".")[:-1]
+        layer = _layer(module)
+        if layer is None:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = package[: len(package) - node.level + 1]
+                targets = [".".join(base + ([node.module] if node.module else []))]
+                if not node.module:
+                    targets = [f"{targets[0]}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                targets = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            for target in targets:
+                if target.startswith("tsp_ext."):
+                    other = _layer(target)
+                    if other != layer and other not in LAYERS[layer]:
+                        wrong.append(f"{module} ({layer}) imports {target} ({other})")
+    assert not wrong, wrong

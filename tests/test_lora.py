@@ -379,8 +379,8 @@ def qlora_worker(rank, world, tmp):
     projections travel too). Returns the loss, the adapter gradients, the dequantized base
     gathered in full, the packed bytes this rank stores; exports the merged model to
     ``tmp/qlora-merged``."""
-    from tsp_ext.checkpoint.state import full_tensor
     from tsp_ext.engine.adapters import nf4
+    from tsp_ext.hf.full_state import full_tensor
     from tsp_ext.hf.nf4 import NF4Linear
 
     mesh = init_tsp_mesh(world)

@@ -171,18 +171,18 @@ def test_hf_config_kwargs_inverts_from_hf_config():
 
 
 def test_model_types_name_each_family_of_hf_families():
-    """``hf.model_types`` (the config facts the torch-free planner reads) gives each
-    ``model_type`` the ``hf.families`` family whose classes hold that type's causal LM (the
-    planner models causal LMs: vision-language families are refused, below)."""
+    """Each family's ``model_types`` (the config facts the torch-free planner reads) are the
+    types whose causal LM is one of its classes, and ``model_type_of`` finds each (the planner
+    models causal LMs: vision-language families are refused, below)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from tsp_ext.hf.families import FAMILIES
-    from tsp_ext.hf.model_types import MODEL_TYPES
+    from tsp_ext.hf.families import FAMILIES, model_type_of
 
-    families = {f.name: f for f in FAMILIES if f.vision is None}
-    assert {t.family for t in MODEL_TYPES.values()} == set(families)
-    for model_type, facts in MODEL_TYPES.items():
-        assert MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type] in families[facts.family].classes
+    for family in FAMILIES:
+        assert bool(family.model_types) == (family.vision is None), family.name
+        for model_type in family.model_types:
+            assert MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type.name] in family.classes
+            assert model_type_of({"model_type": model_type.name}) == (family, model_type)
 
 
 def test_plot_needs_matplotlib_or_writes_png(tmp_path, capsys):

@@ -31,6 +31,7 @@ from tsp_ext import (
 from tsp_ext.dp.grad_norm import clip_grad_norm_
 from tsp_ext.engine.attention.heads import AttentionSpec
 from tsp_ext.hf.families import family_of
+from tsp_ext.hf.layers import unfuse
 
 pytestmark = pytest.mark.multiproc
 
@@ -90,7 +91,7 @@ def parity_case(mesh, name, dtype, B, S, pad):
     split = copy.deepcopy(model)  # fused projections (Phi-3) as the parts TSP shards
     family = family_of(split)
     for layer in family.layers_of(split):
-        family.unfuse(layer, split.config)
+        unfuse(family, layer, split.config)
     full_bytes = {n: p.numel() * p.element_size() for n, p in split.named_parameters()}
 
     apply_tsp(model, mesh, config=TSPConfig(loss_chunk=5))

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from models import LORA_TARGETS, build, build_lora
 
 from tsp_ext import init_tsp_mesh, iter_weights, stream_weights, weight_metadata
-from tsp_ext.checkpoint.state import full_tensor
+from tsp_ext.hf.full_state import full_tensor
 
 pytestmark = pytest.mark.multiproc
 

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from .dp.storage import local_tensor
+from .storage import local_tensor
 
 
 class SavedTensorBytes:

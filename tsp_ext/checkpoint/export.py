@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..hf.adapter_save import save_adapter
+from ..hf.full_state import require_tsp
 from ..hf.lora import peft_base
-from .adapter import save_adapter
-from .state import require_tsp
+from ..writer import WRITER, raise_everywhere, replace_dir
 from .weight_sync import iter_weights, weight_metadata
-from .writer import WRITER, raise_everywhere, replace_dir
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})

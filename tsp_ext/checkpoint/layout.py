@@ -28,9 +28,9 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from ..dp.storage import is_fsdp2, tsp_shape
+from ..hf.full_state import require_tsp
 from ..hf.sharding import blocks
-from .state import require_tsp
+from ..storage import is_fsdp2, tsp_shape
 
 
 class Layout:

@@ -32,10 +32,10 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+from ..dp.training_state import PARAM, training_state
+from ..writer import on_writer, replace_dir
 from .layout import Layout
 from .rng import rng_kinds, rng_state, rng_targets, set_rng_state
-from .sources import PARAM, finish_restore, local_state, prepare_restore, restore, targets
-from .writer import on_writer, replace_dir
 
 STATE = "trainer_state.json"
 FORMAT = "tsp_ext.dcp.v3"  # v3: records the trained parameters (frozen ones are not saved)
@@ -80,12 +80,13 @@ def save(
     incomplete = _incomplete_dir(path)
     on_writer(lambda: _fresh_dir(incomplete), f"preparing {incomplete}")
     kinds = rng_kinds()
+    state = training_state(model, optimizer, engine)
     keys: dict[str, list[str]] = {}
     stager = DefaultStager(StagingOptions(False, False, False, False)) if async_save else None
     staged = []
     for i, names in enumerate(groups):
         state_dict = {}
-        for name, key, tensor, param in local_state(model, optimizer, names, engine):
+        for name, key, tensor, param in state.local(names):
             if key != PARAM:
                 keys.setdefault(name, []).append(key)
             value = layout.wrap(name, tensor, param) if tensor.dim() else tensor
@@ -97,14 +98,15 @@ def save(
             dcp.save(state_dict, checkpoint_id=where)
         del state_dict  # DeepSpeed: this group's gathered fp32 state
     rng = (os.path.join(incomplete, RNG), rng_state(kinds))
-    opt = engine.optimizer if engine is not None else optimizer
     meta = {
         "format": FORMAT,
         "model": shapes,
         "trained": sorted(trained),
         "groups": groups,
         "optimizer_keys": keys,
-        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+        "param_groups": [
+            {k: v for k, v in g.items() if k != "params"} for g in state.optimizer.param_groups
+        ],
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "extra_state": extra_state,
         "rng": kinds,
@@ -171,22 +173,19 @@ def load(
             f"{path} trained other parameters than this model trains (requires_grad): only in "
             f"the checkpoint {sorted(saved - now)[:3]}, only here {sorted(now - saved)[:3]}"
         )
-    if engine is not None:
-        prepare_restore(engine, {k for ks in meta["optimizer_keys"].values() for k in ks})
+    state = training_state(model, optimizer, engine)
+    state.prepare_restore({k for ks in meta["optimizer_keys"].values() for k in ks})
     for i, names in enumerate(meta["groups"]):
-        pieces = list(targets(model, optimizer, meta["optimizer_keys"], set(names), engine))
+        pieces = list(state.targets(meta["optimizer_keys"], set(names)))
         state_dict = {
             _fqn(name, key): layout.wrap(name, t, p) if t.dim() else t for name, key, t, p in pieces
         }
         # in place, into the tensors of ``pieces``
         dcp.load(state_dict, checkpoint_id=os.path.join(path, _group_dir(i)))
-        if engine is not None:
-            restore(engine, pieces)
+        state.restore(pieces)
         del pieces, state_dict
-    if engine is not None:
-        finish_restore(engine)
-    opt = engine.optimizer if engine is not None else optimizer
-    for group, saved in zip(opt.param_groups, meta["param_groups"]):
+    state.finish_restore()
+    for group, saved in zip(state.optimizer.param_groups, meta["param_groups"]):
         group.update(
             {k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()}
         )

@@ -20,10 +20,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..hf.full_state import full_shape, full_tensor, hf_tensors, require_tsp
 from ..hf.lora import ADAPTER_MARK, PEFT_PREFIX, TSPLoraLinear, peft_base
 from ..hf.nf4 import NF4Linear
-from .state import full_shape, full_tensor, hf_tensors, require_tsp, reshard_fsdp
-from .writer import raise_everywhere
+from ..storage import reshard_fsdp
+from ..writer import raise_everywhere
 
 Receiver = Callable[[list[tuple[str, torch.Tensor]]], object]
 

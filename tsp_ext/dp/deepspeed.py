@@ -26,10 +26,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..checkpoint.state import full_state_dict as tsp_full_state_dict
 from ..config import TSPConfig
 from ..engine.attention.heads import AttentionSpec
 from ..hf.apply import apply_tsp
+from ..hf.full_state import full_state_dict as tsp_full_state_dict
 from ..hf.lora import peft_base
 from ..hf.sharding import Role, param_roles
 from ..mesh import init_tsp_mesh

@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..hf.sharding import Role, counted_index, param_roles
-from .storage import full_over_dp, is_fsdp2, local_tensor
+from ..storage import full_over_dp, is_fsdp2, local_tensor
 
 CHUNK = 1 << 22  # elements squared in float64 at a time (a 32 MB temporary, not a whole gradient)
 

@@ -36,12 +36,12 @@ from ..config import TSPConfig
 from ..engine.attention.schedule import AttentionSpec
 from ..engine.sharding.partition import check_split
 from ..mesh import init_tsp_mesh, tsp_group
-from .attention import TSPAttention
+from .adapter_save import save_adapter
 from .causal_lm import TSPCausalLMLoss, check_inputs
 from .checkpointing import HostStore, enable_layer_checkpointing
-from .families import FAMILIES, Family, family_of, gate_activation, supported_names
+from .families import family_of, gate_activation, supported_names
 from .generate import tsp_forward, tsp_generate, tsp_vision_forward
-from .linear_attention import TSPGatedDeltaNet, check_linear_attention
+from .layers import CHANNEL_MIXERS, TOKEN_MIXERS, check_layer, layer_types, unfuse
 from .lora import (
     attach_adapters,
     check_adapters_agree,
@@ -50,11 +50,11 @@ from .lora import (
     fold_on_shards,
     peft_base,
 )
-from .mlp import TSPGatedMLP
-from .moe import TSPSparseMoe, check_moe_block, n_experts_of
+from .moe import n_experts_of
 from .nf4 import quantize_projections
 from .replicated import TSPEmbedding, TSPLMHead, TSPRMSNorm, replicated_vectors
 from .self_check import self_check
+from .spec import Family
 from .vocab import TSPVocabEmbedding, TSPVocabLMHead
 
 # The attention implementation name a TSP model reports: transformers builds no mask for it.
@@ -114,7 +114,7 @@ def apply_tsp(
         model = peft_base(model)
     # 1. check the model, the mesh and the split, before anything is touched
     family = check_supported(model)
-    if config.quantize_base == "nf4" and family.linear_attention is not None:
+    if config.quantize_base == "nf4" and family.hybrid:
         raise ValueError(
             f"quantize_base='nf4' (QLoRA) of {type(model).__name__} is not supported under TSP "
             "(its gated q_proj and linear-attention layers are not quantized): use LoRA on a "
@@ -198,18 +198,15 @@ def _shard_layers(model: nn.Module, f: Family, group, config: TSPConfig, adapter
     TSP modules; LoRA adapters move onto the new modules' shards."""
     for layer in f.layers_of(model):
         # Phi-3's qkv_proj / gate_up_proj, Qwen3.5's in_proj_qkv: their parts, as TSP shards them
-        f.unfuse(layer, model.config.get_text_config())
+        unfuse(f, layer, model.config.get_text_config())
     for layer in f.layers_of(model):
-        mlp_class = TSPSparseMoe if f.is_moe(getattr(layer, f.mlp)) else TSPGatedMLP
-        mixer = f.mixer(layer)
-        mixer_class = TSPAttention if mixer == f.attention else TSPGatedDeltaNet
-        for name, projections, tsp_class in (
-            (mixer, f.attention_projections, mixer_class),
-            (f.mlp, f.mlp_projections, mlp_class),
-        ):
-            taken = detach_adapters(getattr(layer, name), projections)
-            setattr(layer, name, tsp_class.from_hf(getattr(layer, name), group, config, family=f))
-            attach_adapters(getattr(layer, name), taken, adapter)
+        token, channel = f.token_mixer(layer), f.channel_mixer(layer)
+        for kind, registry in ((token, TOKEN_MIXERS), (channel, CHANNEL_MIXERS)):
+            hf_module = getattr(layer, kind.module)
+            taken = detach_adapters(hf_module, kind.projections)
+            tsp_class = registry[kind.kind].tsp_class
+            setattr(layer, kind.module, tsp_class.from_hf(hf_module, group, config, family=f))
+            attach_adapters(getattr(layer, kind.module), taken, adapter)
         for name in f.layer_norms:
             setattr(layer, name, _norm(f, getattr(layer, name), group))
     base = f.base_of(model)
@@ -254,9 +251,7 @@ def _patch_peft(peft_model) -> None:
 
 def _save_adapter(peft_model, save_directory, **kwargs) -> None:
     """``PeftModel.save_pretrained`` of a TSP PEFT model: the adapter gathered from the shards
-    (collective: every rank calls it; ``checkpoint.adapter.save_adapter``)."""
-    from ..checkpoint.adapter import save_adapter
-
+    (collective: every rank calls it; ``hf.adapter_save.save_adapter``)."""
     save_adapter(peft_model, save_directory)
 
 
@@ -273,28 +268,7 @@ def check_supported(model: nn.Module) -> Family:
     family = f = family_of(model)
     cfg = model.config.get_text_config()  # a vision-language model's: its language model's
     for i, layer in enumerate(f.layers_of(model)):
-        attn, mlp = getattr(layer, f.mixer(layer), None), getattr(layer, f.mlp, None)
-        if f.mixer(layer) != f.attention:
-            check_linear_attention(name, i, attn)
-        elif attn is None and hasattr(layer, "linear_attn"):  # a hybrid of another family
-            check_linear_attention(name, i, layer.linear_attn)
-            hybrids = ", ".join(c for h in FAMILIES if h.linear_attention for c in h.classes)
-            raise ValueError(
-                f"{name} layer {i}: linear-attention layers are supported in {hybrids} only"
-            )
-        elif attn is None or not f.has_projections(attn, f.attention_projections):
-            raise ValueError(
-                f"{name} layer {i}: attention without {'/'.join(f.attention_projections)} is "
-                "not supported"
-            )
-        if mlp is not None and f.is_moe(mlp):
-            check_moe_block(name, i, mlp, f)
-        elif mlp is None or not f.has_projections(mlp, f.mlp_projections):
-            kind = "mixture-of-experts" if hasattr(mlp, "experts") else "non-gated"
-            raise ValueError(
-                f"{name} layer {i}: {kind} MLPs are not supported (need "
-                f"{'/'.join(f.mlp_projections)})"
-            )
+        check_layer(name, i, layer, f)
         for norm in f.layer_norms:
             module = getattr(layer, norm, None)
             if module is None:
@@ -310,15 +284,7 @@ def check_supported(model: nn.Module) -> Family:
                     f"(x / rms(x) * {kind}, with {f.norm_eps}); supported: "
                     f"{supported_names()} and models of the same structure"
                 )
-        window = f.sliding_window(attn) if f.mixer(layer) == f.attention else None
-        if window is not None and window < 2:
-            raise ValueError(
-                f"{name} layer {i}: sliding_window={window}; TSP supports windows of 2 or more "
-                "tokens (or None for full causal attention)"
-            )
-    runs = {"full_attention", "sliding_attention"}
-    if f.linear_attention:
-        runs.add("linear_attention")
+    runs = layer_types(f)
     kinds = set(getattr(cfg, "layer_types", None) or ()) - runs
     if kinds:
         raise ValueError(

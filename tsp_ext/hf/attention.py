@@ -24,10 +24,11 @@ from ..engine.kernels.pointwise import rope_phases
 from ..engine.parallel import comm
 from ..engine.sharding.documents import query_spans
 from ..engine.sharding.layout import ZigzagLayout
-from .families import LLAMA, Family
+from .families import LLAMA
 from .lora import adapters_of, plan_of
 from .nf4 import storage
 from .sharding import Role, ShardedModule
+from .spec import Family
 
 # keyword argument carrying the local query spans of packed documents from the model's input check
 # (``causal_lm.check_inputs``) to every layer's attention: derived once per forward, not per layer

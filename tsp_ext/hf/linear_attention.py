@@ -4,7 +4,7 @@ replaced by its TSP head group.
 The schedule is ``tsp_ext.engine.linear_attention.schedule``; this module holds the shards under the
 Hugging Face names (rows of this rank's head group in each input projection: Qwen3-Next's
 ``in_proj_qkvz`` / ``in_proj_ba``, or Qwen3.5's ``in_proj_q`` / ``in_proj_k`` / ``in_proj_v``
-(its ``in_proj_qkv`` split by ``Family.unfuse``) / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``;
+(its ``in_proj_qkv`` split by ``hf.layers.unfuse``) / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``;
 ``out_proj`` columns; ``conv1d.weight``, ``A_log``, ``dt_bias``, ``norm.weight`` replicated),
 slices them from a Hugging Face module and checks the call. ``prefill`` / ``decode`` are its
 inference steps; ``cache.LinearStateCacheLayer`` holds its group's conv and recurrent state.
@@ -35,8 +35,9 @@ from ..engine.sharding.documents import query_spans
 from ..engine.sharding.layout import ZigzagLayout
 from .attention import SPANS_KWARG
 from .cache import LinearStateCacheLayer
-from .families import LLAMA, Family
+from .families import LLAMA
 from .sharding import ShardedModule
+from .spec import Family
 
 _SHARED = ("conv1d", "out_proj", "A_log", "dt_bias", "norm")
 # the Gated DeltaNet input projections TSP folds: Qwen3-Next's (per key head: q | k | v | z rows,
@@ -82,6 +83,9 @@ class TSPGatedDeltaNet(ShardedModule):
 
     shard_dims = {"in_proj_qkvz.weight": 0, "in_proj_ba.weight": 0, "out_proj.weight": 1}
 
+    def small_replicated(self) -> list[nn.Parameter]:
+        return [self.conv1d.weight]
+
     def __init__(
         self,
         spec: LinearAttentionSpec,
@@ -114,13 +118,13 @@ class TSPGatedDeltaNet(ShardedModule):
         cls, module: nn.Module, group, config: TSPConfig | None = None, family: Family = LLAMA
     ) -> TSPGatedDeltaNet:
         """Build from a Hugging Face ``Qwen3NextGatedDeltaNet`` or ``Qwen3_5GatedDeltaNet`` (its
-        ``in_proj_qkv`` split, ``Family.unfuse``), copying this rank's slices (``config`` and
+        ``in_proj_qkv`` split, ``hf.layers.unfuse``), copying this rank's slices (``config`` and
         ``family`` as ``TSPAttention.from_hf`` takes them; the layer reads neither: its layout
         is the module's)."""
         if hasattr(module, "in_proj_qkv"):
             raise ValueError(
                 "a Qwen3.5 Gated DeltaNet's in_proj_qkv must be split into in_proj_q / in_proj_k "
-                "/ in_proj_v first (Family.unfuse, as apply_tsp does)"
+                "/ in_proj_v first (hf.layers.unfuse, as apply_tsp does)"
             )
         spec = LinearAttentionSpec(
             hidden=module.hidden_size,

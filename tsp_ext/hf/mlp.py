@@ -14,10 +14,11 @@ from ..engine.decode import decode_mlp
 from ..engine.feed_forward.mlp import tsp_mlp
 from ..engine.parallel import comm
 from ..engine.sharding.partition import check_split, split_range, split_sizes
-from .families import LLAMA, Family, gate_activation
+from .families import LLAMA, gate_activation
 from .lora import adapters_of, plan_of
 from .nf4 import storage
 from .sharding import ShardedModule
+from .spec import Family
 
 
 class TSPGatedMLP(ShardedModule):

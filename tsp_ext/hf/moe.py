@@ -25,9 +25,10 @@ from ..engine.feed_forward.moe import decode_experts, router_logits, tsp_experts
 from ..engine.feed_forward.moe_clamped import ClampedSwiGLU
 from ..engine.parallel import comm
 from ..engine.sharding.partition import check_split, split_range, split_sizes
-from .families import Family, expert_intermediate_size, gate_activation
+from .families import FAMILIES, expert_intermediate_size, gate_activation
 from .mlp import TSPGatedMLP
 from .sharding import ShardedModule
+from .spec import Family
 
 _collected: list[torch.Tensor] | None = None
 
@@ -160,9 +161,10 @@ class TSPSparseMoe(nn.Module):
         cls, block: nn.Module, group, config: TSPConfig | None, family: Family
     ) -> TSPSparseMoe:
         """Build from a Hugging Face MoE block of ``family`` (checked by ``check_moe_block``)."""
-        router, experts = getattr(block, family.router), getattr(block, family.experts)
-        gpt_oss = is_gpt_oss_experts(experts)
-        if gpt_oss:
+        kind = family.moe
+        router, experts = getattr(block, kind.router), getattr(block, kind.experts)
+        clamped = kind.expert_form == "clamped"
+        if clamped:
             activation = ClampedSwiGLU(experts.alpha, experts.limit)
         else:
             activation = gate_activation(experts.config, family.activation)
@@ -175,11 +177,11 @@ class TSPSparseMoe(nn.Module):
             group,
             top_k=router.top_k,
             normalize=getattr(router, "norm_topk_prob", True),
-            float32_weights=family.router_float32,
-            top_k_first=gpt_oss,
+            float32_weights=kind.router_float32,
+            top_k_first=clamped,
             shared_expert=shared,
             shared_expert_gate=getattr(block, "shared_expert_gate", None),
-            router_name=family.router,
+            router_name=kind.router,
         )
 
     def router_module(self) -> nn.Module:
@@ -191,6 +193,9 @@ class TSPSparseMoe(nn.Module):
         router bias) and, in Qwen2-MoE, the shared expert's gate."""
         gates = [g for g in (self.router_module(), self.shared_expert_gate) if g is not None]
         return [g.weight for g in gates] + [g.bias for g in gates if _bias(g) is not None]
+
+    def small_replicated(self) -> list[nn.Parameter]:
+        return self.routers()
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Hugging Face's top-k routing of ``logits [n, E]``: the weights ``[n, k]`` (softmax in
@@ -244,12 +249,6 @@ def _weight_and_bias(gate: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None
     return gate.weight, _bias(gate)
 
 
-def is_gpt_oss_experts(experts: nn.Module) -> bool:
-    """Whether a Hugging Face experts module is gpt-oss's (biased, clamped SwiGLU), by its class
-    name: importing transformers' gpt-oss module would pull in Accelerate."""
-    return type(experts).__name__ == "GptOssExperts"
-
-
 def _bias(gate: nn.Module) -> torch.Tensor | None:
     """A router's bias (gpt-oss's), else None."""
     return getattr(gate, "bias", None)
@@ -298,18 +297,19 @@ def n_experts_of(config) -> int:
 
 def check_moe_block(name: str, i: int, block: nn.Module, family: Family) -> None:
     """Raise ``ValueError`` naming the model and what is supported unless layer ``i``'s MoE
-    ``block`` is one TSP runs: a listed MoE family, a top-k router over the config's experts,
-    experts of the config's shapes without biases (gpt-oss's: with theirs), no router
-    jitter."""
-    supported = "Qwen3MoeForCausalLM, Qwen2MoeForCausalLM and MixtralForCausalLM"
-    if not family.moe:
+    ``block`` is one TSP runs: a MoE kind of the family's spec, a top-k router over the config's
+    experts, experts of the config's shapes without biases (the clamped form's: with theirs), no
+    router jitter."""
+    supported = ", ".join(c for f in FAMILIES if f.moe is not None for c in f.classes)
+    if family.moe is None:
         raise ValueError(
             f"{name} layer {i}: its mixture-of-experts MLP is not supported; TSP runs the MoE "
             f"blocks of {supported}"
         )
-    router, experts = getattr(block, family.router, None), getattr(block, family.experts)
-    gpt_oss = is_gpt_oss_experts(experts)
-    if gpt_oss:
+    kind = family.moe
+    router, experts = getattr(block, kind.router, None), getattr(block, kind.experts)
+    clamped = kind.expert_form == "clamped"
+    if clamped:
         E, h, F_ = experts.num_experts, experts.hidden_size, experts.intermediate_size
     else:
         cfg = experts.config
@@ -321,7 +321,7 @@ def check_moe_block(name: str, i: int, block: nn.Module, family: Family) -> None
             f"weight [{E}, {h}]; TSP runs the top-k softmax routers of {supported}"
         )
     bias = _bias(router)
-    if bias is not None and (not gpt_oss or tuple(bias.shape) != (E,)):
+    if bias is not None and (not clamped or tuple(bias.shape) != (E,)):
         have = tuple(bias.shape)
         raise ValueError(
             f"{name} layer {i}: the router's bias is {have}; TSP takes a router bias [{E}] only "
@@ -333,7 +333,7 @@ def check_moe_block(name: str, i: int, block: nn.Module, family: Family) -> None
             f"number of experts ({E})"
         )
     shapes = {"gate_up_proj": (E, 2 * F_, h), "down_proj": (E, h, F_)}
-    if gpt_oss:
+    if clamped:
         shapes = {
             "gate_up_proj": (E, h, 2 * F_),
             "gate_up_proj_bias": (E, 2 * F_),
@@ -348,7 +348,7 @@ def check_moe_block(name: str, i: int, block: nn.Module, family: Family) -> None
                 f"{name} layer {i}: experts.{key} is {have}, the config says {shape} (E = {E} "
                 f"experts of intermediate size {F_}); TSP needs experts as the config describes"
             )
-    if not gpt_oss and any(hasattr(experts, f"{k}_bias") for k in shapes):
+    if not clamped and any(hasattr(experts, f"{k}_bias") for k in shapes):
         raise ValueError(f"{name} layer {i}: expert biases are not supported under TSP")
     if getattr(block, "jitter_noise", 0):
         raise ValueError(

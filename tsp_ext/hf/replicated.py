@@ -14,13 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..dp.storage import gathered_per_use
 from ..engine.kernels.pointwise import rms_norm_keeping_input
 from ..engine.parallel.comm import bucketed_replicated, replicated
-from .linear_attention import TSPGatedDeltaNet
+from ..storage import gathered_per_use
 from .lora import ADAPTER_MARK
-from .moe import TSPSparseMoe
-from .sharding import Role, param_roles
+from .sharding import Role, ShardedModule, param_roles
 
 
 class TSPRMSNorm(nn.Module):
@@ -97,8 +95,9 @@ def replicated_vectors(model: nn.Module) -> tuple[str, ...]:
     the MoE routers' and shared-expert gates' weights (``[E, h]`` / ``[1, h]``) and the Gated
     DeltaNet layers' depthwise conv weights (``[C, 1, K]``)."""
     roles = param_roles(model)
-    small = {id(p) for m in model.modules() if isinstance(m, TSPSparseMoe) for p in m.routers()}
-    small |= {id(m.conv1d.weight) for m in model.modules() if isinstance(m, TSPGatedDeltaNet)}
+    small = {
+        id(p) for m in model.modules() if isinstance(m, ShardedModule) for p in m.small_replicated()
+    }
     return tuple(
         n
         for n, p in model.named_parameters()

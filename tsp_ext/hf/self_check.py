@@ -105,9 +105,9 @@ def miniature_errors(
     ``options`` (``miniature_options``) against the unmodified one, the same on every rank of
     ``group``: each shared module's output in call order, then the logits, the loss and each
     parameter's gradient (collective)."""
-    from ..checkpoint.state import full_grads
     from .apply import apply_tsp  # apply_tsp calls this module
     from .batch import shard_batch
+    from .full_state import full_grads
 
     D, p = comm.size_and_rank(group)
     device = comm.group_device(group)  # where the miniature runs

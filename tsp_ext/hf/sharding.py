@@ -41,6 +41,11 @@ class ShardedModule(nn.Module, abc.ABC):
         """Index of TSP rank ``rank``'s slice in the full Hugging Face tensor behind ``name``
         (shards may differ by one head or row between ranks; every rank can compute all)."""
 
+    def small_replicated(self) -> list[nn.Parameter]:
+        """Its replicated parameters of more than one dimension that are small and used once per
+        step (their gradients share one all-reduce: ``hf.replicated.replicated_vectors``)."""
+        return []
+
     def local_index(self, name: str) -> tuple[slice, ...]:
         """Index of this rank's slice in the full Hugging Face tensor behind ``name``."""
         return self.index_of(name, dist.get_rank(self.group))

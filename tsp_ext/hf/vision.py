@@ -24,7 +24,8 @@ from torch.func import functional_call
 from ..engine.parallel import comm
 from ..engine.sharding.layout import ZigzagLayout, pad_sequence
 from .causal_lm import replicated_head_forward, vocab_sharded_forward
-from .vision_plan import Units, VisionSpec, deal, exchange, grid_units, image_units, pad_positions
+from .spec import VisionSpec
+from .vision_plan import Units, deal, exchange, grid_units, image_units, pad_positions
 
 # the Hugging Face processor's multimodal keys that shard_batch takes
 BATCH_KEYS = (

@@ -22,18 +22,6 @@ from ..engine.sharding.layout import ZigzagLayout, padded_length
 
 
 @dataclass(frozen=True)
-class VisionSpec:
-    """Where a vision-language model keeps its vision side and how it encodes."""
-
-    inner: str = "model"  # the module holding the vision modules and the language model
-    modules: tuple[str, ...] = ("visual",)  # on ``inner``: every vision parameter (tower, merger)
-    grids: bool = True  # Qwen-VL: flattened patches described by image_grid_thw / video_grid_thw
-    mrope: bool = True  # 3-D positions (``get_rope_index``)
-    videos: bool = True
-    deepstack: bool = False  # features added after the first decoder layers (Qwen3-VL)
-
-
-@dataclass(frozen=True)
 class Units:
     """The vision units of a batch, in feature order: patches (cost) and features of each, and
     where each one's pixels are (``source`` 0: ``pixel_values``, 1: ``pixel_values_videos``;

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..engine.attention.heads import AttentionSpec
-from ..hf.model_types import expert_intermediate_size, model_type_of, num_experts
+from ..hf.families import expert_intermediate_size, model_type_of, num_experts
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class ModelShape:
                 f"config {name!r} lacks {', '.join(missing)}: not a Llama-family config"
             )
         h, nh = cfg["hidden_size"], cfg["num_attention_heads"]
-        experts, facts = num_experts(cfg), model_type_of(cfg)
+        experts, (_, facts) = num_experts(cfg), model_type_of(cfg)
         width = expert_intermediate_size(cfg) if experts else cfg["intermediate_size"]
         return cls(
             name=name,

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 
@@ -61,3 +62,13 @@ def zero3_gathered(p: torch.Tensor) -> Iterator[torch.Tensor]:
 
     with deepspeed.zero.GatheredParameters([p]):
         yield p
+
+
+def reshard_fsdp(model: nn.Module) -> None:
+    """Put FSDP2 modules back to their sharded DTensor parameters: after a forward without
+    backward (evaluation) the root keeps plain unsharded ones, which the optimizer does not know."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

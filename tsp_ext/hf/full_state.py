@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..dp.storage import full_over_dp, is_zero3, tsp_shape, zero3_gathered
-from ..hf.sharding import shard_owner
+from ..storage import full_over_dp, is_zero3, reshard_fsdp, tsp_shape, zero3_gathered
+from .sharding import shard_owner
 
 
 def require_tsp(model: nn.Module):
@@ -23,16 +23,6 @@ def require_tsp(model: nn.Module):
     if state is None:
         raise ValueError("not a TSP model: call tsp_ext.apply_tsp(model, mesh) first")
     return state
-
-
-def reshard_fsdp(model: nn.Module) -> None:
-    """Put FSDP2 modules back to their sharded DTensor parameters: after a forward without
-    backward (evaluation) the root keeps plain unsharded ones, which the optimizer does not know."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
 
 
 def full_shape(model: nn.Module, name: str, t: torch.Tensor) -> torch.Size:

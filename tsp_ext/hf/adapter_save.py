@@ -14,9 +14,9 @@ import tempfile
 
 from torch import nn
 
-from ..hf.lora import ADAPTER_MARK
-from .state import full_tensor, require_tsp
-from .writer import WRITER, on_writer, replace_dir
+from ..writer import WRITER, on_writer, replace_dir
+from .full_state import full_tensor, require_tsp
+from .lora import ADAPTER_MARK
 
 
 def adapter_names(model: nn.Module) -> list[str]:
