@@ -15,8 +15,6 @@ import json
 import logging
 import math
 import os
-import re
-import shutil
 import sys
 import time
 from datetime import timedelta
@@ -24,12 +22,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from _args import add_data_parallel_arg, add_shared_args
+from _checkpoints import check_resume, save_checkpoint
 from _data import documents, load_blocks, load_rows
 from _faults import maybe_kill, maybe_poison
 from _finish import finish
 from _metrics import open_metrics, peak_memory_bytes
 from _model import (
-    adapter_parameters,
     add_lora,
     build_tokenizer,
     lora_config,
@@ -39,6 +37,7 @@ from _model import (
     resolve_model,
 )
 from _presets import PRESETS
+from _reports import report_fine_tuning, report_memory
 from _sample import greedy_sample
 from _single_process import init_single_process
 from _training import TrainingRun, tsp_config
@@ -48,7 +47,6 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from tsp_ext import init_tsp_mesh, shard_batch
-from tsp_ext.checkpoint import inspect
 from tsp_ext.dp.guard import accelerate_deepspeed_config
 from tsp_ext.memory import SavedTensorBytes
 
@@ -165,61 +163,7 @@ def check_args(args, world: int) -> None:
             "further: use --data-parallel ddp, or generate from <output-dir>/final with "
             "recipes/generate.py"
         )
-    if args.resume_from == "auto":
-        args.resume_from = newest_checkpoint(args.output_dir)
-    if args.resume_from:
-        try:  # complete, undamaged (the model itself is checked when it is loaded)
-            saved = inspect(args.resume_from)["extra_state"]
-        except ValueError as e:
-            raise SystemExit(f"--resume-from: {e}") from None
-        if saved.get("seq_len") != args.seq_len:
-            raise SystemExit(
-                f"--resume-from {args.resume_from} was saved with seq_len={saved.get('seq_len')}, "
-                f"this run has {args.seq_len}: resume with the same --seq-len"
-            )
-        if saved.get("packing", "stream") != args.packing:
-            raise SystemExit(
-                f"--resume-from {args.resume_from} was saved with --packing "
-                f"{saved.get('packing', 'stream')}, this run has {args.packing}: resume with the "
-                "same --packing"
-            )
-
-
-def newest_checkpoint(output_dir: str) -> str | None:
-    """The newest complete ``checkpoint-<step>`` in ``output_dir`` (None: none; collective). It
-    says (rank 0) what it skips: interrupted saves (``.checkpoint-<step>.incomplete``) and any
-    checkpoint ``inspect`` refuses (truncated, damaged, foreign)."""
-    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
-    skipped = [
-        f"{os.path.join(output_dir, n)}: an interrupted save"
-        for n in sorted(names)
-        if re.fullmatch(r"\.checkpoint-\d+\.incomplete", n)
-    ]
-    done = [n for n in names if re.fullmatch(r"checkpoint-\d+", n)]
-    found = None
-    for name in sorted(done, key=lambda n: int(n.split("-")[1]), reverse=True):
-        try:
-            inspect(os.path.join(output_dir, name))
-        except ValueError as e:
-            skipped.append(str(e))
-            continue
-        found = os.path.join(output_dir, name)
-        break
-    one = not dist.is_initialized()  # one process: the mesh starts the process group later
-    if one or dist.get_rank() == 0:
-        for why in skipped:
-            log.warning(f"--resume-from auto: skipping {why}")
-        log.info(f"--resume-from auto: {found or 'no complete checkpoint, a fresh start'}")
-    if one:
-        return found
-    seen = [None] * dist.get_world_size()
-    dist.all_gather_object(seen, found)
-    if len(set(seen)) > 1:
-        raise SystemExit(
-            f"--resume-from auto: the ranks found different checkpoints in {output_dir} "
-            f"({seen}): every rank must see the same --output-dir (a shared filesystem)"
-        )
-    return found
+    check_resume(args)
 
 
 def warn_restarts(args) -> None:
@@ -264,23 +208,6 @@ def block_ids(step: int, micro: int, args, dp: int, dp_rank: int, n: int) -> lis
     return out
 
 
-def save_checkpoint(run: TrainingRun, args, step: int) -> None:
-    """``<output-dir>/checkpoint-<step>``, then (rank 0) drop all but the ``--keep-last`` newest.
-    A checkpoint only gets its name once complete, so the rotation never removes the last good
-    one for a partial one; weights that are not all finite are never saved."""
-    if not run.weights_finite():
-        raise SystemExit(
-            f"step {step}: the weights hold non-finite values, checkpoint-{step} is not written; "
-            "resume from an earlier checkpoint (with a lower --lr, or --on-nonfinite skip)"
-        )
-    run.save(os.path.join(args.output_dir, f"checkpoint-{step}"), step)
-    if args.keep_last and dist.get_rank() == 0:
-        done = [d for d in os.listdir(args.output_dir) if re.fullmatch(r"checkpoint-\d+", d)]
-        done.sort(key=lambda d: int(d.split("-")[1]))
-        for old in done[: -args.keep_last]:
-            shutil.rmtree(os.path.join(args.output_dir, old))
-
-
 def nonfinite(args, step: int, loss: float, norm: float, updated: bool) -> None:
     """A non-finite loss or gradient norm at ``step`` (1-based): the same values on every rank,
     so every rank stops (``--on-nonfinite stop``) or skips the step together (``updated``: the
@@ -320,6 +247,35 @@ def evaluate(run: TrainingRun, eval_blocks: dict, mesh, device: torch.device) ->
     return (total[0] / total[1]).item()
 
 
+def train_step(
+    run: TrainingRun, model, args, step: int, train_blocks: dict, mesh, device: torch.device
+) -> tuple[float, float, int]:
+    """Optimizer step ``step`` (0-based) over ``--gradient-accumulation-steps`` micro batches of
+    ``train_blocks``: ``(loss, gradient norm, saved activation bytes of the last micro batch)``,
+    the loss the mean over dp, the same on every rank; a non-finite one stops or skips the step
+    (``--on-nonfinite``) on every rank together."""
+    dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
+    losses = []
+    for micro in range(args.gradient_accumulation_steps):
+        index = block_ids(step, micro, args, dp, dp_rank, len(train_blocks["input_ids"]))
+        batch = local_batch(train_blocks, index, mesh, device)
+        with SavedTensorBytes(ignore=model.parameters()) as saved:
+            out = run.forward_model(**batch)
+        micro_loss = maybe_poison(out.loss, step + 1)
+        run.backward(micro_loss)
+        losses.append(micro_loss.detach())
+        if micro < args.gradient_accumulation_steps - 1:
+            run.step(last_micro=False)
+    # the mean over dp (TSP ranks hold the same loss), on every rank before the update
+    loss = torch.stack(losses).mean().double().reshape(1)
+    dist.all_reduce(loss)
+    loss = loss.item() / dist.get_world_size()
+    norm = run.step(last_micro=True, skip=not math.isfinite(loss))
+    if not (math.isfinite(loss) and math.isfinite(norm)):
+        nonfinite(args, step + 1, loss, norm, run.updated)
+    return loss, norm, saved.nbytes
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.dist_timeout <= 0:
@@ -350,7 +306,7 @@ def main(argv=None) -> None:
     eval_blocks = {k: v[-n_eval:] for k, v in blocks.items()}
 
     mesh = init_tsp_mesh(args.tsp_size, timeout=timeout)
-    dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
+    dp = mesh["dp"].size()
     model, full_params = build_model(args, len(tokenizer), mesh, acc.device)
     model = add_lora(model, args, tsp_config(args))
     run = TrainingRun(args.data_parallel, model, mesh, args)
@@ -374,26 +330,10 @@ def main(argv=None) -> None:
     for step in bar:
         maybe_kill(step + 1)
         t0 = time.perf_counter()
-        losses = []
-        for micro in range(args.gradient_accumulation_steps):
-            index = block_ids(step, micro, args, dp, dp_rank, n_blocks - n_eval)
-            batch = local_batch(train_blocks, index, mesh, acc.device)
-            with SavedTensorBytes(ignore=model.parameters()) as saved:
-                out = run.forward_model(**batch)
-            activation_bytes = saved.nbytes
-            micro_loss = maybe_poison(out.loss, step + 1)
-            run.backward(micro_loss)
-            losses.append(micro_loss.detach())
-            if micro < args.gradient_accumulation_steps - 1:
-                run.step(last_micro=False)
-        # the mean over dp (TSP ranks hold the same loss), on every rank before the update
-        loss = torch.stack(losses).mean().double().reshape(1)
-        dist.all_reduce(loss)
-        loss = loss.item() / dist.get_world_size()
-        norm = run.step(last_micro=True, skip=not math.isfinite(loss))
+        loss, norm, activation_bytes = train_step(
+            run, model, args, step, train_blocks, mesh, acc.device
+        )
         finite = math.isfinite(loss) and math.isfinite(norm)
-        if not finite:
-            nonfinite(args, step + 1, loss, norm, run.updated)
         tps = tokens_per_step / (time.perf_counter() - t0)
         row = {
             "step": step + 1,
@@ -436,65 +376,6 @@ def sample(run: TrainingRun, tokenizer, args) -> str | None:
     if not args.sample_tokens:
         return None
     return greedy_sample(run.model, tokenizer, args.sample_prompt, args.sample_tokens)
-
-
-def report_fine_tuning(args, before: tuple, after: tuple) -> None:
-    """Eval loss and greedy sample, ``(loss, text)`` each, before and after fine-tuning: logged,
-    and written to ``<output-dir>/fine_tuning.json`` (the docs quote it)."""
-    log.info(f"eval loss: {before[0]:.4f} before fine-tuning, {after[0]:.4f} after")
-    if args.sample_tokens:
-        log.info(
-            f"greedy continuation ({args.sample_tokens} tokens) of {args.sample_prompt!r}\n"
-            f"  before: {before[1]!r}\n  after:  {after[1]!r}"
-        )
-    if dist.get_rank() == 0:
-        report = {
-            "eval_loss_before": before[0],
-            "eval_loss_after": after[0],
-            "sample_prompt": args.sample_prompt if args.sample_tokens else None,
-            "sample_before": before[1],
-            "sample_after": after[1],
-        }
-        with open(os.path.join(args.output_dir, "fine_tuning.json"), "w") as f:
-            json.dump(report, f, indent=1)
-
-
-def report_memory(model, full_params: int, activation_bytes: int, args, device) -> None:
-    """Per-rank memory (the largest rank's) next to what one process would need for the same
-    batch: logged, and written to ``<output-dir>/memory.json`` (bytes; the docs quote it)."""
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    largest = [sum(p.numel() for p in model.parameters()), activation_bytes, peak_memory_bytes()]
-    largest = torch.tensor([*largest, trainable], dtype=torch.int64, device=device)
-    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-    local, activation_bytes, peak, trainable = (int(n) for n in largest.tolist())
-    full_trainable = adapter_parameters(model.config, args) if args.lora_r else full_params
-    per_param = 2 if args.bf16 else 4
-
-    def state(n: int, train: int) -> int:  # weights; grads and two fp32 Adam moments if trained
-        return n * per_param + train * (per_param + 8)
-
-    mb = 2**20
-    log.info(
-        f"per rank: model state {state(local, trainable) / mb:.1f} MB ({local / 1e6:.2f}M "
-        f"parameters, {trainable / 1e6:.2f}M trained), saved "
-        f"activations {activation_bytes / mb:.1f} MB (measured), peak process memory "
-        f"{peak / mb:.0f} MB\none process would need: model state "
-        f"{state(full_params, full_trainable) / mb:.1f} MB, saved activations "
-        f"~{activation_bytes * args.tsp_size / mb:.1f} MB (tsp x the per-rank bytes)"
-    )
-    if dist.get_rank() == 0:
-        report = {
-            "processes": dist.get_world_size(),
-            "tsp_size": args.tsp_size,
-            "parameters": full_params,
-            "parameters_per_rank": local,
-            "trainable_parameters_per_rank": trainable,
-            "model_state_bytes_per_rank": state(local, trainable),
-            "saved_activation_bytes_per_rank": activation_bytes,
-            "peak_process_bytes": peak,
-        }
-        with open(os.path.join(args.output_dir, "memory.json"), "w") as f:
-            json.dump(report, f, indent=1)
 
 
 if __name__ == "__main__":

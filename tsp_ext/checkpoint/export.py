@@ -163,7 +163,7 @@ def save_pretrained(
     directory beside ``path`` and renamed into place, so an interrupted save leaves any previous
     checkpoint at ``path`` intact; a failure is raised on every rank.
 
-    A TSP ``peft.PeftModel`` writes its LoRA adapter in PEFT's format (``adapter.py``); with
+    A TSP ``peft.PeftModel`` writes its LoRA adapter in PEFT's format (``hf/adapter_save.py``); with
     ``merge_adapter`` it writes the plain checkpoint of the merged model instead (each adapted
     weight merged on rank 0 as it streams: ``W + s·B·A``; the model is not changed).
     """

@@ -231,8 +231,8 @@ def initialize(
 ):
     """``deepspeed.initialize`` for a TSP model; see the module docstring.
 
-    Returns ``(engine, optimizer, training_dataloader, lr_scheduler)``; ``engine.tsp_mesh`` is
-    the (dp, tsp) mesh, for ``shard_batch`` / ``gather_sequence``.
+    Returns ``(engine, optimizer, training_dataloader, lr_scheduler)``; the engine's
+    ``tsp_mesh`` is the (dp, tsp) mesh, for ``shard_batch`` / ``gather_sequence``.
     """
     import deepspeed  # the optional dependency, only when DeepSpeed runs
 

@@ -237,14 +237,14 @@ class DeepSpeed(DataParallel):
     def step(
         self, max_norm: float, last_micro: bool, skip: bool = False
     ) -> tuple[float | None, bool]:
-        """``engine.step()`` after every micro batch (DeepSpeed counts them and updates at the
+        """``self.engine.step()`` after every micro batch (DeepSpeed counts them and updates at the
         boundary, clipping to its config's ``gradient_clipping``); ``skip`` is not honoured."""
         self.engine.step()
         updated = self.engine.was_step_applied()
         return (float(self.engine.get_global_grad_norm() or 0.0) if last_micro else None), updated
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor | float:
-        """Clipped in ``engine.step``: the norm before clipping."""
+        """Clipped in ``self.engine.step``: the norm before clipping."""
         return self.grad_norm(model)
 
     def grad_norm(self, model: nn.Module) -> torch.Tensor | float:

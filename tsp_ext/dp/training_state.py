@@ -3,7 +3,7 @@
 ``training_state(model, optimizer, engine)`` is the one place that tells engines apart:
 ``TrainingState`` reads the live tensors of a plain or FSDP2 model and its torch optimizer
 (DTensor chunks included); ``DeepSpeedState`` the fp32 master / optimizer state of this TSP
-rank's shard, assembled over dp by ``deepspeed.utils.safe_get_full_*`` (ZeRO-1/2/3).
+rank's shard, assembled over dp by DeepSpeed's ``safe_get_full_*`` (ZeRO-1/2/3).
 
 ``local`` yields ``(name, key, tensor, param)``: ``key`` is ``"param"``, a per-parameter
 optimizer tensor (``"exp_avg"``, ...) laid out like the parameter, or ``"step"`` (a scalar);

@@ -90,9 +90,9 @@ def apply_tsp(
     """Make ``model`` a TSP model on the mesh's ``"tsp"`` axis, in place; returns it.
 
     Args:
-        model: a Hugging Face ``*ForCausalLM`` of a supported family (``hf.families``: Llama,
-            Mistral, Qwen2 / 3, Gemma, Gemma-3, Phi-3, OLMo-2, Qwen-MoE, Mixtral, or any model
-            with one's structure that the self-check proves exact), with the same weights on
+        model: a Hugging Face ``*ForCausalLM`` (or vision-language model) of a supported family
+            (``hf.families.FAMILIES``, or any model with one's structure that the self-check
+            proves exact), with the same weights on
             every rank; or a
             ``peft.PeftModel`` of one with a LoRA adapter on some of q/k/v/o/gate/up/down
             (``get_peft_model`` first, then ``apply_tsp``; the same adapter on every rank).

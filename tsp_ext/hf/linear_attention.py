@@ -267,9 +267,9 @@ class TSPGatedDeltaNet(ShardedModule):
 
 
 class SeparateTSPGatedDeltaNet(TSPGatedDeltaNet):
-    """``TSPGatedDeltaNet`` in Qwen3.5's layout (``spec.separate``; ``from_hf`` builds it for a
-    ``Qwen3_5GatedDeltaNet``): rows of ``in_proj_q`` / ``in_proj_k`` / ``in_proj_v`` /
-    ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``."""
+    """``TSPGatedDeltaNet`` in Qwen3.5's layout (``LinearAttentionSpec.separate``; ``from_hf``
+    builds it for a ``Qwen3_5GatedDeltaNet``): rows of ``in_proj_q`` / ``in_proj_k`` /
+    ``in_proj_v`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``."""
 
     shard_dims = {
         **{f"in_proj_{n}.weight": 0 for n in "qkvzba"},

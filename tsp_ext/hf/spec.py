@@ -227,8 +227,8 @@ class Family:
     def sliding_window(self, attention: nn.Module) -> int | None:
         """Window of a layer's attention module (query i sees keys ``(i - window, i]``) or None:
         its own ``sliding_window`` where it has one (Qwen2 / Qwen3 set it per layer from
-        ``config.layer_types``; Qwen2-MoE on its windowed layers only), else its config's
-        (Mistral, Mixtral: every layer) unless the config has per-layer types."""
+        ``attention.config.layer_types``; Qwen2-MoE on its windowed layers only), else its
+        config's (Mistral, Mixtral: every layer) unless the config has per-layer types."""
         if hasattr(attention, "sliding_window"):
             return attention.sliding_window
         if getattr(attention.config, "layer_types", None) is not None:
@@ -237,7 +237,7 @@ class Family:
 
     def position_embeddings(self, model: nn.Module, x: torch.Tensor, pos: torch.Tensor) -> list:
         """The rotary ``(cos, sin)`` of every decoder layer for tokens ``x`` at positions
-        ``pos``: one table for all, or one per layer type (``config.layer_types``)."""
+        ``pos``: one table for all, or one per layer type (``model.config.layer_types``)."""
         rotary = getattr(self.base_of(model), self.rotary)
         n = len(self.layers_of(model))
         if not self.rope_per_layer_type:

@@ -1,7 +1,7 @@
 """Layout planner: per-device memory, communication and step time of TSP, TP, SP and TP×SP.
 
 The estimates follow what the code actually keeps, tensor by tensor (see ``docs/planner.md``):
-this repo's TSP engine (``attention.py``, ``mlp.py``, the vocab-sharded head) and the baselines
+this repo's TSP engine (its attention, MLP ring and vocab-sharded head) and the baselines
 as the benchmark harness runs them (Hugging Face Llama under DTensor TP with the model's tp plan,
 DeepSpeed Ulysses, both composed for TP×SP). Data parallelism with ZeRO fills the devices a layout
 leaves over. Plain arithmetic: this package imports no torch. ``tsp_ext.plan`` is its stable alias.

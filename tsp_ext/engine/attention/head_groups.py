@@ -4,7 +4,7 @@
 Rank p owns head group p's shards; a call streams every group's shards past every rank
 (``weight_ring.broadcast_stream``), projects the local tokens with each (``projected_groups``)
 and exchanges the group's K/V (``kv_exchange``). The adapters' hook
-(``adapters.AttentionAdapters``) decides how the shards travel and are merged.
+(``adapters.hooks.AttentionAdapters``) decides how the shards travel and are merged.
 """
 
 from __future__ import annotations

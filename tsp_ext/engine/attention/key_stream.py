@@ -3,7 +3,7 @@ one causal stream or packed documents, no sliding window, the kernels' GQA map).
 
 Chunk j holds positions ``[j·c, (j+1)·c)``: rank j's first chunk or rank 2D-1-j's second. In
 token order, the chunk's owner broadcasts its K/V; every rank attends its local queries to the
-pieces of their keys that lie in it (``chunked_attention._blocks`` with ``key_block``, cut at the
+pieces of their keys that lie in it (``kernels.chunked._blocks`` with ``key_block``, cut at the
 chunk) and merges the partial outputs in place (``lse.merge_into``). In backward every rank
 adds its queries' gradients of the chunk's keys into one chunk-sized buffer, summed into the
 owner's rows (``comm.reduce``). No rank holds a bucket's K/V or dK/dV of all S tokens, only one

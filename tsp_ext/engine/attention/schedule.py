@@ -28,7 +28,7 @@ those ranks only (point to point) so the copies stay equal.
 
 The pieces: one call's head groups (``head_groups``: the weights' broadcast,
 ``weight_ring.broadcast_stream``; the K/V exchange and its dual, ``kv_exchange``), a group's
-projection (``qkv``). LoRA adapters are a hook, ``adapters.AttentionAdapters``: the schedule asks it
+projection (``qkv``). LoRA adapters are a hook, ``hooks.AttentionAdapters``: the schedule asks it
 for the shards as they travel and as they are used, and for the adapters' terms of the projection
 and the output and their backward.
 """
@@ -469,7 +469,7 @@ def tsp_attention(
     ``cos, sin [B or 1, S/D, d]`` are the RoPE tables of the tokens' positions; ``weights``
     holds this rank's head-group shards (``wq, wo, wk, wv`` and optional ``bq, bk, bv``);
     ``q_norm, k_norm`` the replicated per-head norm weights or None (with
-    ``spec.qk_norm_full``: the full-width ones, and ``rms = engine.qk_rms.qk_rms(...)``);
+    ``spec.qk_norm_full``: the full-width ones, and ``rms = qk_rms.qk_rms(...)``);
     ``q_spans`` the local query spans of packed documents
     (``engine.sharding.documents.query_spans``; None: one causal stream).
 

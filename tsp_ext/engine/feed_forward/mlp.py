@@ -22,7 +22,7 @@ Within a ring step the tokens are processed in tiles of ``options.mlp_tile`` row
 gradients accumulate over the tiles), so a step's intermediates are ``mlp_tile x 2f`` whatever
 S/D is.
 
-LoRA adapters (``adapters.MlpRingAdapters``, the hook called at fixed points of each step and tile)
+LoRA adapters (``hooks.MlpRingAdapters``, the hook called at fixed points of each step and tile)
 ride a second ring beside the base shards and are merged into them without active dropout; NF4
 shards (QLoRA's frozen base) travel packed and are dequantized per step (``nf4.StackedShard``).
 Frozen bases get no weight-gradient GEMMs: the gradient ring then carries the adapters' only.
@@ -118,7 +118,7 @@ class _Grads:
 
 def _weight_grads(x2, dy2, shard: _Shard, out: _Grads, work, ad, tile, add: bool, hidden, kind):
     """Backward of one shard's ``(act(X·Gᵀ) ⊙ (X·Uᵀ))·Dnᵀ`` for the rows ``x2, dy2 [n, h]`` of
-    ``tile`` (``adapters.MlpAdapterTile``): writes (``add``: adds) the gradients of the trainable
+    ``tile`` (``hooks.MlpAdapterTile``): writes (``add``: adds) the gradients of the trainable
     pieces into ``out`` and returns ``dH [n, 2f]`` (in ``work``, valid until the next tile),
     the gradient of the gate/up pre-activations: the caller adds ``dX = dH · [G; U]``.
     ``hidden``: the saved gate/up pre-activations ``[n, 2f]`` (left intact); recomputed if

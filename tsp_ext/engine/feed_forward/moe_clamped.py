@@ -31,7 +31,7 @@ def _expert_of_rows(counts: list[int], device) -> torch.Tensor:
 class ClampedSwiGLU:
     """gpt-oss's expert form (``ws = (gate_up [G, h, 2F], gate_up_bias [G, 2F], down [G, F, h],
     down_bias [G, h])``), the ``activation`` of ``moe.tsp_experts`` / ``decode_experts``:
-    ``alpha`` (``config.swiglu_alpha``) and ``limit`` (``config.swiglu_limit``)."""
+    ``alpha`` and ``limit``, the model config's ``swiglu_alpha`` and ``swiglu_limit``."""
 
     alpha: float
     limit: float

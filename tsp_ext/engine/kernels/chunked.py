@@ -1,4 +1,4 @@
-"""Chunked causal attention of local query chunks on any kernel of ``attention_backends``.
+"""Chunked causal attention of local query chunks on any kernel of ``backends``.
 
 The chunked functions take K/V in natural token order (position i at index i). A local query
 chunk at global positions ``[s, s+C)`` attends keys ``[0, s+C)`` causally. Where a kernel's

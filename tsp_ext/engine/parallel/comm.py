@@ -1,8 +1,9 @@
 """Communication on the TSP axis: plain (async) collectives, the ring, and their autograd duals.
 
-The schedules in ``attention.py`` and ``mlp.py`` call the plain helpers from inside hand-written
-``backward`` methods. The autograd Functions at the bottom wrap the same helpers for code that
-composes with ordinary autograd; each Function's backward is the exact adjoint of its forward:
+The engine's schedules (``attention``, ``feed_forward``, ``linear_attention``, ``vocab``) call the
+plain helpers from inside hand-written ``backward`` methods. The autograd Functions at the bottom
+wrap the same helpers for code that composes with ordinary autograd; each Function's backward is
+the exact adjoint of its forward:
 
     sequence all-gather    <->  sequence reduce-scatter
     replicated use         <->  gradient all-reduce (one per step for a bucket of them)

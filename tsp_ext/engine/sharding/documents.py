@@ -102,7 +102,7 @@ def query_spans(
     """Rank ``p``'s query spans for its per-document position ids ``[B or 1, S/D]`` (zigzag
     order): one tuple if every row has the same documents, else ``RowSpans``. Plain global
     positions give ``layout.spans(p)``. Raises ``ValueError`` for ids that are not per-document
-    positions (``check_across_ranks`` also checks how the ranks' chunks fit together)."""
+    positions (``check_chunks`` also checks how the ranks' chunks fit together)."""
     pos = _rows(position_ids)
     error = local_error(pos, layout, p)
     if error is not None:
