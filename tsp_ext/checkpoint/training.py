@@ -116,7 +116,7 @@ def save(
         writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tsp_ext-checkpoint")
         future = writer.submit(_save_all, [*staged, rng], group)
         writer.shutdown(wait=False)  # the thread ends once the save is done
-        return PendingSave(future, group, incomplete, path, meta)
+        return PendingSave(future, group, incomplete=incomplete, path=path, meta=meta)
     dcp.save(rng[1], checkpoint_id=rng[0])
     _complete(incomplete, path, meta)
     return None
@@ -174,7 +174,7 @@ def load(
     if engine is not None:
         prepare_restore(engine, {k for ks in meta["optimizer_keys"].values() for k in ks})
     for i, names in enumerate(meta["groups"]):
-        pieces = list(targets(model, optimizer, meta["optimizer_keys"], set(names), engine))
+        pieces = list(targets(model, optimizer, meta["optimizer_keys"], set(names), engine=engine))
         state_dict = {
             _fqn(name, key): layout.wrap(name, t, p) if t.dim() else t for name, key, t, p in pieces
         }
