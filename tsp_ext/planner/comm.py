@@ -32,75 +32,31 @@ def tsp_comm(m: ModelShape, w: Workload, c: Cluster, lay: Layout) -> tuple[list,
     nh, nkv = _tsp_heads(m, D)
     router = m.num_experts * h
     attn = _layer_params(m, nh, nkv, 0) - 2 * h - router  # the largest head group's shard
-    mlp = 3 * h * tsp_mlp_columns(m, D)
     kv = 2 * B * _tsp_seq(w, D) * nkv * d * (D - 1)  # elements received, all D groups
     buckets = 1 if w.head_bucket is None else -(-nkv // w.head_bucket)  # exchanges per group
-    tokens = B * _tsp_seq(w, D) / D
-    schedule = "ring"
-    if m.moe:
-        k, E, F = m.experts_per_token, m.num_experts, m.intermediate_size
-        schedule = schedule_for(w.moe_schedule, tokens, k, E, F=F, h=h, D=D)
-    if schedule == "all_to_all":  # token rows: dispatch, combine; X, dY out and dX back
-        rows = traffic(tokens, m.experts_per_token, m.num_experts, m.intermediate_size, h=h, D=D)
-        mlp_moves = [
-            Transfer(
-                "all-to-all MoE token rows",
-                rows["all_to_all"] * b,
-                calls=5,
-                overlapped=False,
-                bandwidth=bw,
-            )
-        ]
-    else:
-        mlp_moves = [
-            Transfer(
-                "ring MLP weights (fwd+bwd)",
-                2 * (D - 1) * mlp * b,
-                calls=2 * (D - 1),
-                overlapped=ov,
-                bandwidth=bw,
-            ),
-            Transfer(
-                "ring MLP weight grads",
-                (D - 1) * mlp * acc,
-                calls=D - 1,
-                overlapped=ov,
-                bandwidth=bw,
-            ),
-        ]
     layer = [
         Transfer(
             "broadcast attention weights (fwd+bwd)",
             2 * (D - 1) * attn * b,
-            calls=2 * D,
+            2 * D,
             overlapped=ov,
             bandwidth=bw,
         ),
         Transfer(
-            "reduce attention weight grads",
-            (D - 1) * attn * acc,
-            calls=D,
-            overlapped=ov,
-            bandwidth=bw,
+            "reduce attention weight grads", (D - 1) * attn * acc, D, overlapped=ov, bandwidth=bw
         ),
-        *mlp_moves,
-        Transfer("all-gather K/V (fwd)", kv * b, calls=D * buckets, overlapped=False, bandwidth=bw),
+        *_tsp_mlp_comm(m, w, D, bw),
+        Transfer("all-gather K/V (fwd)", kv * b, D * buckets, overlapped=False, bandwidth=bw),
         Transfer(
             "all-gather K/V (bwd)",
             kv * b,
-            calls=D * buckets,
+            D * buckets,
             overlapped=ov and buckets == 1,
             bandwidth=bw,
         ),
+        Transfer("reduce-scatter dK/dV", kv * acc, D * buckets, overlapped=False, bandwidth=bw),
         Transfer(
-            "reduce-scatter dK/dV", kv * acc, calls=D * buckets, overlapped=False, bandwidth=bw
-        ),
-        Transfer(
-            "all-reduce norm grads",
-            2 * 2 * (D - 1) / D * h * b,
-            calls=2,
-            overlapped=False,
-            bandwidth=bw,
+            "all-reduce norm grads", 2 * 2 * (D - 1) / D * h * b, 2, overlapped=False, bandwidth=bw
         ),
     ]
     if m.moe:
@@ -108,7 +64,7 @@ def tsp_comm(m: ModelShape, w: Workload, c: Cluster, lay: Layout) -> tuple[list,
             Transfer(
                 "all-reduce router grads",
                 2 * (D - 1) / D * router * b,
-                calls=1,
+                1,
                 overlapped=ov,
                 bandwidth=bw,
             )
@@ -118,44 +74,79 @@ def tsp_comm(m: ModelShape, w: Workload, c: Cluster, lay: Layout) -> tuple[list,
         shared = messages * 2 * h * d * acc
         layer.append(
             Transfer(
-                "sum shared K/V grads among users",
-                shared,
-                calls=messages,
+                "sum shared K/V grads among users", shared, messages, overlapped=False, bandwidth=bw
+            )
+        )
+    step = _tsp_step_comm(m, w, D, bw)
+    return layer + _dp_comm(m, w, c, lay, params=_tsp_shard_params(m, D)), step
+
+
+def _tsp_mlp_comm(m: ModelShape, w: Workload, D: int, bw: float) -> list[Transfer]:
+    """One layer's MLP transfers under TSP: the weight ring (dense, or MoE experts), or the MoE
+    token rows' all-to-all, whichever ``schedule_for`` picks."""
+    h, b, acc, ov = m.hidden_size, w.beta, w.acc, w.overlap
+    tokens = w.micro_batch * _tsp_seq(w, D) / D
+    schedule = "ring"
+    if m.moe:
+        k, E, F = m.experts_per_token, m.num_experts, m.intermediate_size
+        schedule = schedule_for(w.moe_schedule, tokens, k, E, F=F, h=h, D=D)
+    if schedule == "all_to_all":  # token rows: dispatch, combine; X, dY out and dX back
+        rows = traffic(tokens, m.experts_per_token, m.num_experts, m.intermediate_size, h=h, D=D)
+        return [
+            Transfer(
+                "all-to-all MoE token rows",
+                rows["all_to_all"] * b,
+                5,
                 overlapped=False,
                 bandwidth=bw,
             )
-        )
+        ]
+    mlp = 3 * h * tsp_mlp_columns(m, D)
+    return [
+        Transfer(
+            "ring MLP weights (fwd+bwd)",
+            2 * (D - 1) * mlp * b,
+            2 * (D - 1),
+            overlapped=ov,
+            bandwidth=bw,
+        ),
+        Transfer("ring MLP weight grads", (D - 1) * mlp * acc, D - 1, overlapped=ov, bandwidth=bw),
+    ]
+
+
+def _tsp_step_comm(m: ModelShape, w: Workload, D: int, bw: float) -> list[Transfer]:
+    """Per-step transfers of TSP: embedding rows exchanged and LM-head shards ringed
+    (shard_vocab), or the replicated vocabulary gradients all-reduced."""
+    B, h, b, acc, ov = w.micro_batch, m.hidden_size, w.beta, w.acc, w.overlap
     T, V = _tsp_seq(w, D) / D, m.vocab_size
     if w.shard_vocab:
         ring = (D - 1) * -(-V // D) * h
-        step = [
+        return [
             Transfer(
                 "ring LM-head shards (fwd+bwd)",
                 2 * ring * b + ring * acc,
-                calls=3 * (D - 1),
+                3 * (D - 1),
                 overlapped=ov,
                 bandwidth=bw,
             ),
             Transfer(
                 "all-to-all embedding rows",
                 2 * (D - 1) / D * B * T * h * b,
-                calls=2,
+                2,
                 overlapped=False,
                 bandwidth=bw,
             ),
         ]
-    else:
-        tables = 1 if m.tie_embeddings else 2
-        step = [
-            Transfer(
-                "all-reduce vocab grads",
-                2 * (D - 1) / D * V * h * b * tables,
-                calls=2,
-                overlapped=ov,
-                bandwidth=bw,
-            )
-        ]
-    return layer + _dp_comm(m, w, c, lay, params=_tsp_shard_params(m, D)), step
+    tables = 1 if m.tie_embeddings else 2
+    return [
+        Transfer(
+            "all-reduce vocab grads",
+            2 * (D - 1) / D * V * h * b * tables,
+            2,
+            overlapped=ov,
+            bandwidth=bw,
+        )
+    ]
 
 
 def baseline_comm(m: ModelShape, w: Workload, c: Cluster, lay: Layout) -> tuple[list, list]:
@@ -170,21 +161,19 @@ def baseline_comm(m: ModelShape, w: Workload, c: Cluster, lay: Layout) -> tuple[
     layer, step = [], []
     if tp > 1:
         bw, ar = c.bandwidth(1, tp), 2 * (tp - 1) / tp * B * T * h * b
-        layer.append(
-            Transfer("all-reduce activations", 7 * ar, calls=7, overlapped=False, bandwidth=bw)
-        )
+        layer.append(Transfer("all-reduce activations", 7 * ar, 7, overlapped=False, bandwidth=bw))
         step += [
             Transfer(
                 "all-reduce embedding out / LM-head in grad",
                 2 * ar,
-                calls=2,
+                2,
                 overlapped=False,
                 bandwidth=bw,
             ),
             Transfer(
                 "all-gather logits",
                 (tp - 1) / tp * B * T * V * b,
-                calls=1,
+                1,
                 overlapped=False,
                 bandwidth=bw,
             ),
@@ -196,17 +185,11 @@ def baseline_comm(m: ModelShape, w: Workload, c: Cluster, lay: Layout) -> tuple[
         grads = 2 * g * _shard_params(m, tp) * b
         vocab = 2 * g * (_vocab_params(m, V / tp, V / tp) + V * h * (1 - 1 / tp)) * b
         layer += [
-            Transfer(
-                "all-to-all q/k/v/out (fwd+bwd)", a2a, calls=8, overlapped=False, bandwidth=bw
-            ),
-            Transfer(
-                "all-reduce weight grads over sp", grads, calls=1, overlapped=True, bandwidth=bw
-            ),
+            Transfer("all-to-all q/k/v/out (fwd+bwd)", a2a, 8, overlapped=False, bandwidth=bw),
+            Transfer("all-reduce weight grads over sp", grads, 1, overlapped=True, bandwidth=bw),
         ]
         step.append(
-            Transfer(
-                "all-reduce vocab grads over sp", vocab, calls=1, overlapped=True, bandwidth=bw
-            )
+            Transfer("all-reduce vocab grads over sp", vocab, 1, overlapped=True, bandwidth=bw)
         )
     return layer + _dp_comm(m, w, c, lay, params=_shard_params(m, tp)), step
 
@@ -225,7 +208,7 @@ def alst_comm(m: ModelShape, w: Workload, c: Cluster, lay: Layout) -> tuple[list
             Transfer(
                 "all-to-all q/k/v/out (fwd, recompute, bwd)",
                 a2a,
-                calls=12,
+                12,
                 overlapped=False,
                 bandwidth=c.bandwidth(1, sp),
             )
@@ -238,7 +221,7 @@ def alst_comm(m: ModelShape, w: Workload, c: Cluster, lay: Layout) -> tuple[list
             Transfer(
                 "ZeRO-3 gather x3, reduce-scatter",
                 4 * share * full * b,
-                calls=4,
+                4,
                 overlapped=True,
                 bandwidth=bw,
             )
@@ -248,7 +231,7 @@ def alst_comm(m: ModelShape, w: Workload, c: Cluster, lay: Layout) -> tuple[list
             Transfer(
                 "ZeRO-3 vocabulary gather x2, reduce-scatter",
                 3 * share * vocab * b,
-                calls=3,
+                3,
                 overlapped=True,
                 bandwidth=bw,
             )
@@ -267,7 +250,7 @@ def _dp_comm(m: ModelShape, w: Workload, c: Cluster, lay: Layout, params: float)
         Transfer(
             "data parallel (ZeRO)",
             nbytes,
-            calls=times,
+            times,
             overlapped=True,
             bandwidth=c.bandwidth(lay.group, lay.dp),
         )
