@@ -304,3 +304,67 @@ def test_docstring_references_exist():
 def test_docstring_reference_check_tells_moved_names(folder, doc, resolves):
     path = ROOT / "tsp_ext" / folder / "probe.py"
     assert (not _stale_references(path, f'"""{doc}"""\n')) == resolves
+
+
+MAX_PARAMETERS = 8  # self / cls / ctx not counted; *args and **kwargs are one each
+MAX_POSITIONAL = 4  # arguments a call to tsp_ext's own code passes by position (not *starred)
+
+
+def _imported_modules(tree: ast.Module) -> set[str]:
+    """Names a module binds by importing from outside tsp_ext (``torch``, ``F``, ``dist``, ...):
+    calls through them are torch's (or another library's), not tsp_ext's."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            if not (node.module or "").startswith("tsp_ext"):
+                names |= {a.asname or a.name for a in node.names}
+    return names
+
+
+def _callee(func: ast.expr) -> tuple[str | None, str | None]:
+    """The called name (the last attribute or the name) and the name its chain starts from."""
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+    root = func
+    while isinstance(root, (ast.Attribute, ast.Call, ast.Subscript)):
+        root = root.func if isinstance(root, ast.Call) else root.value
+    return name, getattr(root, "id", None)
+
+
+def test_calls_carry_objects():
+    """No function takes more than ``MAX_PARAMETERS`` parameters and no call to a function or
+    class of tsp_ext passes more than ``MAX_POSITIONAL`` arguments by position: long lists travel
+    as keywords or objects (a spec: what a layer is; a call object: what this call has). An
+    autograd function's ``apply`` takes its tensors by position: ``apply(call, *tensors)``."""
+    trees = {p: ast.parse(p.read_text()) for p in sorted((ROOT / "tsp_ext").rglob("*.py"))}
+    defined, classes = set(), set()
+    for tree in trees.values():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined.add(node.name)
+            if isinstance(node, ast.ClassDef):
+                classes.add(node.name)
+    long_lists = []
+    for path, tree in trees.items():
+        name_of = path.relative_to(ROOT)
+        imported = _imported_modules(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                params = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+                count = len([p for p in params if p not in ("self", "cls", "ctx")])
+                count += (a.vararg is not None) + (a.kwarg is not None)
+                if count > MAX_PARAMETERS:
+                    long_lists.append(f"{name_of}:{node.lineno} def {node.name}: {count} params")
+            elif isinstance(node, ast.Call):
+                name, root = _callee(node.func)
+                if name == "apply" and isinstance(node.func, ast.Attribute):
+                    ours = _callee(node.func.value)[0] in classes  # apply(call, *tensors)
+                else:
+                    ours = name in defined and root not in imported
+                positional = [x for x in node.args if not isinstance(x, ast.Starred)]
+                if ours and len(positional) > MAX_POSITIONAL:
+                    where = f"{name_of}:{node.lineno}"
+                    long_lists.append(f"{where} call {name}: {len(positional)} positional")
+    assert not long_lists, long_lists

@@ -131,7 +131,7 @@ def fused_loss_worker(rank, world):
     split unevenly, 5-token blocks): the loss, and dH / dW for a backward scaled by 3.5, run
     twice on a retained graph; under no_grad the same loss."""
     from tsp_ext.engine.sharding.partition import split_offsets
-    from tsp_ext.engine.vocab import ring_cross_entropy
+    from tsp_ext.engine.vocab import VocabShards, ring_cross_entropy
 
     mesh = init_tsp_mesh(world)
     group = mesh["tsp"].get_group()
@@ -154,12 +154,13 @@ def fused_loss_worker(rank, world):
     h = h_all[rank].clone().requires_grad_()
     w = w_full[rows].clone().requires_grad_()
     cfg = TSPConfig(loss_chunk=5)
-    loss = ring_cross_entropy(h, labels_all[rank], w, offsets, group, cfg, -100)
+    shards = VocabShards(offsets, group, cfg)
+    loss = ring_cross_entropy(h, labels_all[rank], w, shards, ignore_index=-100)
     (loss * 3.5).backward(retain_graph=True)
     once = h.grad.clone(), w.grad.clone()
     (loss * 3.5).backward()
     with torch.no_grad():
-        eval_loss = ring_cross_entropy(h, labels_all[rank], w, offsets, group, cfg, -100)
+        eval_loss = ring_cross_entropy(h, labels_all[rank], w, shards, ignore_index=-100)
     return {
         "loss": rel_err(loss.detach(), ref[rank].sum().detach()),
         "eval_loss": rel_err(eval_loss, ref[rank].sum().detach()),

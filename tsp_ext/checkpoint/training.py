@@ -118,7 +118,7 @@ def save(
         writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tsp_ext-checkpoint")
         future = writer.submit(_save_all, [*staged, rng], group)
         writer.shutdown(wait=False)  # the thread ends once the save is done
-        return PendingSave(future, group, incomplete, path, meta)
+        return PendingSave(future, group, incomplete=incomplete, path=path, meta=meta)
     dcp.save(rng[1], checkpoint_id=rng[0])
     _complete(incomplete, path, meta)
     return None

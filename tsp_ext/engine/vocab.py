@@ -38,6 +38,7 @@ the owner's real rows ever make logits, so padding never reaches the loss and ge
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +48,18 @@ from .options import EngineOptions
 from .parallel import comm
 from .parallel.weight_ring import GradientRing, circulate
 
+
+@dataclass(frozen=True)
+class VocabShards:
+    """A vocabulary sharded on a TSP ``group``: ``offsets [D + 1]``, the first row of every
+    rank's shard, then V (``partition.split_offsets``); the engine ``options`` (the LM head's:
+    ``loss_chunk``, ``overlap``, accumulation dtype)."""
+
+    offsets: list[int]
+    group: object
+    options: EngineOptions | None = None
+
+
 # --- embedding: all-to-all exchange of the rows each rank needs ------------------------------
 
 
@@ -55,7 +68,8 @@ class _EmbeddingExchange(torch.autograd.Function):
     ``[B, T, h]``."""
 
     @staticmethod
-    def forward(ctx, ids, weight, offsets, padding_idx, group):
+    def forward(ctx, ids, weight, shards: VocabShards, padding_idx):
+        offsets, group = shards.offsets, shards.group
         D, p = comm.size_and_rank(group)
         uniq, inverse = torch.unique(ids.reshape(-1), return_inverse=True)  # sorted by owner
         if uniq[0] < 0 or uniq[-1] >= offsets[-1]:
@@ -77,7 +91,7 @@ class _EmbeddingExchange(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         if not ctx.needs_input_grad[1]:  # a frozen table (LoRA): nothing to send back
-            return None, None, None, None, None
+            return None, None, None, None
         inverse, wanted = ctx.saved_tensors
         group, send_counts, recv_counts, padding_idx, first = ctx.meta
         shape, dtype = ctx.weight_meta
@@ -88,7 +102,7 @@ class _EmbeddingExchange(torch.autograd.Function):
         d_weight = d_uniq.new_zeros(shape).index_add_(0, wanted, d_wanted)
         if padding_idx is not None and 0 <= padding_idx - first < shape[0]:
             d_weight[padding_idx - first] = 0  # as nn.Embedding: the padding row gets no gradient
-        return None, d_weight.to(dtype), None, None, None
+        return None, d_weight.to(dtype), None, None
 
 
 # --- LM head: the shards circulate, logits exist one [chunk, V/D] block at a time -------------
@@ -98,10 +112,9 @@ class _HeadRing:
     """One call's schedule: LM-head shards on the ring (in buffers of the largest shard, ``V_max``
     rows), local tokens in blocks."""
 
-    def __init__(
-        self, group, options: EngineOptions, h: torch.Tensor, offsets: list[int], weight_grad=True
-    ) -> None:
-        self.ring = comm.Ring(group)
+    def __init__(self, shards: VocabShards, h: torch.Tensor, weight_grad=True) -> None:
+        self.channel = comm.Ring(shards.group)
+        options, offsets = shards.options, shards.offsets
         self.options, self.offsets = options, offsets
         self.max_rows = max(b - a for a, b in zip(offsets, offsets[1:]))
         self.acc = options.accum_for(h.dtype)
@@ -112,11 +125,11 @@ class _HeadRing:
     ) -> Iterator[tuple[int, int, torch.Tensor]]:
         """Yield ``(t, first vocabulary row, shard [V_q, h])`` of owner q = p - t, for the first
         ``steps`` steps (default: all D)."""
-        D, p = self.ring.size, self.ring.rank
+        D, p = self.channel.size, self.channel.rank
         w = weight.detach()
         if w.shape[0] < self.max_rows:  # a padded copy: every ring buffer has V_max rows
             w = torch.cat([w, w.new_zeros(self.max_rows - w.shape[0], w.shape[1])])
-        for t, buf in circulate(self.ring, w, self.options.overlap, steps=steps):
+        for t, buf in circulate(self.channel, w, self.options.overlap, steps=steps):
             q = (p - t) % D
             yield t, self.offsets[q], buf[: self.offsets[q + 1] - self.offsets[q]]
 
@@ -137,7 +150,7 @@ class _HeadRing:
         return torch.zeros(rows, h.shape[1], dtype=self.acc, device=h.device)
 
     @staticmethod
-    def accumulate(dh, dw, h: torch.Tensor, c: slice, dz: torch.Tensor, w: torch.Tensor) -> None:
+    def accumulate(dh, dw, h: torch.Tensor, c: slice, *, dz: torch.Tensor, w: torch.Tensor):
         """Add the logits-block gradient ``dz [c, V_q]`` (``h``'s dtype) of tokens ``c`` against
         shard ``w [V_q, h]`` into ``dh [N, h]`` and the first V_q rows of ``dw`` (None: no
         weight gradient)."""
@@ -150,17 +163,17 @@ class _HeadRing:
         the gradient of the logits block ``[c, first : first + V_q]``, in ``h``'s dtype.
         ``last = (dH, dW, scale)``: the last shard's shares, taken in forward, times ``scale``;
         the pass then visits the first D-1 shards only."""
-        D = self.ring.size
+        D = self.channel.size
         if last is None:
             dh, steps = self.zeros(h.shape[0], h), D
         else:
             dh_last, dw_last, scale = last
             dh, steps = dh_last * scale, D - 1
-        owner_grads = GradientRing(self.ring)
+        owner_grads = GradientRing(self.channel)
         for t, first, w in self.shards(weight, steps):
             dw = self.zeros(self.max_rows, h) if self.weight_grad else None
             for c in self.blocks(h.shape[0]):
-                self.accumulate(dh, dw, h, c, block_grad(first, c, w), w)
+                self.accumulate(dh, dw, h, c, dz=block_grad(first, c, w), w=w)
             if dw is not None:
                 owner_grads.add(t, dw)
         if not self.weight_grad:
@@ -220,13 +233,13 @@ class _OnlineSoftmax:
         return {k: formulas[k]() for k in self.stats}
 
 
-def _nll_block_grad(sched: _HeadRing, h, labels, valid, lse, coef) -> Callable:
+def _nll_block_grad(ring: _HeadRing, h, labels, *, valid, lse, coef) -> Callable:
     """``block_grad`` for ``_HeadRing.backward`` of ``Σ coef_i · (lse_i - z_i[label_i])``:
     ``(softmax - onehot) · coef`` of each logits block, recomputed."""
 
     def block_grad(first, c, w):
-        col, hit = sched.targets(labels[c], first, w.shape[0], valid[c])
-        dz = F.linear(h[c], w).to(sched.acc)
+        col, hit = ring.targets(labels[c], first, w.shape[0], valid[c])
+        dz = F.linear(h[c], w).to(ring.acc)
         dz.sub_(lse[c, None]).exp_().mul_(coef[c, None])  # softmax · coef, in place
         dz.scatter_add_(1, col, -(coef[c] * hit)[:, None])  # - onehot(target) · coef
         return dz.to(h.dtype)
@@ -234,42 +247,56 @@ def _nll_block_grad(sched: _HeadRing, h, labels, valid, lse, coef) -> Callable:
     return block_grad
 
 
+@dataclass(frozen=True)
+class _Targets:
+    """What a loss call of the ring head has besides its tensors: the vocabulary ``shards``, the
+    label to ignore, whether the loss will be differentiated (``_RingCrossEntropy`` then takes
+    the last shard's gradient shares in forward) and the requested ``STATS``
+    (``_RingTokenLogProbs``)."""
+
+    shards: VocabShards
+    ignore_index: int
+    differentiated: bool = False
+    stats: tuple[str, ...] = ()
+
+
 class _RingCrossEntropy(torch.autograd.Function):
     """``H [N, h]``, ``labels [N]`` -> sum of the cross-entropy of the valid local tokens."""
 
     @staticmethod
-    def forward(ctx, h, labels, weight, offsets, group, options, ignore_index, differentiated):
-        sched = _HeadRing(group, options, h, offsets, ctx.needs_input_grad[2])
+    def forward(ctx, targets: _Targets, h, labels, weight):
+        ring = _HeadRing(targets.shards, h, ctx.needs_input_grad[3])
+        ignore_index, differentiated = targets.ignore_index, targets.differentiated
         valid = labels != ignore_index
         n = h.shape[0]
-        soft = _OnlineSoftmax(n, sched.acc, h.device)
+        soft = _OnlineSoftmax(n, ring.acc, h.device)
         last = ()
-        for t, first, w in sched.shards(weight):
-            col, hit = sched.targets(labels, first, w.shape[0], valid)
-            final = differentiated and t == sched.ring.size - 1
+        for t, first, w in ring.shards(weight):
+            col, hit = ring.targets(labels, first, w.shape[0], valid)
+            final = differentiated and t == ring.channel.size - 1
             if final:  # the last shard's gradient shares, unscaled
-                dw_last = sched.zeros(sched.max_rows, h) if sched.weight_grad else None
-                last = (sched.zeros(n, h), dw_last)
-            for c in sched.blocks(n):
-                e = soft.fold(c, F.linear(h[c], w).to(sched.acc), col[c], hit[c])
+                dw_last = ring.zeros(ring.max_rows, h) if ring.weight_grad else None
+                last = (ring.zeros(n, h), dw_last)
+            for c in ring.blocks(n):
+                e = soft.fold(c, F.linear(h[c], w).to(ring.acc), col[c], hit[c])
                 if final:  # these tokens' log-sum-exp is final: dZ = softmax - onehot, in place
                     dz = e.div_(soft.sum[c, None]).mul_(valid[c, None])
                     dz.scatter_add_(1, col[c], -hit[c, None].to(dz.dtype))
-                    sched.accumulate(*last, h, c, dz.to(h.dtype), w)
+                    ring.accumulate(*last, h, c, dz=dz.to(h.dtype), w=w)
         lse = soft.lse()
         ctx.save_for_backward(h, labels, lse, weight, *last)
-        ctx.sched, ctx.ignore_index = sched, ignore_index
+        ctx.ring, ctx.ignore_index = ring, ignore_index
         return torch.where(valid, lse - soft.target, 0).sum()
 
     @staticmethod
     def backward(ctx, grad):
         h, labels, lse, weight, *last = ctx.saved_tensors
-        sched = ctx.sched
+        ring = ctx.ring
         valid = labels != ctx.ignore_index
-        coef = torch.where(valid, grad.to(sched.acc), 0)  # d loss / d (lse - z_target), per token
-        block_grad = _nll_block_grad(sched, h, labels, valid, lse, coef)
-        dh, dw = sched.backward(h, weight, block_grad, (*last, grad) if last else None)
-        return dh, None, dw, None, None, None, None, None
+        coef = torch.where(valid, grad.to(ring.acc), 0)  # d loss / d (lse - z_target), per token
+        block_grad = _nll_block_grad(ring, h, labels, valid=valid, lse=lse, coef=coef)
+        dh, dw = ring.backward(h, weight, block_grad, (*last, grad) if last else None)
+        return None, dh, None, dw
 
 
 class _RingTokenLogProbs(torch.autograd.Function):
@@ -278,20 +305,21 @@ class _RingTokenLogProbs(torch.autograd.Function):
     per-token gradients differ, so backward's ring recomputes every shard's logits."""
 
     @staticmethod
-    def forward(ctx, h, labels, weight, offsets, group, options, ignore_index, stats):
-        sched = _HeadRing(group, options, h, offsets, ctx.needs_input_grad[2])
+    def forward(ctx, targets: _Targets, h, labels, weight):
+        ring = _HeadRing(targets.shards, h, ctx.needs_input_grad[3])
+        ignore_index = targets.ignore_index
         valid = labels != ignore_index
-        soft = _OnlineSoftmax(h.shape[0], sched.acc, h.device, stats)
-        for _, first, w in sched.shards(weight):
-            col, hit = sched.targets(labels, first, w.shape[0], valid)
-            for c in sched.blocks(h.shape[0]):
-                soft.fold(c, F.linear(h[c], w).to(sched.acc), col[c], hit[c])
+        soft = _OnlineSoftmax(h.shape[0], ring.acc, h.device, targets.stats)
+        for _, first, w in ring.shards(weight):
+            col, hit = ring.targets(labels, first, w.shape[0], valid)
+            for c in ring.blocks(h.shape[0]):
+                soft.fold(c, F.linear(h[c], w).to(ring.acc), col[c], hit[c])
         lse = soft.lse()
         ctx.save_for_backward(h, labels, lse, weight)
-        ctx.sched, ctx.ignore_index = sched, ignore_index
+        ctx.ring, ctx.ignore_index = ring, ignore_index
         extra = [
             s & valid if s.dtype == torch.bool else torch.where(valid, s, 0)
-            for s in soft.results(lse, offsets[-1]).values()
+            for s in soft.results(lse, ring.offsets[-1]).values()
         ]
         ctx.mark_non_differentiable(*extra)
         return (torch.where(valid, soft.target - lse, 0), *extra)
@@ -299,25 +327,25 @@ class _RingTokenLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, *_):
         h, labels, lse, weight = ctx.saved_tensors
-        sched = ctx.sched
+        ring = ctx.ring
         valid = labels != ctx.ignore_index
-        coef = torch.where(valid, -grad.to(sched.acc), 0)  # log p = -(lse - z_target)
-        block_grad = _nll_block_grad(sched, h, labels, valid, lse, coef)
-        dh, dw = sched.backward(h, weight, block_grad)
-        return dh, None, dw, None, None, None, None, None
+        coef = torch.where(valid, -grad.to(ring.acc), 0)  # log p = -(lse - z_target)
+        block_grad = _nll_block_grad(ring, h, labels, valid=valid, lse=lse, coef=coef)
+        dh, dw = ring.backward(h, weight, block_grad)
+        return None, dh, None, dw
 
 
 class _RingLogits(torch.autograd.Function):
     """``H [N, h]`` -> the full-vocabulary logits ``[N, V]`` of the local tokens (explicit)."""
 
     @staticmethod
-    def forward(ctx, h, weight, offsets, group, options):
-        sched = _HeadRing(group, options, h, offsets, ctx.needs_input_grad[1])
-        out = h.new_empty(h.shape[0], offsets[-1])
-        for _, first, w in sched.shards(weight):
+    def forward(ctx, shards: VocabShards, h, weight):
+        ring = _HeadRing(shards, h, ctx.needs_input_grad[2])
+        out = h.new_empty(h.shape[0], shards.offsets[-1])
+        for _, first, w in ring.shards(weight):
             out[:, first : first + w.shape[0]] = F.linear(h, w)
         ctx.save_for_backward(h, weight)
-        ctx.sched = sched
+        ctx.ring = ring
         return out
 
     @staticmethod
@@ -327,34 +355,32 @@ class _RingLogits(torch.autograd.Function):
         def block_grad(first, c, w):
             return grad[c, first : first + w.shape[0]]
 
-        dh, dw = ctx.sched.backward(h, weight, block_grad)
-        return dh, dw, None, None, None
+        dh, dw = ctx.ring.backward(h, weight, block_grad)
+        return None, dh, dw
 
 
 def embedding_exchange(
-    ids: torch.Tensor, weight: torch.Tensor, offsets: list[int], padding_idx, group
+    ids: torch.Tensor, weight: torch.Tensor, shards: VocabShards, padding_idx: int | None = None
 ) -> torch.Tensor:
-    """Embeddings ``[B, T, h]`` of ``ids [B, T]`` from vocabulary-row shards ``weight [V_p, h]``;
-    ``offsets [D + 1]``: first row of every rank's shard, then V (``partition.split_offsets``)."""
-    return _EmbeddingExchange.apply(ids, weight, offsets, padding_idx, group)
+    """Embeddings ``[B, T, h]`` of ``ids [B, T]`` from vocabulary-row shards ``weight [V_p, h]``
+    (``shards.options`` unused); ``padding_idx``: the row that gets no gradient."""
+    return _EmbeddingExchange.apply(ids, weight, shards, padding_idx)
 
 
 def ring_cross_entropy(
     h: torch.Tensor,
     labels: torch.Tensor,
     weight: torch.Tensor,
-    offsets: list[int],
-    group,
-    options: EngineOptions,
+    shards: VocabShards,
+    *,
     ignore_index: int,
 ) -> torch.Tensor:
     """Sum over the labelled local tokens of ``-log softmax(h·Wᵀ)[label]``: ``h [N, h]``,
-    ``labels [N]`` (already shifted), LM-head rows ``weight [V_p, h]`` (``offsets`` as for
-    ``embedding_exchange``); no full logits."""
+    ``labels [N]`` (already shifted), LM-head rows ``weight [V_p, h]`` of ``shards``; no full
+    logits."""
     differentiated = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
-    return _RingCrossEntropy.apply(
-        h, labels, weight, offsets, group, options, ignore_index, differentiated
-    )
+    targets = _Targets(shards, ignore_index, differentiated=differentiated)
+    return _RingCrossEntropy.apply(targets, h, labels, weight)
 
 
 STATS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
@@ -364,9 +390,8 @@ def ring_token_logps(
     h: torch.Tensor,
     labels: torch.Tensor,
     weight: torch.Tensor,
-    offsets: list[int],
-    group,
-    options: EngineOptions,
+    shards: VocabShards,
+    *,
     ignore_index: int,
     stats: tuple[str, ...] = (),
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -378,14 +403,11 @@ def ring_token_logps(
     unknown = set(stats) - set(STATS)
     if unknown:
         raise ValueError(f"unknown token statistics {sorted(unknown)}: choose from {STATS}")
-    logp, *extra = _RingTokenLogProbs.apply(
-        h, labels, weight, offsets, group, options, ignore_index, tuple(stats)
-    )
+    targets = _Targets(shards, ignore_index, stats=tuple(stats))
+    logp, *extra = _RingTokenLogProbs.apply(targets, h, labels, weight)
     return logp, dict(zip(stats, extra))
 
 
-def ring_logits(
-    h: torch.Tensor, weight: torch.Tensor, offsets: list[int], group, options: EngineOptions
-) -> torch.Tensor:
+def ring_logits(h: torch.Tensor, weight: torch.Tensor, shards: VocabShards) -> torch.Tensor:
     """Full-vocabulary logits ``[N, V]`` of the local tokens ``h [N, h]``, shard by shard."""
-    return _RingLogits.apply(h, weight, offsets, group, options)
+    return _RingLogits.apply(shards, h, weight)

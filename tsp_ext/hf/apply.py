@@ -136,7 +136,7 @@ def apply_tsp(
     # 2. replace the decoder layers' parts, the embedding and the LM head by their shards; the
     # parameters frozen before stay frozen (the TSP modules' shards start trainable)
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
-    _shard_layers(model, family, group, config, adapter)
+    _shard_layers(model, family, group, config, adapter=adapter)
     _shard_vocabulary(model, family, group, config)
     for name, param in model.named_parameters():
         if name in frozen:
@@ -150,7 +150,7 @@ def apply_tsp(
             )
         quantize_projections(model)
     # 4. TSP-aware behaviour (masks, cache, loss, inputs, generate), then layer checkpointing
-    _switch_behaviour(model, mesh, group, config, family)
+    _switch_behaviour(model, mesh, group, config, family=family)
     if config.checkpoint_layers:
         store = enable_layer_checkpointing(
             model,
@@ -236,7 +236,9 @@ def _switch_behaviour(model: nn.Module, mesh, group, config: TSPConfig, family: 
     text.use_cache = False  # training calls keep no cache; generate passes a TSPCache
     model.loss_function = TSPCausalLMLoss(group)
     D = dist.get_world_size(group)
-    model.tsp = TSPState(mesh, group, replace(config, tsp_size=D), family, changed)
+    model.tsp = TSPState(
+        mesh, group, config=replace(config, tsp_size=D), family=family, hf_config_values=changed
+    )
     model.tsp = replace(model.tsp, bucketed=replicated_vectors(model))
     forward = tsp_forward if family.vision is None else tsp_vision_forward
     model.forward = types.MethodType(forward, model)
@@ -329,7 +331,12 @@ def _check_split(cfg, D: int, moe: bool) -> None:
     multiples of D."""
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     AttentionSpec(
-        cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim, D, 1.0
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        n_kv_heads=cfg.num_key_value_heads,
+        head_dim=head_dim,
+        tsp_size=D,
+        scaling=1.0,
     )
     if getattr(cfg, "intermediate_size", None):  # none in Qwen3.5-MoE: experts only
         check_split(cfg.intermediate_size, D, "intermediate_size", "use a smaller TSP size")

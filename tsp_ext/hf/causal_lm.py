@@ -101,6 +101,29 @@ class TSPCausalLMOutput(CausalLMOutputWithPast):
     router_logits: tuple[torch.Tensor, ...] | None = None
 
 
+@dataclass(frozen=True)
+class OutputRequest:
+    """What a vocab-sharded forward is asked to return besides the loss: ``return_logits``,
+    ``return_token_logps`` (True or a tuple of ``engine.vocab.STATS`` names) and
+    ``return_dict``, as the call's keyword arguments name them."""
+
+    return_logits: bool = False
+    return_token_logps: bool | tuple[str, ...] = False
+    return_dict: bool | None = None
+
+    @classmethod
+    def pop(cls, kwargs: dict) -> OutputRequest:
+        """Take the request out of a forward's ``kwargs``; drops ``use_cache`` (training keeps no
+        cache) and refuses ``logits_to_keep`` (every token is local)."""
+        if kwargs.pop("logits_to_keep", 0):
+            raise ValueError(
+                "logits_to_keep is not supported by a TSP model (every token is local)"
+            )
+        kwargs.pop("use_cache", None)
+        names = ("return_logits", "return_token_logps", "return_dict")
+        return cls(**{k: kwargs.pop(k) for k in names if k in kwargs})
+
+
 def vocab_sharded_forward(
     self,
     input_ids: torch.Tensor | None = None,
@@ -109,14 +132,10 @@ def vocab_sharded_forward(
     labels: torch.Tensor | None = None,
     shift_labels: torch.Tensor | None = None,
     num_items_in_batch: torch.Tensor | int | None = None,
-    return_logits: bool = False,
-    return_token_logps: bool | tuple[str, ...] = False,
-    logits_to_keep: int = 0,
-    use_cache: bool | None = None,
-    return_dict: bool | None = None,
     **kwargs,
 ) -> CausalLMOutputWithPast:
-    """``forward`` of a TSP causal LM whose embedding and LM head are vocab-sharded.
+    """``forward`` of a TSP causal LM whose embedding and LM head are vocab-sharded; ``kwargs``:
+    the base model's, and the ``OutputRequest``'s.
 
     With ``labels`` the loss is computed by the fused ring LM head + cross-entropy and no logits
     are built (``logits`` is None) unless ``return_logits=True``; without labels the logits of
@@ -126,8 +145,8 @@ def vocab_sharded_forward(
     token's log p(label) from the same ring (``sequence_logps`` sums them per sequence); a tuple
     of ``engine.vocab.STATS`` names (``"entropy"``, ...) adds those as ``token_stats``.
     """
-    if logits_to_keep:
-        raise ValueError("logits_to_keep is not supported by a TSP model (every token is local)")
+    asked = OutputRequest.pop(kwargs)
+    return_token_logps = asked.return_token_logps
     count = None
     if labels is not None:
         if shift_labels is None:
@@ -153,7 +172,7 @@ def vocab_sharded_forward(
             token_logps, token_stats = self.lm_head(hidden, shift_labels, per_token=stats)
             local = -token_logps.sum()
         loss = self.loss_function.global_mean(local, shift_labels, count=count)
-    if labels is None or return_logits:
+    if labels is None or asked.return_logits:
         logits = self.lm_head(hidden)
     out = TSPCausalLMOutput(
         loss=loss,
@@ -163,7 +182,7 @@ def vocab_sharded_forward(
         token_logps=token_logps,
         token_stats=token_stats or None,
     )
-    return out.to_tuple() if return_dict is False else out
+    return out.to_tuple() if asked.return_dict is False else out
 
 
 def replicated_head_forward(
@@ -227,7 +246,7 @@ def check_shards(
     state = model.tsp
     D, p = comm.size_and_rank(state.group)
     vocab = model.config.get_text_config().vocab_size
-    error, facts = _local_error(args, kwargs, vocab, D, p)
+    error, facts = _local_error(args, kwargs, vocab, D=D, p=p)
     if full_batch is not None:
         facts = facts + [checksum(full_batch[k]) for k in sorted(full_batch)]
     table = agree(error, facts, state.group)
@@ -251,7 +270,7 @@ def check_shards(
 
 
 def _local_error(
-    args: tuple, kwargs: dict, vocab_size: int, D: int, p: int
+    args: tuple, kwargs: dict, vocab_size: int, *, D: int, p: int
 ) -> tuple[str | None, list[int]]:
     """Why this rank's call cannot run, or None; and ``[B, S/D, packed]`` to compare across
     ranks (``packed``: 1 if the position ids are per-document, not the global ones)."""
@@ -290,23 +309,27 @@ def _local_error(
     if ids is not None:
         bad = (ids < 0) | (ids >= vocab_size)
         if bad.any():
-            return _out_of_range("input_ids", ids, bad, layout, p, f"[0, {vocab_size})"), facts
+            within = f"[0, {vocab_size})"
+            at = layout.positions(p)
+            return _out_of_range("input_ids", ids, bad, positions=at, within=within), facts
     if labels is not None:
         bad = ((labels < 0) | (labels >= vocab_size)) & (labels != IGNORE_INDEX)
         if bad.any():
             within = f"[0, {vocab_size}) or {IGNORE_INDEX}"
-            return _out_of_range("labels", labels, bad, layout, p, within), facts
+            at = layout.positions(p)
+            return _out_of_range("labels", labels, bad, positions=at, within=within), facts
     packed = not bool((pos == layout.positions(p, pos.device)).all())
     return (local_error(pos, layout, p) if packed else None), [B, T, int(packed)]
 
 
 def _out_of_range(
-    name: str, t: torch.Tensor, bad: torch.Tensor, layout: ZigzagLayout, p: int, within: str
+    name: str, t: torch.Tensor, bad: torch.Tensor, *, positions: torch.Tensor, within: str
 ) -> str:
     """The message for a token id outside ``within``: its value, row and place in the full
-    batch (a shifted label at global position g is the full batch's label at g + 1)."""
+    batch (``positions [T]``: the local tokens' global positions; a shifted label at global
+    position g is the full batch's label at g + 1)."""
     b, j = (int(i) for i in bad.nonzero()[0])
-    at = int(layout.positions(p)[j]) + (name == "labels")
+    at = int(positions[j]) + (name == "labels")
     return (
         f"{name} must be in {within}, got {int(t[b, j])} in row {b} at position {at} of the "
         "full batch: check the tokenizer and the model's vocab_size"

@@ -81,9 +81,9 @@ def _prefill(model, ids, mask, pos, cache: TSPCache, vision: dict) -> torch.Tens
         key_valid = pad_sequence(mask.bool(), D, False)
 
     def attention(i, attn, h, rope):
-        return attn.prefill(h, rope, cache.layers[i], S, key_valid)
+        return attn.prefill(h, rope, cache.layers[i], S, key_valid=key_valid)
 
-    x = _layers(model, x, pos, attention, lambda mlp, h: mlp(h), deepstack)
+    x = _layers(model, x, pos, attention, run_mlp=lambda mlp, h: mlp(h), deepstack=deepstack)
     # the last prompt token (global index S-1) lives on one rank: broadcast it
     owner, offset = next(
         (q, s.offset + S - 1 - s.start)
@@ -109,9 +109,9 @@ def _decode(model, ids, mask, pos, cache: TSPCache) -> torch.Tensor:
     x = emb.decode(ids) if isinstance(emb, TSPVocabEmbedding) else emb(ids)
 
     def attention(i, attn, h, rope):
-        return attn.decode(h, rope, cache.layers[i], q_index, valid)
+        return attn.decode(h, rope, cache.layers[i], q_index, valid=valid)
 
-    return _layers(model, x, pos, attention, lambda mlp, h: mlp.decode(h))
+    return _layers(model, x, pos, attention, run_mlp=lambda mlp, h: mlp.decode(h))
 
 
 def _logits(model, h: torch.Tensor) -> torch.Tensor:
@@ -186,9 +186,9 @@ def inference_forward(
     with torch.no_grad():
         if past == 0:
             _refuse_packed(text.expand(B, -1), attention_mask)
-            h = _prefill(model, input_ids, attention_mask, rope, cache, vision)
+            h = _prefill(model, input_ids, attention_mask, rope, cache=cache, vision=vision)
         else:
             rope = rope.expand(*rope.shape[:-2], B, -1)
-            h = _decode(model, input_ids, attention_mask, rope, cache)
+            h = _decode(model, input_ids, attention_mask, rope, cache=cache)
         logits = _logits(model, h)
     return CausalLMOutputWithPast(logits=logits, cache=cache)

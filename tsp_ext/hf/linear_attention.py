@@ -21,6 +21,8 @@ from ..config import TSPConfig
 from ..engine.kernels.gated_delta import recurrent_gated_delta
 from ..engine.linear_attention.schedule import (
     Documents,
+    GroupCall,
+    LayerWeights,
     LinearAttentionSpec,
     causal_conv,
     documents,
@@ -48,6 +50,10 @@ _LAYOUTS = (
     ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
     ("in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z", "in_proj_b", "in_proj_a"),
 )
+# Hugging Face's module of each input projection the engine names (``spec.projections``: the
+# fused qkvz / ba, or q, k, v, z, b, a apart)
+_HF_PROJECTION = {name: f"in_proj_{name}" for name in ("qkvz", "ba", *"qkvzba")}
+_HF_NAME = {hf: name for name, hf in _HF_PROJECTION.items()}
 
 
 def check_linear_attention(name: str, i: int, module: nn.Module | None) -> None:
@@ -103,7 +109,8 @@ class TSPGatedDeltaNet(ShardedModule):
         kw = {"dtype": dtype, "device": device}
         for name in spec.projections:
             rows = spec.rows(name, p)
-            setattr(self, name, nn.Linear(spec.hidden, rows.stop - rows.start, bias=False, **kw))
+            linear = nn.Linear(spec.hidden, rows.stop - rows.start, bias=False, **kw)
+            setattr(self, _HF_PROJECTION[name], linear)
         cols = spec.out_cols(p)
         self.out_proj = nn.Linear(cols.stop - cols.start, spec.hidden, bias=False, **kw)
         channels = 2 * spec.n_k_heads * spec.dk + spec.n_v_heads * spec.dv
@@ -150,14 +157,15 @@ class TSPGatedDeltaNet(ShardedModule):
         """Index of group ``rank``'s slice in the full Hugging Face tensor behind ``name``."""
         if name == "out_proj.weight":
             return (slice(None), self.spec.out_cols(rank))
-        if name.endswith(".weight") and name[: -len(".weight")] in self.spec.projections:
-            return (self.spec.rows(name[: -len(".weight")], rank),)
+        engine_name = _HF_NAME.get(name.removesuffix(".weight"))
+        if name.endswith(".weight") and engine_name in self.spec.projections:
+            return (self.spec.rows(engine_name, rank),)
         return (slice(None),)
 
     def _own(self) -> tuple[torch.Tensor, ...]:
         """This rank's input projection rows (``spec.projections``), then its ``out_proj``
         columns."""
-        names = (*self.spec.projections, "out_proj")
+        names = (*(_HF_PROJECTION[n] for n in self.spec.projections), "out_proj")
         return tuple(getattr(self, n).weight for n in names)
 
     def _replicated(self) -> tuple[torch.Tensor, ...]:
@@ -191,7 +199,8 @@ class TSPGatedDeltaNet(ShardedModule):
             spans = query_spans(pos, layout, p)
         docs = documents(spans, layout, p, x.device)
         rep = tuple(comm.replicated(t, self.group) for t in self._replicated())
-        return tsp_gated_delta(x, self._own(), rep, self.spec, self.group, docs)
+        call = GroupCall(self.spec, self.group, docs)
+        return tsp_gated_delta(x, LayerWeights(self._own(), rep), call)
 
     @torch.no_grad()
     def prefill(
@@ -225,10 +234,11 @@ class TSPGatedDeltaNet(ShardedModule):
 
         docs = Documents(torch.zeros(1, T, dtype=torch.long, device=x.device), pos)
         identity = (pos >= prompt_len)[None].expand(B, T)
+        call = GroupCall(self.spec, self.group, docs, keep=keep, identity=identity)
+        weights = LayerWeights(self._own(), self._replicated())
         y = 0
         for r in range(D):
-            args = (x, self._own(), *self._replicated(), identity)
-            y = y + group_forward(r, self.spec, self.group, docs, keep, *args)
+            y = y + group_forward(r, call, x, weights)
         return y
 
     @torch.no_grad()
@@ -256,8 +266,10 @@ class TSPGatedDeltaNet(ShardedModule):
         ok = torch.ones(1, x.shape[1], spec.conv, dtype=torch.bool, device=x.device)
         mixed = causal_conv(qkv, left, w, ok)
         v_heads = spec.v_heads(p)
-        q, k, v, g, beta = heads(mixed, b, a, self.A_log[v_heads], self.dt_bias[v_heads], spec, nk)
-        o, state = recurrent_gated_delta(q, k, v, g, beta, cache_layer.recurrent_state)
+        rule = heads(
+            mixed, b, a, A_log=self.A_log[v_heads], dt_bias=self.dt_bias[v_heads], spec=spec, nk=nk
+        )
+        o, state = recurrent_gated_delta(*rule, cache_layer.recurrent_state)
         conv_state = torch.cat([left, qkv], dim=1)[:, -(spec.conv - 1) :]
         cache_layer.store(conv_state, state, int(q_index[-1]) + 1)
         o = gated_rms(o.to(x.dtype), z, self.norm.weight, spec.eps)

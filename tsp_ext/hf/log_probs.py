@@ -62,19 +62,20 @@ def fused_lm_head_forward(
     labels: torch.Tensor | None = None,
     shift_labels: torch.Tensor | None = None,
     num_items_in_batch: torch.Tensor | int | None = None,
-    use_cache: bool | None = None,
     **kwargs,
 ) -> FusedLMHeadOutput:
     """``model(..., fused_lm_head=True)`` of a TSP model (see the module docstring): the full
     batch ``input_ids, labels [B, S]`` (Hugging Face convention: the model shifts the labels;
     right padding by ``attention_mask``; packed documents by ``position_ids``), or with
-    ``shift_labels`` this rank's shard of one."""
+    ``shift_labels`` this rank's shard of one. ``kwargs``: the model's (``use_cache`` dropped:
+    no cache in training)."""
+    kwargs.pop("use_cache", None)
     if labels is None and shift_labels is None:
         raise ValueError("fused_lm_head=True needs labels: it returns their log-probabilities")
     if shift_labels is not None:  # already sharded: the fields stay local
         sharded = dict(input_ids=input_ids, position_ids=position_ids)
         sharded.update(labels=shift_labels, shift_labels=shift_labels)
-        out = _run(model, sharded, num_items_in_batch, kwargs, None)
+        out = _run(model, sharded, num_items_in_batch, kwargs, full_batch=None)
         fields = {"log_probs": out.token_logps, **out.token_stats}
         return FusedLMHeadOutput(loss=out.loss, label_mask=shift_labels != IGNORE_INDEX, **fields)
     batch = dict(input_ids=input_ids, labels=labels)
@@ -83,13 +84,14 @@ def fused_lm_head_forward(
     if position_ids is not None:
         batch["position_ids"] = position_ids
     state = _tsp_state(model)
-    out = _run(model, shard_batch(batch, state.mesh), num_items_in_batch, kwargs, batch)
+    sharded = shard_batch(batch, state.mesh)
+    out = _run(model, sharded, num_items_in_batch, kwargs, full_batch=batch)
     label_mask = shifted_labels(batch)[:, :-1] != IGNORE_INDEX
     fields = _gathered(out, state.group, input_ids.shape[1] - 1)
     return FusedLMHeadOutput(loss=out.loss, label_mask=label_mask, **fields)
 
 
-def _run(model, sharded: dict, num_items_in_batch, kwargs: dict, full_batch: dict | None):
+def _run(model, sharded: dict, num_items_in_batch, kwargs: dict, *, full_batch: dict | None):
     """The sharded batch through the TSP forward, with every per-token field (``full_batch``:
     the batch this rank sharded, checked to be every TSP rank's)."""
     checked = check_shards(model, {**sharded, **kwargs}, full_batch=full_batch)

@@ -27,6 +27,7 @@ import struct
 import sys
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -173,7 +174,7 @@ def _adapter(peft_layer: nn.Module, adapter: str):
     )
 
 
-def _drawn_on_shards(a: torch.Tensor, on_shards, rows_of, D: int, p: int) -> torch.Tensor:
+def _drawn_on_shards(a: torch.Tensor, on_shards, rows_of, *, D: int, p: int) -> torch.Tensor:
     """A that PEFT initialised on a shard, drawn again from ``on_shards = (init, generator)``
     (the generator in the same state on every rank): the full ``[r, in]`` A of PEFT's init
     (``rows_of`` None: a row-sharded projection's replicated A) or rank p's columns of it (a
@@ -203,6 +204,20 @@ def _tuner_base():
     return BaseTunerLayer
 
 
+@dataclass(frozen=True)
+class AdapterShare:
+    """This rank's share of one projection's LoRA adapter ``name``: ``a``, ``b`` (``A [r, in]``
+    and ``B [out_p, r]`` rows on side ``"rows"``, or ``A [r, in_p]`` columns and ``B [out, r]``
+    on side ``"cols"``), its scale ``s``, ``lora_alpha`` and ``dropout``."""
+
+    name: str
+    a: torch.Tensor
+    b: torch.Tensor
+    s: float
+    lora_alpha: float
+    dropout: float
+
+
 class TSPLoraLinear(ShardedModule):
     """One projection's base shard (``base_layer``, frozen) and its LoRA adapter's share.
 
@@ -218,24 +233,20 @@ class TSPLoraLinear(ShardedModule):
     def __init__(
         self,
         base_layer: nn.Linear,
-        adapter: str,
-        a: torch.Tensor,
-        b: torch.Tensor,
-        scaling: tuple[float, float],
-        dropout: float,
+        share: AdapterShare,
+        *,
         side: str,
         rows_of: Callable[[int], slice],
         parent_role: Callable[[], tuple[Role, tuple[slice, ...]]] | None,
         group,
     ) -> None:
-        """``a``, ``b``: this rank's share (copied): ``A [r, in]`` and ``B [out_p, r]`` rows
-        (side ``"rows"``), or ``A [r, in_p]`` columns and ``B [out, r]`` (``"cols"``);
-        ``scaling``: ``(s, lora_alpha)``."""
+        """``share``: this rank's share of the adapter (its tensors copied)."""
         nn.Module.__init__(self)
         self.base_layer, self.side, self.group = base_layer, side, group
         self._rows_of, self._parent_role = rows_of, parent_role
+        adapter, a, b, dropout = share.name, share.a, share.b, share.dropout
         self._active_adapter, self._disable_adapters, self.merged_adapters = adapter, False, []
-        s, alpha = scaling
+        s, alpha = share.s, share.lora_alpha
         self.r, self.p = {adapter: a.shape[0]}, dropout
         self.scaling, self.lora_alpha = {adapter: s}, {adapter: alpha}  # PEFT's status reads both
         self.lora_A = nn.ModuleDict({adapter: _linear(a, a.requires_grad)})
@@ -366,7 +377,7 @@ def attach_adapters(
         if on_shards is None:
             a, b = (a, b[rows_of(p)]) if side == "rows" else (a[:, rows_of(p)], b)
         else:
-            a = _drawn_on_shards(a, on_shards, rows_of if side == "cols" else None, D, p)
+            a = _drawn_on_shards(a, on_shards, rows_of if side == "cols" else None, D=D, p=p)
 
         parent_role = None
         if name in ("k_proj", "v_proj") and rank_role is not None:
@@ -375,8 +386,9 @@ def attach_adapters(
                 return module.role(key), module.counted_index(key)
 
         base = getattr(module, name)
+        share = AdapterShare(adapter, a, b, s=scaling, lora_alpha=alpha, dropout=dropout)
         wrapped = lora_class()(
-            base, adapter, a, b, (scaling, alpha), dropout, side, rows_of, parent_role, module.group
+            base, share, side=side, rows_of=rows_of, parent_role=parent_role, group=module.group
         )
         setattr(module, name, wrapped)
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from ..config import TSPConfig
 from ..engine.decode import decode_mlp
-from ..engine.feed_forward.mlp import tsp_mlp
+from ..engine.feed_forward.mlp import MlpSpec, tsp_mlp
 from ..engine.parallel import comm
 from ..engine.sharding.partition import check_split, split_range, split_sizes
 from .families import LLAMA, gate_activation
@@ -75,13 +75,17 @@ class TSPGatedMLP(ShardedModule):
         rows = split_range(self.intermediate_size, len(self.sizes), rank)
         return (slice(None), rows) if self.shard_dims[name] == 1 else (rows,)
 
+    def spec(self) -> MlpSpec:
+        """The ring schedule's description of this layer."""
+        return MlpSpec(self.group, self.options, tuple(self.sizes), self.activation)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 3 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"x must be [B, S/D, {self.hidden_size}], got {tuple(x.shape)}")
         w = tuple(storage(p) for p in (self.gate_proj, self.up_proj, self.down_proj))
         adapted = adapters_of(self, ("gate_proj", "up_proj", "down_proj"))
         if not adapted:
-            return tsp_mlp(x, *w, self.group, self.options, self.sizes, activation=self.activation)
+            return tsp_mlp(x, *w, self.spec())
         plan = plan_of(adapted, ("gate_proj", "up_proj"), "down_proj", self.training)
         pieces = {
             f"a_{n}": comm.replicated(adapted[f"{n}_proj"].a, self.group) for n in plan.inputs
@@ -92,7 +96,7 @@ class TSPGatedMLP(ShardedModule):
         if plan.output is not None:
             pieces["a_down"] = adapted["down_proj"].a
             pieces["b_down"] = comm.replicated(adapted["down_proj"].b, self.group)
-        return tsp_mlp(x, *w, self.group, self.options, self.sizes, plan, pieces, self.activation)
+        return tsp_mlp(x, *w, self.spec(), lora=plan, adapters=pieces)
 
     @torch.no_grad()
     def decode(self, x: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ takes the top k of the logits, then their softmax); Qwen2-MoE's shared expert is
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -21,7 +22,7 @@ from torch import nn
 from transformers.utils import ModelOutput
 
 from ..config import TSPConfig
-from ..engine.feed_forward.moe import decode_experts, router_logits, tsp_experts
+from ..engine.feed_forward.moe import ExpertsSpec, decode_experts, router_logits, tsp_experts
 from ..engine.feed_forward.moe_clamped import ClampedSwiGLU
 from ..engine.parallel import comm
 from ..engine.sharding.partition import check_split, split_range, split_sizes
@@ -64,7 +65,6 @@ class TSPExperts(ShardedModule):
         self.activation = activation
         self.n_experts, self.hidden_size = n_experts, hidden_size
         self.intermediate_size = intermediate_size
-        self.first = split_range(n_experts, D, p).start
         E, F_, kw = (
             split_sizes(n_experts, D)[p],
             intermediate_size,
@@ -105,34 +105,44 @@ class TSPExperts(ShardedModule):
             return self.gate_up_proj, self.gate_up_proj_bias, self.down_proj, self.down_proj_bias
         return self.gate_up_proj, self.down_proj
 
-    def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """``x [B, S/D, h]`` with each token's experts ``index`` and weights ``weight [B·S/D,
-        k]`` -> ``[B, S/D, h]``."""
-        return tsp_experts(
-            x,
-            index,
-            weight,
-            self.weights(),
+    def spec(self) -> ExpertsSpec:
+        """The MoE schedules' description of this layer."""
+        return ExpertsSpec(
             self.group,
             self.options,
             self.n_experts,
-            self.activation,
-            self.schedule,
+            activation=self.activation,
+            schedule=self.schedule,
         )
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``x [B, S/D, h]`` with each token's experts ``index`` and weights ``weight [B·S/D,
+        k]`` -> ``[B, S/D, h]``."""
+        return tsp_experts(x, index, weight, ws=self.weights(), spec=self.spec())
 
     @torch.no_grad()
     def decode(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        acc = self.options.accum_for(x.dtype)
-        w, first, E = self.weights(), self.first, self.n_experts
-        return decode_experts(x, index, weight, w, first, E, self.group, acc, self.activation)
+        return decode_experts(x, index, weight, ws=self.weights(), spec=self.spec())
+
+
+@dataclass(frozen=True)
+class TopK:
+    """How a router picks and weighs each token's experts: the top ``k`` of the softmax,
+    renormalized over the k if ``normalize``, the weights in float32 if ``float32_weights``
+    (else the logits' dtype); ``logits_first``: gpt-oss's routing instead, the softmax of the
+    top k logits."""
+
+    k: int
+    normalize: bool
+    float32_weights: bool
+    logits_first: bool = False
 
 
 class TSPSparseMoe(nn.Module):
     """A sparse MoE block on a TSP axis: ``[B, S/D, h]`` -> ``[B, S/D, h]``, each token the
     weighted sum of its top-k experts (plus, in Qwen2-MoE, the gated shared expert). ``gate``:
     the replicated router (Hugging Face's module, ``weight [E, h]``, gpt-oss's ``bias [E]``),
-    ``experts``: a ``TSPExperts``; ``top_k_first``: gpt-oss's routing (softmax over the top k
-    logits) instead of the top k of the softmax."""
+    ``experts``: a ``TSPExperts``; ``top_k``: the routing."""
 
     def __init__(
         self,
@@ -140,10 +150,7 @@ class TSPSparseMoe(nn.Module):
         experts: TSPExperts,
         group,
         *,
-        top_k: int,
-        normalize: bool,
-        float32_weights: bool,
-        top_k_first: bool = False,
+        top_k: TopK,
         shared_expert: TSPGatedMLP | None = None,
         shared_expert_gate: nn.Module | None = None,
         router_name: str = "gate",
@@ -151,9 +158,7 @@ class TSPSparseMoe(nn.Module):
         super().__init__()
         self.router_name = router_name  # the router keeps its Hugging Face name (gpt-oss: router)
         self.add_module(router_name, gate)
-        self.experts, self.group = experts, group
-        self.top_k, self.normalize, self.float32_weights = top_k, normalize, float32_weights
-        self.top_k_first = top_k_first
+        self.experts, self.group, self.top_k = experts, group, top_k
         self.shared_expert, self.shared_expert_gate = shared_expert, shared_expert_gate
 
     @classmethod
@@ -175,10 +180,12 @@ class TSPSparseMoe(nn.Module):
             router,
             TSPExperts.from_hf(experts, group, config, activation),
             group,
-            top_k=router.top_k,
-            normalize=getattr(router, "norm_topk_prob", True),
-            float32_weights=kind.router_float32,
-            top_k_first=clamped,
+            top_k=TopK(
+                router.top_k,
+                normalize=getattr(router, "norm_topk_prob", True),
+                float32_weights=kind.router_float32,
+                logits_first=clamped,
+            ),
             shared_expert=shared,
             shared_expert_gate=getattr(block, "shared_expert_gate", None),
             router_name=kind.router,
@@ -200,16 +207,17 @@ class TSPSparseMoe(nn.Module):
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Hugging Face's top-k routing of ``logits [n, E]``: the weights ``[n, k]`` (softmax in
         float32, renormalized over the k if the model does; float32 or the logits' dtype) and
-        the experts' indices ``[n, k]``. gpt-oss (``top_k_first``): the softmax of the top k
-        logits, in their dtype."""
-        if self.top_k_first:
-            top, index = torch.topk(logits, self.top_k, dim=-1)
+        the experts' indices ``[n, k]``. gpt-oss (``top_k.logits_first``): the softmax of the top
+        k logits, in their dtype."""
+        rule = self.top_k
+        if rule.logits_first:
+            top, index = torch.topk(logits, rule.k, dim=-1)
             return F.softmax(top, dim=-1, dtype=top.dtype), index
         probs = F.softmax(logits, dim=-1, dtype=torch.float32)
-        top, index = torch.topk(probs, self.top_k, dim=-1)
-        if self.normalize:
+        top, index = torch.topk(probs, rule.k, dim=-1)
+        if rule.normalize:
             top = top / top.sum(dim=-1, keepdim=True)
-        return (top if self.float32_weights else top.to(logits.dtype)), index
+        return (top if rule.float32_weights else top.to(logits.dtype)), index
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = _bias(self.router_module())
@@ -222,7 +230,7 @@ class TSPSparseMoe(nn.Module):
         if self.shared_expert is not None:
             y = y + self._shared_gate(x) * self.shared_expert(x)
         # gpt-oss's decoder layer unpacks (output, router scores), as its MLP returns them
-        return (y, None) if self.top_k_first else y
+        return (y, None) if self.top_k.logits_first else y
 
     def _shared_gate(self, x: torch.Tensor) -> torch.Tensor:
         """Qwen2-MoE's ``sigmoid(x · w)`` ``[B, S/D, 1]`` (``w [1, h]`` replicated; x kept as
@@ -368,7 +376,7 @@ def with_aux_loss(model: nn.Module, out, logits: list[torch.Tensor], requested: 
     if not isinstance(out, ModelOutput):
         raise ValueError("output_router_logits needs return_dict=True on a TSP model")
     block = next(m for m in model.modules() if isinstance(m, TSPSparseMoe))
-    aux = load_balancing_loss(logits, block.experts.n_experts, block.top_k, block.group)
+    aux = load_balancing_loss(logits, block.experts.n_experts, block.top_k.k, block.group)
     if out.get("loss") is not None:
         coef = getattr(model, "router_aux_loss_coef", model.config.router_aux_loss_coef)
         out["loss"] = out["loss"] + coef * aux.to(out["loss"].device)

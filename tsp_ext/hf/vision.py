@@ -17,6 +17,8 @@ sharded with the tokens. ``vision_forward`` is the TSP training forward of such 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from torch.func import functional_call
@@ -35,6 +37,10 @@ BATCH_KEYS = (
     "video_grid_thw",
     "second_per_grid_ts",
     "mm_token_type_ids",
+)
+_LOCAL_INPUTS = (
+    "a TSP vision-language model takes the local inputs shard_batch makes: "
+    "model(**shard_batch(batch, mesh, model=model))"
 )
 
 
@@ -101,7 +107,7 @@ def shard_vision_batch(
     features = torch.tensor(units.features, dtype=torch.long, device=ids.device)
     encoder_rank = unit_rank.repeat_interleave(features)
     slots = torch.cat([_slots(pad_sequence(m, D, False), lay.seq_len) for m in masks])
-    ex = exchange(slots, encoder_rank, lay, B, p)
+    ex = exchange(slots, encoder_rank, lay, B=B, p=p)
     mine = [u for u, r in enumerate(unit_rank.tolist()) if r == p]
     sources = (batch.get("pixel_values"), batch.get("pixel_values_videos"))
     if units.grid is None:
@@ -218,23 +224,43 @@ class _Deliver(torch.autograd.Function):
         return comm.all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None
 
 
+@dataclass(frozen=True)
+class VisionShard:
+    """This rank's share of a batch's vision inputs, as ``shard_vision_batch`` makes them: its
+    units' ``pixel_values`` (and ``grid_thw [U_p, 3]``, None without grids) and the feature
+    exchange ``order``, ``counts``, ``index`` (``vision_plan.Exchange``)."""
+
+    pixel_values: torch.Tensor
+    order: torch.Tensor
+    counts: torch.Tensor
+    index: torch.Tensor
+    grid_thw: torch.Tensor | None = None
+
+    @classmethod
+    def pop(cls, kwargs: dict) -> VisionShard | None:
+        """Take ``shard_vision_batch``'s keys out of a forward's ``kwargs``; None when they
+        carry no exchange (a text-only call)."""
+        names = ("pixel_values", "vision_order", "vision_counts", "vision_index")
+        pixels, order, counts, index = (kwargs.pop(k, None) for k in names)
+        grid_thw = kwargs.pop("vision_grid_thw", None)
+        if index is None:
+            if pixels is not None:
+                raise ValueError(_LOCAL_INPUTS)
+            return None
+        return cls(pixels, order, counts, index, grid_thw=grid_thw)
+
+
 def merge_vision(
-    model: nn.Module,
-    embeds: torch.Tensor,
-    pixel_values: torch.Tensor,
-    vision_order: torch.Tensor,
-    vision_counts: torch.Tensor,
-    vision_index: torch.Tensor,
-    vision_grid_thw: torch.Tensor | None = None,
+    model: nn.Module, embeds: torch.Tensor, shard: VisionShard
 ) -> tuple[torch.Tensor, dict]:
     """``embeds [B, S/D, h]`` of the local tokens with the vision features in their
     placeholders, and the language model's extra inputs (Qwen3-VL: the local deepstack
     features and their token mask)."""
-    feats = encode(model, pixel_values, vision_grid_thw)
-    send, recv = vision_counts.tolist()
-    got = _Deliver.apply(feats[vision_order], send, recv, model.tsp.group)
-    where = vision_index >= 0
-    rows = got[vision_index[where]].to(embeds.dtype)
+    feats = encode(model, shard.pixel_values, shard.grid_thw)
+    send, recv = shard.counts.tolist()
+    got = _Deliver.apply(feats[shard.order], send, recv, model.tsp.group)
+    where = shard.index >= 0
+    rows = got[shard.index[where]].to(embeds.dtype)
     main, *deep = rows.split(embeds.shape[-1], dim=-1)
     embeds = embeds.masked_scatter(where[..., None], main)
     if not model.tsp.family.vision.deepstack:
@@ -247,43 +273,28 @@ def vision_forward(
     input_ids: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
     inputs_embeds: torch.Tensor | None = None,
-    pixel_values: torch.Tensor | None = None,
-    vision_grid_thw: torch.Tensor | None = None,
-    vision_order: torch.Tensor | None = None,
-    vision_counts: torch.Tensor | None = None,
-    vision_index: torch.Tensor | None = None,
     rope_position_ids: torch.Tensor | None = None,
     **kwargs,
 ):
     """Training / prefill ``forward`` of a TSP vision-language model on ``shard_batch``'s local
-    inputs: the local tokens' embeddings with the vision features in their placeholders, the
-    M-RoPE rows beside the global positions (``[4, B, S/D]``, as the Hugging Face language model
-    takes them), then the causal LM's forward (``vocab_sharded_forward``, or the replicated
-    head's)."""
+    inputs (its vision keys in ``kwargs``: ``VisionShard.pop``): the local tokens' embeddings
+    with the vision features in their placeholders, the M-RoPE rows beside the global positions
+    (``[4, B, S/D]``, as the Hugging Face language model takes them), then the causal LM's
+    forward (``vocab_sharded_forward``, or the replicated head's)."""
     if kwargs.get("mm_encoder_outputs") is not None:
         raise ValueError(
             "precomputed vision features (mm_encoder_outputs) hold every image on every rank "
             "and cannot be split: pass the images (pixel_values), which TSP encodes 1/D per rank"
         )
     raw = sorted(k for k in BATCH_KEYS if k != "pixel_values" and kwargs.get(k) is not None)
-    if raw or (pixel_values is not None and vision_index is None):
-        raise ValueError(
-            "a TSP vision-language model takes the local inputs shard_batch makes: "
-            "model(**shard_batch(batch, mesh, model=model))"
-        )
+    if raw:
+        raise ValueError(_LOCAL_INPUTS)
+    shard = VisionShard.pop(kwargs)
     family = self.tsp.family
     if inputs_embeds is None:
         inputs_embeds = getattr(family.base_of(self), family.embedding)(input_ids)
-    if vision_index is not None:
-        inputs_embeds, extra = merge_vision(
-            self,
-            inputs_embeds,
-            pixel_values,
-            vision_order,
-            vision_counts,
-            vision_index,
-            vision_grid_thw,
-        )
+    if shard is not None:
+        inputs_embeds, extra = merge_vision(self, inputs_embeds, shard)
         kwargs.update(extra)
     if rope_position_ids is not None:
         position_ids = torch.cat(

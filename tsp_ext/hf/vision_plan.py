@@ -48,13 +48,17 @@ def grid_units(grids: list[torch.Tensor | None], merge: int) -> Units:
                 rows.append(row)
                 grid.append((1, h, w))
                 row += h * w
-    return Units(patches, features, source, rows, grid)
+    return Units(patches, features, source=source, rows=rows, grid=grid)
 
 
 def image_units(n_images: int, per_image: int) -> Units:
     """LLaVA-style units: whole images of ``per_image`` features each."""
     return Units(
-        [1] * n_images, [per_image] * n_images, [0] * n_images, list(range(n_images)), None
+        [1] * n_images,
+        [per_image] * n_images,
+        source=[0] * n_images,
+        rows=list(range(n_images)),
+        grid=None,
     )
 
 

@@ -14,7 +14,13 @@ from ..engine.decode import vocab_embedding
 from ..engine.parallel import comm
 from ..engine.sharding.layout import IGNORE_INDEX
 from ..engine.sharding.partition import check_split, split_offsets
-from ..engine.vocab import embedding_exchange, ring_cross_entropy, ring_logits, ring_token_logps
+from ..engine.vocab import (
+    VocabShards,
+    embedding_exchange,
+    ring_cross_entropy,
+    ring_logits,
+    ring_token_logps,
+)
 from .replicated import embedding_scale, scaled
 from .sharding import ShardedModule
 
@@ -65,7 +71,8 @@ class TSPVocabEmbedding(_VocabRows):
         return mod
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = embedding_exchange(ids, self.weight, self.offsets, self.padding_idx, self.group)
+        shards = VocabShards(self.offsets, self.group)
+        x = embedding_exchange(ids, self.weight, shards, self.padding_idx)
         return scaled(x, self.scale)
 
     @torch.no_grad()
@@ -118,16 +125,20 @@ class TSPVocabLMHead(_VocabRows):
         One ``forward`` for both so that DP engines' module hooks (ZeRO-3, FSDP2) see each use.
         """
         flat = h.reshape(-1, h.shape[-1])
+        shards = VocabShards(self.offsets, self.group, self.options)
         if labels is None:
-            logits = ring_logits(flat, self.weight, self.offsets, self.group, self.options)
+            logits = ring_logits(flat, self.weight, shards)
             return logits.view(*h.shape[:-1], self.vocab_size)
         flat_labels = labels.reshape(-1).to(h.device)
         out_of_range = (flat_labels < 0) | (flat_labels >= self.vocab_size)
         if (out_of_range & (flat_labels != ignore_index)).any():
             raise ValueError(f"labels must be in [0, {self.vocab_size}) or {ignore_index}")
-        ring = (self.weight, self.offsets, self.group, self.options, ignore_index)
         if per_token is None:
-            return ring_cross_entropy(flat, flat_labels, *ring)
-        logp, stats = ring_token_logps(flat, flat_labels, *ring, stats=per_token)
+            return ring_cross_entropy(
+                flat, flat_labels, self.weight, shards, ignore_index=ignore_index
+            )
+        logp, stats = ring_token_logps(
+            flat, flat_labels, self.weight, shards, ignore_index=ignore_index, stats=per_token
+        )
         shape = h.shape[:-1]
         return logp.view(shape), {k: v.view(shape) for k, v in stats.items()}

@@ -108,7 +108,7 @@ class TSPOnlineMixin:
             (len(prompts), len(self.reward_funcs)),
             self.tsp_mesh,
             self.accelerator.device,
-            self._trl_module,
+            module=self._trl_module,
         )
 
     def _get_per_token_logps_and_entropies(
@@ -153,7 +153,13 @@ class TSPOnlineMixin:
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """TRL's loss on the rollout rows (the model shards them itself)."""
         with self._replicas():
-            return self._trl.compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
+            return self._trl.compute_loss(
+                self,
+                model,
+                inputs,
+                return_outputs=return_outputs,
+                num_items_in_batch=num_items_in_batch,
+            )
 
 
 def check_online_config(args, kwargs: dict, trainer: str) -> None:

@@ -60,13 +60,13 @@ def measured_runs(rows: Iterable[Mapping]) -> list[MeasuredRun]:
     return [
         MeasuredRun(
             ModelShape.from_hf_config(r["model"], name="measured"),
-            HARNESS_KINDS[r["layout"]],
-            r["tp"],
-            r["sp"],
-            r["seq_len"],
-            r["step_seconds"],
-            r.get("micro_batch", 1),
-            r.get("dtype", "float32"),
+            kind=HARNESS_KINDS[r["layout"]],
+            tp=r["tp"],
+            sp=r["sp"],
+            seq_len=r["seq_len"],
+            step_seconds=r["step_seconds"],
+            micro_batch=r.get("micro_batch", 1),
+            dtype=r.get("dtype", "float32"),
         )
         for r in rows
         if r.get("status") == "ok" and r["layout"] in HARNESS_KINDS
@@ -81,7 +81,7 @@ def predict(run: MeasuredRun, c: Cluster, cores: int | None = None) -> float:
     lay = Layout(run.kind, run.tp, run.sp, dp=1)
     per_layer, per_step = COMM[run.kind](m, w, c, lay)
     share = max(1.0, run.devices / cores) if cores else 1.0
-    return share * step_seconds(m, w, c, lay, per_layer, per_step)
+    return share * step_seconds(m, w, c, lay, per_layer=per_layer, per_step=per_step)
 
 
 # the matmul efficiencies the fit searches (a fit at either end means the peak is wrong)

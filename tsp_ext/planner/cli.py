@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
 def _print_longest(
     m, w: Workload, c: Cluster, kinds: tuple[str, ...], as_json: bool, choose: bool
 ) -> int:
-    rows, skipped = longest_per_layout(m, w, c, kinds, choose)
+    rows, skipped = longest_per_layout(m, w, c, kinds, choose=choose)
     if not rows:
         why = "; ".join(f"{lay}: {r}" for lay, r in skipped) or "no layout of these kinds"
         raise SystemExit(f"tsp-plan: no layout can run {m.name} on {c.devices} devices ({why})")
@@ -365,5 +365,5 @@ def _print_longest(
         for lay, why in skipped:
             print(f"tsp-plan: skipped {lay}: {why}", file=sys.stderr)
     else:
-        print(format_longest(m, w, c, rows, skipped))
+        print(format_longest(m, w, c, rows, skipped=skipped))
     return 0

@@ -32,50 +32,121 @@ def tsp_comm(m: ModelShape, w: Workload, c: Cluster, lay: Layout) -> tuple[list,
     nh, nkv = _tsp_heads(m, D)
     router = m.num_experts * h
     attn = _layer_params(m, nh, nkv, 0) - 2 * h - router  # the largest head group's shard
-    mlp = 3 * h * tsp_mlp_columns(m, D)
     kv = 2 * B * _tsp_seq(w, D) * nkv * d * (D - 1)  # elements received, all D groups
     buckets = 1 if w.head_bucket is None else -(-nkv // w.head_bucket)  # exchanges per group
-    tokens = B * _tsp_seq(w, D) / D
-    schedule = "ring"
-    if m.moe:
-        k, E, F = m.experts_per_token, m.num_experts, m.intermediate_size
-        schedule = schedule_for(w.moe_schedule, tokens, k, E, F, h, D)
-    if schedule == "all_to_all":  # token rows: dispatch, combine; X, dY out and dX back
-        rows = traffic(tokens, m.experts_per_token, m.num_experts, m.intermediate_size, h, D)
-        mlp_moves = [Transfer("all-to-all MoE token rows", rows["all_to_all"] * b, 5, False, bw)]
-    else:
-        mlp_moves = [
-            Transfer("ring MLP weights (fwd+bwd)", 2 * (D - 1) * mlp * b, 2 * (D - 1), ov, bw),
-            Transfer("ring MLP weight grads", (D - 1) * mlp * acc, D - 1, ov, bw),
-        ]
     layer = [
-        Transfer("broadcast attention weights (fwd+bwd)", 2 * (D - 1) * attn * b, 2 * D, ov, bw),
-        Transfer("reduce attention weight grads", (D - 1) * attn * acc, D, ov, bw),
-        *mlp_moves,
-        Transfer("all-gather K/V (fwd)", kv * b, D * buckets, False, bw),
-        Transfer("all-gather K/V (bwd)", kv * b, D * buckets, ov and buckets == 1, bw),
-        Transfer("reduce-scatter dK/dV", kv * acc, D * buckets, False, bw),
-        Transfer("all-reduce norm grads", 2 * 2 * (D - 1) / D * h * b, 2, False, bw),
+        Transfer(
+            "broadcast attention weights (fwd+bwd)",
+            2 * (D - 1) * attn * b,
+            2 * D,
+            overlapped=ov,
+            bandwidth=bw,
+        ),
+        Transfer(
+            "reduce attention weight grads", (D - 1) * attn * acc, D, overlapped=ov, bandwidth=bw
+        ),
+        *_tsp_mlp_comm(m, w, D, bw),
+        Transfer("all-gather K/V (fwd)", kv * b, D * buckets, overlapped=False, bandwidth=bw),
+        Transfer(
+            "all-gather K/V (bwd)",
+            kv * b,
+            D * buckets,
+            overlapped=ov and buckets == 1,
+            bandwidth=bw,
+        ),
+        Transfer("reduce-scatter dK/dV", kv * acc, D * buckets, overlapped=False, bandwidth=bw),
+        Transfer(
+            "all-reduce norm grads", 2 * 2 * (D - 1) / D * h * b, 2, overlapped=False, bandwidth=bw
+        ),
     ]
     if m.moe:
-        layer.append(Transfer("all-reduce router grads", 2 * (D - 1) / D * router * b, 1, ov, bw))
+        layer.append(
+            Transfer(
+                "all-reduce router grads",
+                2 * (D - 1) / D * router * b,
+                1,
+                overlapped=ov,
+                bandwidth=bw,
+            )
+        )
     messages = _shared_kv_messages(m, D)
     if messages:  # shared KV heads: their gradient rows summed among their users, point to point
         shared = messages * 2 * h * d * acc
-        layer.append(Transfer("sum shared K/V grads among users", shared, messages, False, bw))
+        layer.append(
+            Transfer(
+                "sum shared K/V grads among users", shared, messages, overlapped=False, bandwidth=bw
+            )
+        )
+    step = _tsp_step_comm(m, w, D, bw)
+    return layer + _dp_comm(m, w, c, lay, params=_tsp_shard_params(m, D)), step
+
+
+def _tsp_mlp_comm(m: ModelShape, w: Workload, D: int, bw: float) -> list[Transfer]:
+    """One layer's MLP transfers under TSP: the weight ring (dense, or MoE experts), or the MoE
+    token rows' all-to-all, whichever ``schedule_for`` picks."""
+    h, b, acc, ov = m.hidden_size, w.beta, w.acc, w.overlap
+    tokens = w.micro_batch * _tsp_seq(w, D) / D
+    schedule = "ring"
+    if m.moe:
+        k, E, F = m.experts_per_token, m.num_experts, m.intermediate_size
+        schedule = schedule_for(w.moe_schedule, tokens, k, E, F=F, h=h, D=D)
+    if schedule == "all_to_all":  # token rows: dispatch, combine; X, dY out and dX back
+        rows = traffic(tokens, m.experts_per_token, m.num_experts, m.intermediate_size, h=h, D=D)
+        return [
+            Transfer(
+                "all-to-all MoE token rows",
+                rows["all_to_all"] * b,
+                5,
+                overlapped=False,
+                bandwidth=bw,
+            )
+        ]
+    mlp = 3 * h * tsp_mlp_columns(m, D)
+    return [
+        Transfer(
+            "ring MLP weights (fwd+bwd)",
+            2 * (D - 1) * mlp * b,
+            2 * (D - 1),
+            overlapped=ov,
+            bandwidth=bw,
+        ),
+        Transfer("ring MLP weight grads", (D - 1) * mlp * acc, D - 1, overlapped=ov, bandwidth=bw),
+    ]
+
+
+def _tsp_step_comm(m: ModelShape, w: Workload, D: int, bw: float) -> list[Transfer]:
+    """Per-step transfers of TSP: embedding rows exchanged and LM-head shards ringed
+    (shard_vocab), or the replicated vocabulary gradients all-reduced."""
+    B, h, b, acc, ov = w.micro_batch, m.hidden_size, w.beta, w.acc, w.overlap
     T, V = _tsp_seq(w, D) / D, m.vocab_size
     if w.shard_vocab:
         ring = (D - 1) * -(-V // D) * h
-        step = [
+        return [
             Transfer(
-                "ring LM-head shards (fwd+bwd)", 2 * ring * b + ring * acc, 3 * (D - 1), ov, bw
+                "ring LM-head shards (fwd+bwd)",
+                2 * ring * b + ring * acc,
+                3 * (D - 1),
+                overlapped=ov,
+                bandwidth=bw,
             ),
-            Transfer("all-to-all embedding rows", 2 * (D - 1) / D * B * T * h * b, 2, False, bw),
+            Transfer(
+                "all-to-all embedding rows",
+                2 * (D - 1) / D * B * T * h * b,
+                2,
+                overlapped=False,
+                bandwidth=bw,
+            ),
         ]
-    else:
-        tables = 1 if m.tie_embeddings else 2
-        step = [Transfer("all-reduce vocab grads", 2 * (D - 1) / D * V * h * b * tables, 2, ov, bw)]
-    return layer + _dp_comm(m, w, c, lay, _tsp_shard_params(m, D)), step
+    tables = 1 if m.tie_embeddings else 2
+    return [
+        Transfer(
+            "all-reduce vocab grads",
+            2 * (D - 1) / D * V * h * b * tables,
+            2,
+            overlapped=ov,
+            bandwidth=bw,
+        )
+    ]
 
 
 def baseline_comm(m: ModelShape, w: Workload, c: Cluster, lay: Layout) -> tuple[list, list]:
@@ -90,10 +161,22 @@ def baseline_comm(m: ModelShape, w: Workload, c: Cluster, lay: Layout) -> tuple[
     layer, step = [], []
     if tp > 1:
         bw, ar = c.bandwidth(1, tp), 2 * (tp - 1) / tp * B * T * h * b
-        layer.append(Transfer("all-reduce activations", 7 * ar, 7, False, bw))
+        layer.append(Transfer("all-reduce activations", 7 * ar, 7, overlapped=False, bandwidth=bw))
         step += [
-            Transfer("all-reduce embedding out / LM-head in grad", 2 * ar, 2, False, bw),
-            Transfer("all-gather logits", (tp - 1) / tp * B * T * V * b, 1, False, bw),
+            Transfer(
+                "all-reduce embedding out / LM-head in grad",
+                2 * ar,
+                2,
+                overlapped=False,
+                bandwidth=bw,
+            ),
+            Transfer(
+                "all-gather logits",
+                (tp - 1) / tp * B * T * V * b,
+                1,
+                overlapped=False,
+                bandwidth=bw,
+            ),
         ]
     if sp > 1:
         bw, g = c.bandwidth(tp, sp), (sp - 1) / sp
@@ -102,11 +185,13 @@ def baseline_comm(m: ModelShape, w: Workload, c: Cluster, lay: Layout) -> tuple[
         grads = 2 * g * _shard_params(m, tp) * b
         vocab = 2 * g * (_vocab_params(m, V / tp, V / tp) + V * h * (1 - 1 / tp)) * b
         layer += [
-            Transfer("all-to-all q/k/v/out (fwd+bwd)", a2a, 8, False, bw),
-            Transfer("all-reduce weight grads over sp", grads, 1, True, bw),
+            Transfer("all-to-all q/k/v/out (fwd+bwd)", a2a, 8, overlapped=False, bandwidth=bw),
+            Transfer("all-reduce weight grads over sp", grads, 1, overlapped=True, bandwidth=bw),
         ]
-        step.append(Transfer("all-reduce vocab grads over sp", vocab, 1, True, bw))
-    return layer + _dp_comm(m, w, c, lay, _shard_params(m, tp)), step
+        step.append(
+            Transfer("all-reduce vocab grads over sp", vocab, 1, overlapped=True, bandwidth=bw)
+        )
+    return layer + _dp_comm(m, w, c, lay, params=_shard_params(m, tp)), step
 
 
 def alst_comm(m: ModelShape, w: Workload, c: Cluster, lay: Layout) -> tuple[list, list]:
@@ -119,18 +204,38 @@ def alst_comm(m: ModelShape, w: Workload, c: Cluster, lay: Layout) -> tuple[list
     layer = []
     if sp > 1:
         a2a = 3 * g * B * T * (m.num_heads + max(m.num_kv_heads, sp) * 2 + m.num_heads) * d * b
-        layer.append(Transfer("all-to-all q/k/v/out (fwd, recompute, bwd)", a2a, 12, False,
-                              c.bandwidth(1, sp)))  # fmt: skip
+        layer.append(
+            Transfer(
+                "all-to-all q/k/v/out (fwd, recompute, bwd)",
+                a2a,
+                12,
+                overlapped=False,
+                bandwidth=c.bandwidth(1, sp),
+            )
+        )
     full = _layer_params(m, m.num_heads, m.num_kv_heads, m.mlp_width)
     bw, share = c.bandwidth(1, N), (N - 1) / N
     step = []
     if N > 1:
         layer.append(
-            Transfer("ZeRO-3 gather x3, reduce-scatter", 4 * share * full * b, 4, True, bw)
+            Transfer(
+                "ZeRO-3 gather x3, reduce-scatter",
+                4 * share * full * b,
+                4,
+                overlapped=True,
+                bandwidth=bw,
+            )
         )
         vocab = _vocab_params(m, m.vocab_size, m.vocab_size)
-        step.append(Transfer("ZeRO-3 vocabulary gather x2, reduce-scatter", 3 * share * vocab * b,
-                             3, True, bw))  # fmt: skip
+        step.append(
+            Transfer(
+                "ZeRO-3 vocabulary gather x2, reduce-scatter",
+                3 * share * vocab * b,
+                3,
+                overlapped=True,
+                bandwidth=bw,
+            )
+        )
     return layer, step
 
 
@@ -141,7 +246,15 @@ def _dp_comm(m: ModelShape, w: Workload, c: Cluster, lay: Layout, params: float)
         return []
     times = 3 if w.zero_stage == 3 else 2
     nbytes = times * (lay.dp - 1) / lay.dp * params * w.beta
-    return [Transfer("data parallel (ZeRO)", nbytes, times, True, c.bandwidth(lay.group, lay.dp))]
+    return [
+        Transfer(
+            "data parallel (ZeRO)",
+            nbytes,
+            times,
+            overlapped=True,
+            bandwidth=c.bandwidth(lay.group, lay.dp),
+        )
+    ]
 
 
 COMM = {

@@ -109,7 +109,7 @@ def longest(
             "head_bucket": wl.head_bucket,
             "checkpoint_device_bytes": int(wl.checkpoint_device_bytes),
         }
-    return Longest(lay, lo * step, mem, stop, options)
+    return Longest(lay, seq_len=lo * step, memory=mem, limit=stop, options=options)
 
 
 def longest_tsp(m: ModelShape, w: Workload, c: Cluster, lay: Layout) -> Longest:

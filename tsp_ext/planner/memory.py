@@ -105,10 +105,10 @@ def tsp_memory(m: ModelShape, w: Workload, lay: Layout) -> Memory:
     params = m.num_layers * _tsp_shard_params(m, D) + _vocab_params(m, vocab, vocab)
     if w.shard_vocab:  # fused loss: float32 log-sum-exp per token, the owned ids' list, and
         # the last LM-head shard's gradient shares (dH, dW), taken in forward
-        head = _head_saved(m, w, T, 0, _tsp_norm_saved) + B * T * w.acc
+        head = _head_saved(m, w, T, 0, norm=_tsp_norm_saved) + B * T * w.acc
         head += 8 * min(vocab, B * w.seq_len) + (B * T + vocab) * h * w.acc
     else:
-        head = _head_saved(m, w, T, m.vocab_size, _tsp_norm_saved)
+        head = _head_saved(m, w, T, m.vocab_size, norm=_tsp_norm_saved)
     every = w.checkpoint_every if w.recompute == "full" else 1
     kept = -(-m.num_layers // every)  # layers whose input is kept (intervals of ``every``)
     layers = kept * tsp_layer_saved(m, w, D)
@@ -124,7 +124,7 @@ def tsp_memory(m: ModelShape, w: Workload, lay: Layout) -> Memory:
         loss = B * T * m.vocab_size * (w.beta + 8)
     # backward reaches the layers after the head, whose saved tensors are then freed
     transient = max(tsp_layer_working(m, w, D) - head, loss)
-    return _memory(m, w, lay, params, acts, transient, host=host)
+    return _memory(m, w, lay, params, acts=acts, transient=transient, host=host)
 
 
 def tsp_layer_working(m: ModelShape, w: Workload, D: int) -> float:
@@ -191,7 +191,7 @@ def baseline_memory(m: ModelShape, w: Workload, lay: Layout) -> Memory:
             m, replace(w, recompute="selective", offload_checkpoints=False), tp, sp
         )
     loss = B * T * V * (w.beta + 8)
-    return _memory(m, w, lay, params, acts, max(layer, loss), grad_extra)
+    return _memory(m, w, lay, params, acts=acts, transient=max(layer, loss), grad_extra=grad_extra)
 
 
 def alst_memory(m: ModelShape, w: Workload, lay: Layout) -> Memory:
@@ -221,7 +221,9 @@ def alst_memory(m: ModelShape, w: Workload, lay: Layout) -> Memory:
     layer = gathered + alst_layer_working(m, w, lay.sp) - head
     tile = min(w.loss_chunk, B * T)
     loss = 2 * V * h * w.beta + tile * V * (w.beta + 2 * w.acc) + B * T * h * (w.beta + w.acc)
-    return Memory(p, grads, opt, acts, max(layer, loss), host)
+    return Memory(
+        p, grads=grads, optimizer=opt, activations=acts, transient=max(layer, loss), host=host
+    )
 
 
 def alst_layer_working(m: ModelShape, w: Workload, sp: int) -> float:

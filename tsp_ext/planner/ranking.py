@@ -68,9 +68,16 @@ def estimate(m: ModelShape, w: Workload, c: Cluster, lay: Layout) -> Estimate:
     """Memory, communication and step time of one layout (assumed valid: see ``check``)."""
     memory = MEMORY[lay.kind](m, w, lay)
     per_layer, per_step = COMM[lay.kind](m, w, c, lay)
-    seconds = step_seconds(m, w, c, lay, per_layer, per_step)
+    seconds = step_seconds(m, w, c, lay, per_layer=per_layer, per_step=per_step)
     fits = memory.total <= c.memory_bytes and c.host_fits(memory.host)
-    return Estimate(lay, memory, tuple(per_layer), tuple(per_step), seconds, fits)
+    return Estimate(
+        lay,
+        memory=memory,
+        per_layer=tuple(per_layer),
+        per_step=tuple(per_step),
+        step_seconds=seconds,
+        fits=fits,
+    )
 
 
 def plan(m: ModelShape, w: Workload, c: Cluster, kinds: tuple[str, ...] = LAYOUTS) -> Plan:
@@ -94,7 +101,15 @@ def plan(m: ModelShape, w: Workload, c: Cluster, kinds: tuple[str, ...] = LAYOUT
             "divisors that divide the model's heads and MLP width (and --seq-len the SP size)"
         )
     recommended, reason = _recommend(estimates, c)
-    return Plan(m, w, c, tuple(estimates), tuple(skipped), recommended, reason)
+    return Plan(
+        m,
+        work=w,
+        cluster=c,
+        estimates=tuple(estimates),
+        skipped=tuple(skipped),
+        recommended=recommended,
+        reason=reason,
+    )
 
 
 def format_bytes(nbytes: float) -> str:

@@ -132,28 +132,83 @@ class ModelShape:
 
 PRESETS = {
     # the benchmark harness's default model (benchmarks/harness.py)
-    "tiny": ModelShape("tiny", 256, 2, 8, 4, 32, 704, 2048),
+    "tiny": ModelShape(
+        "tiny",
+        hidden_size=256,
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=32,
+        intermediate_size=704,
+        vocab_size=2048,
+    ),
     # the paper's 7B: MHA, SwiGLU with F = 4h (8.85B parameters with this vocabulary)
-    "paper-7b": ModelShape("paper-7b", 4096, 32, 32, 32, 128, 16384, 32000),
-    "llama3-8b": ModelShape("llama3-8b", 4096, 32, 32, 8, 128, 14336, 128256),
-    "llama3-70b": ModelShape("llama3-70b", 8192, 80, 64, 8, 128, 28672, 128256),
-    "qwen3-32b": ModelShape("qwen3-32b", 5120, 64, 64, 8, 128, 25600, 151936, qk_norm=True),
+    "paper-7b": ModelShape(
+        "paper-7b",
+        hidden_size=4096,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=32,
+        head_dim=128,
+        intermediate_size=16384,
+        vocab_size=32000,
+    ),
+    "llama3-8b": ModelShape(
+        "llama3-8b",
+        hidden_size=4096,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=14336,
+        vocab_size=128256,
+    ),
+    "llama3-70b": ModelShape(
+        "llama3-70b",
+        hidden_size=8192,
+        num_layers=80,
+        num_heads=64,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=28672,
+        vocab_size=128256,
+    ),
+    "qwen3-32b": ModelShape(
+        "qwen3-32b",
+        hidden_size=5120,
+        num_layers=64,
+        num_heads=64,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=25600,
+        vocab_size=151936,
+        qk_norm=True,
+    ),
     # mixture of experts (every layer sparse; intermediate_size: each expert's)
     "qwen3-30b-a3b": ModelShape(
         "qwen3-30b-a3b",
-        2048,
-        48,
-        32,
-        4,
-        128,
-        768,
-        151936,
+        hidden_size=2048,
+        num_layers=48,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        intermediate_size=768,
+        vocab_size=151936,
         qk_norm=True,
         num_experts=128,
         experts_per_token=8,
     ),
     "mixtral-8x7b": ModelShape(
-        "mixtral-8x7b", 4096, 32, 32, 8, 128, 14336, 32000, num_experts=8, experts_per_token=2
+        "mixtral-8x7b",
+        hidden_size=4096,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=14336,
+        vocab_size=32000,
+        num_experts=8,
+        experts_per_token=2,
     ),
 }
 
@@ -220,7 +275,14 @@ def _shared_kv_messages(m: ModelShape, D: int) -> int:
 
 
 def _spec(m: ModelShape, D: int) -> AttentionSpec:
-    return AttentionSpec(m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, D, 1.0)
+    return AttentionSpec(
+        m.hidden_size,
+        m.num_heads,
+        n_kv_heads=m.num_kv_heads,
+        head_dim=m.head_dim,
+        tsp_size=D,
+        scaling=1.0,
+    )
 
 
 def tsp_mlp_columns(m: ModelShape, D: int) -> int:

@@ -119,8 +119,8 @@ def _run_one(fn, rank: int, world: int, args, timeout: float, results, stacks=sy
 
 def _worker(fn, rank: int, world: int, port: int, backend: str, args, results, timeout) -> None:
     try:
-        _join_group(rank, world, port, backend, timeout)
-        _run_one(fn, rank, world, args, timeout, results)
+        _join_group(rank, world, port, backend, timeout=timeout)
+        _run_one(fn, rank, world, args, timeout=timeout, results=results)
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -237,7 +237,7 @@ def _pool_worker(rank: int, world: int, port: int, backend: str, tasks, results,
     while True:  # until the pool kills this process
         fn, args, timeout = pickle.loads(tasks.get())
         with open(stacks, "w") as stack_file:
-            _run_one(fn, rank, world, args, timeout, results, stack_file)
+            _run_one(fn, rank, world, args, timeout=timeout, results=results, stacks=stack_file)
         # the next task starts as in a fresh process: environment, defaults, RNG. The process
         # groups it created stay: DTensor caches sharding decisions by mesh *value*, so a later
         # mesh of the same shape may be handed an earlier one whose groups must still exist

@@ -30,6 +30,8 @@ Frozen bases get no weight-gradient GEMMs: the gradient ring then carries the ad
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..adapters.hooks import MlpLora, MlpRingAdapters, MlpStepAdapters
@@ -116,27 +118,50 @@ class _Grads:
         self.used = n + ad.grad_numel(f)
 
 
-def _weight_grads(x2, dy2, shard: _Shard, out: _Grads, work, ad, tile, add: bool, hidden, kind):
+@dataclass(frozen=True)
+class _Pass:
+    """What every tile of one backward pass shares: the adapter hook ``ad``, the workspace
+    ``work`` and the gate's activation ``kind``."""
+
+    ad: MlpRingAdapters
+    work: _Workspace
+    kind: str
+
+
+def _weight_grads(x2, dy2, shard: _Shard, out: _Grads, *, tile, run: _Pass, add: bool, hidden):
     """Backward of one shard's ``(act(X·Gᵀ) ⊙ (X·Uᵀ))·Dnᵀ`` for the rows ``x2, dy2 [n, h]`` of
     ``tile`` (``hooks.MlpAdapterTile``): writes (``add``: adds) the gradients of the trainable
-    pieces into ``out`` and returns ``dH [n, 2f]`` (in ``work``, valid until the next tile),
+    pieces into ``out`` and returns ``dH [n, 2f]`` (in ``run.work``, valid until the next tile),
     the gradient of the gate/up pre-activations: the caller adds ``dX = dH · [G; U]``.
     ``hidden``: the saved gate/up pre-activations ``[n, 2f]`` (left intact); recomputed if
-    None. ``kind``: the gate's activation."""
-    f, n = shard.f, x2.shape[0]
+    None."""
+    f, n, ad, work = shard.f, x2.shape[0], run.ad, run.work
     if hidden is None:
-        hid = _pre_activations(x2, shard, ad, tile.rows, work)
+        hid = _pre_activations(x2, shard, ad, tile.rows, work=work)
     else:
         hid = work.get("hid", n, f, 2)
         hid.copy_(hidden)
     dm = torch.mm(dy2, shard.dn_use, out=work.get("dm", n, f))
     ad.add_d_act(dm, tile)
-    dh, act = swiglu_pointwise_backward(dm, hid, work.get("s", n, f), work.get("act", n, f), kind)
+    s, act = work.get("s", n, f), work.get("act", n, f)
+    dh, act = swiglu_pointwise_backward(dm, hid, s=s, act=act, kind=run.kind)
     if out.gu is not None:
         matmul_into(out.gu, dh.t(), x2, add)
         matmul_into(out.dn, dy2.t(), act, add)
-    ad.add_grads(out.lora, dh, act, tile, add)
+    ad.add_grads(out.lora, dh, act, tile, add=add)
     return dh
+
+
+@dataclass(frozen=True)
+class MlpSpec:
+    """What a ring MLP layer is: its TSP ``group``, engine ``options``, every rank's slice width
+    ``sizes [D]`` (``partition.split_sizes(F, D)``; None: all equal to this rank's) and the
+    gate's ``activation`` (``pointwise.GATE_ACTIVATIONS``: SwiGLU with ``"silu"``)."""
+
+    group: object
+    options: EngineOptions
+    sizes: tuple[int, ...] | None = None
+    activation: str = "silu"
 
 
 class _RingSchedule:
@@ -145,18 +170,18 @@ class _RingSchedule:
     pieces get gradients (``base``: the gate/up/down shards; ``lora``: the travelling
     adapters')."""
 
-    def __init__(self, group, options: EngineOptions, x, weights, sizes, plan, activation) -> None:
-        self.group, self.options, self.activation = group, options, activation
-        self.ring = comm.Ring(group)
-        self.D, self.p = self.ring.size, self.ring.rank
+    def __init__(self, spec: MlpSpec, x, weights, plan: LoraPlan) -> None:
+        self.group, self.options, self.activation = spec.group, spec.options, spec.activation
+        self.channel = comm.Ring(spec.group)
+        self.D, self.p = self.channel.size, self.channel.rank
         self.h = x.shape[-1]
-        self.sizes = sizes or [weights[0].shape[0]] * self.D  # f_q of every owner q
+        self.sizes = list(spec.sizes or [weights[0].shape[0]] * self.D)  # f_q of every owner q
         self.codec = StackedShard(weights[0].dtype == torch.uint8, x.dtype)  # uint8: NF4
         self.numel = max(self.codec.numel(self.shapes(f)) for f in self.sizes)
-        self.acc = options.accum_for(x.dtype)
+        self.acc = spec.options.accum_for(x.dtype)
         self.rows = x.shape[:-1].numel()  # B x S/D tokens
-        self.tile = min(options.mlp_tile or self.rows, self.rows)
-        self.plan = plan or LoraPlan()
+        self.tile = min(spec.options.mlp_tile or self.rows, self.rows)
+        self.plan = plan
         self.drop = SeededDropout.for_call(self.plan.dropout)
         self.base_trainable = self.lora_trainable = True
 
@@ -167,8 +192,15 @@ class _RingSchedule:
     def adapters(self, lora: MlpLora) -> MlpRingAdapters:
         """The adapter hook of one pass with this rank's adapter tensors ``lora``."""
         f_p = self.sizes[self.p]
-        trainable, packed = self.lora_trainable, self.codec.packed
-        return MlpRingAdapters(self.plan, self.drop, lora, f_p, self.acc, trainable, packed)
+        return MlpRingAdapters(
+            self.plan,
+            self.drop,
+            lora,
+            f_p,
+            acc=self.acc,
+            trainable=self.lora_trainable,
+            packed=self.codec.packed,
+        )
 
     def tiles(self) -> list[slice]:
         """The token rows of each tile, in order."""
@@ -178,7 +210,7 @@ class _RingSchedule:
         return _Workspace(x, self.tile, max(self.sizes))
 
     def grads(self, flat: torch.Tensor, f: int, ad: MlpRingAdapters) -> _Grads:
-        return _Grads(flat, f, self.h, self.base_trainable, ad)
+        return _Grads(flat, f, self.h, base=self.base_trainable, ad=ad)
 
     def grad_numel(self, ad: MlpRingAdapters) -> int:
         """Size of a gradient-ring buffer (the largest shard's trainable pieces)."""
@@ -194,8 +226,8 @@ class _RingSchedule:
         if ad.premerged:
             gu, dn = self.codec.decode(buf, self.shapes(self.sizes[self.p]))
             ad.merge(gu, dn, ad.own, in_place=True)
-        base = circulate(self.ring, buf, self.options.overlap, reuse=True)
-        steps = ad.circulate(self.ring, self.sizes, self.options.overlap, backward)
+        base = circulate(self.channel, buf, self.options.overlap, reuse=True)
+        steps = ad.circulate(self.channel, self.sizes, self.options.overlap, backward)
         for t, cur in base:
             q = (self.p - t) % self.D
             gu, dn = self.codec.decode(cur, self.shapes(self.sizes[q]))
@@ -205,28 +237,28 @@ class _RingSchedule:
 
 
 def tsp_mlp_forward(
-    sched: _RingSchedule, x: torch.Tensor, weights, lora: MlpLora, keep_hidden: bool = False
+    ring: _RingSchedule, x: torch.Tensor, weights, lora: MlpLora, keep_hidden: bool = False
 ):
     """Forward ring: ``X_p [B, T, h]`` -> ``Y_p [B, T, h]``, plus, if ``keep_hidden``, every
     step's gate/up pre-activations, a list of D ``[B, T, 2 f_q]`` (else None). ``lora``: this
     rank's adapter tensors (``MlpLora()`` without)."""
-    y = torch.zeros(x.shape, dtype=sched.acc, device=x.device)
-    x2, y2 = x.reshape(-1, sched.h), y.view(-1, sched.h)
-    ad = sched.adapters(lora)
+    y = torch.zeros(x.shape, dtype=ring.acc, device=x.device)
+    x2, y2 = x.reshape(-1, ring.h), y.view(-1, ring.h)
+    ad = ring.adapters(lora)
     ad.start_forward(x2)
     hidden = [] if keep_hidden else None
-    work = sched.workspace(x)
-    for _, shard in sched.shards(weights, ad, backward=False):
+    work = ring.workspace(x)
+    for _, shard in ring.shards(weights, ad, backward=False):
         if keep_hidden:
             hidden.append(_pre_activations(x2, shard, ad, slice(None)))
-        for rows in sched.tiles():
+        for rows in ring.tiles():
             tile = ad.tile(rows, shard.q, shard.f, shard.lora)
             if keep_hidden:
                 hid = hidden[-1][rows]
             else:
-                hid = _pre_activations(x2[rows], shard, ad, rows, work)
+                hid = _pre_activations(x2[rows], shard, ad, rows, work=work)
             hg, hu = hid.chunk(2, dim=-1)
-            act = gate_activation(hg, sched.activation, work.get("act", hid.shape[0], shard.f))
+            act = gate_activation(hg, ring.activation, work.get("act", hid.shape[0], shard.f))
             act.mul_(hu)
             add_matmul(y2[rows], act, shard.dn_use.t())
             ad.add_output(act, tile)
@@ -234,21 +266,21 @@ def tsp_mlp_forward(
     return round_in_place(y, x.dtype), hidden
 
 
-def _input_rows(sched: _RingSchedule, saved: tuple, lora: MlpLora):
+def _input_rows(ring: _RingSchedule, saved: tuple, lora: MlpLora):
     """X_p's rows as the backward reads them, from ``saved`` (``pointwise.to_save``'s triple):
     the whole rebuilt input (with ``overlap``, or adapters, which read all of it) or, memory
     before speed, each tile's rows rebuilt from its norm's input when used, so that no
     ``[B, S/D, h]`` normed copy lives through the rings. Returns ``(x2 or None, rows_of)``."""
     x, weight, norm = saved
-    if weight is None or sched.options.overlap or any(t is not None for t in lora.flatten()):
-        x2 = from_saved(*saved).reshape(-1, sched.h)
+    if weight is None or ring.options.overlap or any(t is not None for t in lora.flatten()):
+        x2 = from_saved(*saved).reshape(-1, ring.h)
         return x2, x2.__getitem__
-    inputs = x.reshape(-1, sched.h)
+    inputs = x.reshape(-1, ring.h)
     return None, lambda rows: from_saved(inputs[rows], weight, norm)
 
 
 def tsp_mlp_backward(
-    sched: _RingSchedule, dy: torch.Tensor, saved: tuple, weights, lora: MlpLora, hidden=None
+    ring: _RingSchedule, dy: torch.Tensor, saved: tuple, weights, lora: MlpLora, hidden=None
 ):
     """Backward rings: returns ``dX_p``, the fully reduced gradients of this rank's base shards
     (``[dG, dU, dDn]``, or None if frozen) and the adapters' (``MlpLora``: this rank's B rows
@@ -256,31 +288,31 @@ def tsp_mlp_backward(
     ``pointwise.to_save`` of X_p; ``hidden``: what ``tsp_mlp_forward(keep_hidden=True)``
     returned, or None to recompute."""
     x = saved[0]
-    dy2 = dy.contiguous().view(-1, sched.h)
-    x2, rows_of = _input_rows(sched, saved, lora)
-    dx = torch.zeros(x.shape, dtype=sched.acc, device=x.device)
-    dx2 = dx.view(-1, sched.h)
-    ad = sched.adapters(lora)
+    dy2 = dy.contiguous().view(-1, ring.h)
+    x2, rows_of = _input_rows(ring, saved, lora)
+    dx = torch.zeros(x.shape, dtype=ring.acc, device=x.device)
+    dx2 = dx.view(-1, ring.h)
+    ad = ring.adapters(lora)
     ad.start_backward(x2, dy2)
-    owner_grads = GradientRing(sched.ring)
-    work = sched.workspace(x)
-    tiles = sched.tiles()
-    numel = sched.grad_numel(ad)
-    for t, shard in sched.shards(weights, ad, backward=True):
-        share = torch.empty(numel, dtype=sched.acc, device=x.device)
-        grads = sched.grads(share, shard.f, ad)
+    owner_grads = GradientRing(ring.channel)
+    run = _Pass(ad, ring.workspace(x), ring.activation)
+    tiles = ring.tiles()
+    numel = ring.grad_numel(ad)
+    for t, shard in ring.shards(weights, ad, backward=True):
+        share = torch.empty(numel, dtype=ring.acc, device=x.device)
+        grads = ring.grads(share, shard.f, ad)
         share[grads.used :].zero_()  # a smaller shard's padding travels (and is summed) too
         for i, rows in enumerate(tiles):
             tile = ad.tile(rows, shard.q, shard.f, shard.lora)
             h_t = hidden[t][rows] if hidden is not None else None
             dh = _weight_grads(
-                rows_of(rows), dy2[rows], shard, grads, work, ad, tile, i > 0, h_t, sched.activation
+                rows_of(rows), dy2[rows], shard, grads, tile=tile, run=run, add=i > 0, hidden=h_t
             )
             if i == len(tiles) - 1 and numel:
                 owner_grads.add(t, share)  # on its way (the last hop too) while dX is computed
             add_matmul(dx2[rows], dh, shard.gu_use)
             ad.add_d_input(dh, tile)
-    own = sched.grads(owner_grads.result() if numel else share, sched.sizes[sched.p], ad)
+    own = ring.grads(owner_grads.result() if numel else share, ring.sizes[ring.p], ad)
     base = None
     if own.gu is not None:
         base = [t.to(w.dtype) for t, w in zip((*own.gu.chunk(2), own.dn), weights)]
@@ -293,21 +325,21 @@ class _TSPMLPFunction(torch.autograd.Function):
     norm's output: ``pointwise.to_save``) and the rank's own shards (plus every
     step's gate/up pre-activations, D x ``[B, S/D, 2 f_q]``, when ``options.recompute_mlp`` is
     off), and with adapters their tensors. Inputs after the base shards: ``MlpLora.flatten()``
-    (the replicated A's of ``sched.plan.inputs``, gate's and up's B rows, down's A columns,
+    (the replicated A's of ``ring.plan.inputs``, gate's and up's B rows, down's A columns,
     down's replicated B; each None without an adapter)."""
 
     @staticmethod
-    def forward(ctx, sched: _RingSchedule, x, gate, up, down, *lora_flat):
-        n_in = len(sched.plan.inputs)
+    def forward(ctx, ring: _RingSchedule, x, gate, up, down, *lora_flat):
+        n_in = len(ring.plan.inputs)
         lora = MlpLora.unflatten(lora_flat, n_in)
-        _, _, *needs = ctx.needs_input_grad  # after sched and x: gate, up, down, the adapters
-        sched.base_trainable = any(needs[:3])
+        _, _, *needs = ctx.needs_input_grad  # after ring and x: gate, up, down, the adapters
+        ring.base_trainable = any(needs[:3])
         need = MlpLora.unflatten(needs[3:], n_in)
-        sched.lora_trainable = need.b_gate or need.b_up or need.a_down  # the travelling pieces
+        ring.lora_trainable = need.b_gate or need.b_up or need.a_down  # the travelling pieces
         weights = (gate, up, down)
-        keep = not sched.options.recompute_mlp and any(ctx.needs_input_grad)
-        y, hidden = tsp_mlp_forward(sched, x, weights, lora, keep)
-        ctx.sched, ctx.n_hidden = sched, len(hidden or ())
+        keep = not ring.options.recompute_mlp and any(ctx.needs_input_grad)
+        y, hidden = tsp_mlp_forward(ring, x, weights, lora, keep_hidden=keep)
+        ctx.ring, ctx.n_hidden = ring, len(hidden or ())
         x, norm_weight, ctx.norm = to_save(x)  # its norm's input when it is a norm's output
         ctx.save_for_backward(x, norm_weight, *weights, *lora_flat, *(hidden or ()))
         return y
@@ -315,10 +347,11 @@ class _TSPMLPFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, norm_weight, gate, up, down, *rest = ctx.saved_tensors
-        n_in = len(ctx.sched.plan.inputs)
+        n_in = len(ctx.ring.plan.inputs)
         lora, hidden = MlpLora.unflatten(rest[: n_in + 4], n_in), rest[n_in + 4 :] or None
         saved = (x, norm_weight, ctx.norm)
-        dx, base, d_lora = tsp_mlp_backward(ctx.sched, dy, saved, (gate, up, down), lora, hidden)
+        weights = (gate, up, down)
+        dx, base, d_lora = tsp_mlp_backward(ctx.ring, dy, saved, weights, lora=lora, hidden=hidden)
         return (None, dx, *(base or (None,) * 3), *d_lora.flatten())
 
 
@@ -327,17 +360,13 @@ def tsp_mlp(
     gate: torch.Tensor,
     up: torch.Tensor,
     down: torch.Tensor,
-    group,
-    options: EngineOptions,
-    sizes: list[int] | None = None,
+    spec: MlpSpec,
+    *,
     lora: LoraPlan | None = None,
     adapters: dict[str, torch.Tensor] | None = None,
-    activation: str = "silu",
 ):
     """Ring gated MLP of this rank's tokens: ``x [B, S/D, h]`` -> ``[B, S/D, h]`` with this
-    rank's slices ``gate, up [f_p, h]`` and ``down [h, f_p]``; ``sizes [D]``: every rank's
-    ``f_q`` (``partition.split_sizes(F, D)``; None: all equal to this rank's); ``activation``:
-    the gate's (``pointwise.GATE_ACTIVATIONS``: SwiGLU with ``"silu"``).
+    rank's slices ``gate, up [f_p, h]`` and ``down [h, f_p]`` of the layer ``spec``.
 
     LoRA (``engine.adapters.lora``): ``lora`` names the adapted projections and ``adapters`` holds
     their pieces: the replicated A's ``a_gate, a_up [r, h]`` (their gradient is this rank's part:
@@ -345,6 +374,6 @@ def tsp_mlp(
     columns ``a_down [r, f_p]`` and down's replicated B ``b_down [h, r]`` (wrapped alike).
     """
     plan = lora or LoraPlan()
-    sched = _RingSchedule(group, options, x, (gate, up, down), sizes, plan, activation)
-    pieces = MlpLora.of(adapters or {}, plan)
-    return _TSPMLPFunction.apply(sched, x, gate, up, down, *pieces.flatten())
+    ring = _RingSchedule(spec, x, (gate, up, down), plan)
+    tensors = (x, gate, up, down, *MlpLora.of(adapters or {}, plan).flatten())
+    return _TSPMLPFunction.apply(ring, *tensors)

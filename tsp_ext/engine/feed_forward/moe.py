@@ -31,6 +31,7 @@ X_p and the routing ``[n, k]``.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -107,24 +108,24 @@ def sum_mm(a: torch.Tensor, b: torch.Tensor, counts: list[int], out: torch.Tenso
         add_matmul(out[g], a[:, rows], b[rows])
 
 
-def _ffn(x, ws, counts: list[int], kind, acc) -> torch.Tensor:
+def _ffn(x, ws, counts: list[int], *, kind, acc) -> torch.Tensor:
     """``(act(x·G_gᵀ) ⊙ (x·U_gᵀ))·Dn_gᵀ`` ``[m, h]`` in ``acc`` of rows ``x [m, h]`` in groups of
     ``counts`` (one per expert), with the experts' ``ws = (gu, dn)``: ``[G; U]`` ``[G, 2F, h]``
     and ``dn [G, h, F]`` (a ``kind`` that is not an activation's name computes its own form:
     ``moe_clamped.ClampedSwiGLU``)."""
     if not isinstance(kind, str):
-        return kind.ffn(x, ws, counts, acc)
+        return kind.ffn(x, ws, counts, acc=acc)
     gu, dn = ws
     hg, hu = rows_mm(x, gu.transpose(1, 2), counts, acc).chunk(2, dim=-1)
     return rows_mm(gate_activation(hg, kind).mul_(hu), dn.transpose(1, 2), counts, acc)
 
 
-def _ffn_backward(x, dy, w, ws, counts: list[int], kind, acc, grads=None):
+def _ffn_backward(x, dy, w, ws, *, counts: list[int], kind, acc, grads=None):
     """Backward of ``w · FFN(x)`` (``_ffn``) for rows ``x, dy [m, h]`` with weights ``w [m]``
     (acc): returns ``dX [m, h]`` and ``dw [m]`` (acc) and adds each weight's gradient into
     ``grads`` (``(d_gu [G, 2F, h], d_dn [G, h, F])``, acc, as ``ws``) if given."""
     if not isinstance(kind, str):
-        return kind.ffn_backward(x, dy, w, ws, counts, acc, grads)
+        return kind.ffn_backward(x, dy, w, ws, counts=counts, acc=acc, grads=grads)
     gu, dn = ws
     d_out = rows_mm(dy, dn, counts, acc)  # dY·Dn before the routing weight
     hid = rows_mm(x, gu.transpose(1, 2), counts, acc)
@@ -136,20 +137,40 @@ def _ffn_backward(x, dy, w, ws, counts: list[int], kind, acc, grads=None):
     return rows_mm(dh, gu, counts, acc), dw
 
 
+@dataclass(frozen=True)
+class ExpertsSpec:
+    """What a routed-experts layer is: its TSP ``group``, engine ``options``, the number of
+    routed experts ``n_experts`` (rank p owns ``split_range(n_experts, D, p)``), the gate's
+    ``activation`` (``pointwise.GATE_ACTIVATIONS``) or a ``moe_clamped.ClampedSwiGLU``, and the
+    ``schedule``: ``"ring"``, ``"all_to_all"`` or ``"auto"`` (``schedule_for``, on the GEMM
+    weights' traffic)."""
+
+    group: object
+    options: EngineOptions
+    n_experts: int
+    activation: object = "silu"
+    schedule: str = "auto"
+
+
 class _Experts:
     """The layout of one call: every rank's expert count ``sizes [D]`` and first expert, the
     shapes of one expert's weights ``shapes`` (as ``ws``: ``(gu, dn)`` or gpt-oss's four), the
-    gate's activation (or ``ClampedSwiGLU``) and the accumulation dtype."""
+    gate's activation (or ``ClampedSwiGLU``), the accumulation dtype and the ``schedule`` this
+    call runs (``schedule_for`` the routing ``index [n, k]``)."""
 
-    def __init__(self, group, options: EngineOptions, x, ws, n_experts: int, kind):
-        self.group, self.options, self.kind = group, options, kind
-        self.D, self.p = comm.size_and_rank(group)
+    def __init__(self, spec: ExpertsSpec, x, ws, index: torch.Tensor):
+        self.group, self.options, self.kind = spec.group, spec.options, spec.activation
+        self.D, self.p = comm.size_and_rank(spec.group)
+        n_experts = spec.n_experts
         self.n_experts, self.h = n_experts, x.shape[-1]
         self.shapes = [tuple(t.shape[1:]) for t in ws]
         self.per_expert = [math.prod(s) for s in self.shapes]
         self.sizes = split_sizes(n_experts, self.D)
         self.first = [split_range(n_experts, self.D, q).start for q in range(self.D)]
-        self.acc = options.accum_for(x.dtype)
+        self.acc = spec.options.accum_for(x.dtype)
+        n, k = index.shape
+        F = ws[0].shape[1] * ws[0].shape[2] // (2 * self.h)  # [2F, h] or [h, 2F]
+        self.schedule = schedule_for(spec.schedule, n=n, k=k, E=n_experts, F=F, h=self.h, D=self.D)
 
     def owned(self, routing: Routing, q: int) -> tuple[slice, list[int]]:
         """``routing.rows_of`` rank q's experts."""
@@ -226,19 +247,20 @@ class _Exchange:
                 yield block[r], self.got[r], None
 
 
-def _add_experts(y, x2, routing: Routing, rows: slice, counts, ws, scale, kind) -> None:
+def _add_experts(y, x2, routing: Routing, rows: slice, *, counts, ws, scale, kind) -> None:
     """``y[token] += scale · FFN_e(x2[token])`` (``y`` in the accumulation dtype) for the
     assignments ``rows`` of ``routing``, ``counts`` of them for each expert of ``ws``."""
     if rows.stop > rows.start:
         tokens = routing.tokens[rows]
-        out = _ffn(x2.index_select(0, tokens), ws, counts, kind, y.dtype)
+        out = _ffn(x2.index_select(0, tokens), ws, counts, kind=kind, acc=y.dtype)
         y.index_add_(0, tokens, out.mul_(scale[rows, None]))
 
 
 def _ring_forward(lay: _Experts, x2, ws, routing, scale):
     y = torch.zeros(x2.shape, dtype=lay.acc, device=x2.device)
     for _, q, wq in lay.shards(ws):
-        _add_experts(y, x2, routing, *lay.owned(routing, q), wq, scale, lay.kind)
+        rows, counts = lay.owned(routing, q)
+        _add_experts(y, x2, routing, rows, counts=counts, ws=wq, scale=scale, kind=lay.kind)
     return y
 
 
@@ -257,7 +279,7 @@ def _ring_backward(lay: _Experts, dy2, x2, ws, routing, scale, weight_grads):
             tokens = routing.tokens[rows]
             xe, dye = x2.index_select(0, tokens), dy2.index_select(0, tokens)
             dxe, d_scale[rows] = _ffn_backward(
-                xe, dye, scale[rows], wq, counts, lay.kind, lay.acc, grads
+                xe, dye, scale[rows], wq, counts=counts, kind=lay.kind, acc=lay.acc, grads=grads
             )
             dx.index_add_(0, tokens, dxe)
         if weight_grads:
@@ -276,7 +298,7 @@ def _all_to_all_forward(lay: _Experts, x2, ws, routing, scale):
             arriving.wait()
             continue
         src = sent[own] if own is not None else rows[r]
-        out[r] = _ffn(src, ws, counts, lay.kind, lay.acc)
+        out[r] = _ffn(src, ws, counts, kind=lay.kind, acc=lay.acc)
     y = torch.zeros(x2.shape, dtype=lay.acc, device=x2.device)
     return y.index_add_(0, routing.tokens, ex.back(out).mul_(scale[:, None]))
 
@@ -295,7 +317,9 @@ def _all_to_all_backward(lay: _Experts, dy2, x2, ws, routing, scale, weight_grad
                 arriving.wait()
             continue
         x, dy, w = (t[own] for t in sent) if own is not None else (t[r] for t, _ in posted)
-        out[r, :h], out[r, h] = _ffn_backward(x, dy, w, ws, counts, lay.kind, lay.acc, grads)
+        out[r, :h], out[r, h] = _ffn_backward(
+            x, dy, w, ws, counts=counts, kind=lay.kind, acc=lay.acc, grads=grads
+        )
     back = ex.back(out)
     dx = torch.zeros(x2.shape, dtype=lay.acc, device=x2.device)
     dx.index_add_(0, routing.tokens, back[:, :h])
@@ -312,12 +336,11 @@ class _ExpertsFunction(torch.autograd.Function):
     weights ``[n, k]``) and the rank's own experts ``ws``."""
 
     @staticmethod
-    def forward(ctx, group, options, n_experts, kind, schedule, x, index, weight, *ws):
-        lay = _Experts(group, options, x, ws, n_experts, kind)
-        routing = Routing.of(index, n_experts)
+    def forward(ctx, lay: _Experts, x, index, weight, *ws):
+        routing = Routing.of(index, lay.n_experts)
         scale = weight.reshape(-1)[routing.slots].to(lay.acc)
-        y = _FORWARD[schedule](lay, x.reshape(-1, lay.h), ws, routing, scale)
-        ctx.lay, ctx.schedule = lay, schedule
+        y = _FORWARD[lay.schedule](lay, x.reshape(-1, lay.h), ws, routing, scale)
+        ctx.lay = lay
         ctx.routing = (routing.k, routing.counts, routing.dispatch)  # python ints, no tensor
         saved, norm_weight, ctx.norm = to_save(x)
         ctx.save_for_backward(saved, norm_weight, routing.slots, weight, *ws)
@@ -330,14 +353,14 @@ class _ExpertsFunction(torch.autograd.Function):
         x = from_saved(x, norm_weight, ctx.norm)
         routing = Routing(slots, *ctx.routing)
         scale = weight.reshape(-1)[routing.slots].to(lay.acc)
-        weight_grads = any(ctx.needs_input_grad[8:])
-        dx, d_scale, grads = _BACKWARD[ctx.schedule](
+        weight_grads = any(ctx.needs_input_grad[4:])
+        dx, d_scale, grads = _BACKWARD[lay.schedule](
             lay, dy.reshape(-1, lay.h), x.reshape(-1, lay.h), ws, routing, scale, weight_grads
         )
         d_weight = torch.zeros_like(scale).index_put_((routing.slots,), d_scale)
         d_weight = d_weight.view(weight.shape).to(weight.dtype)
         d_ws = [None] * len(ws) if grads is None else [g.to(t.dtype) for g, t in zip(grads, ws)]
-        return (None,) * 5 + (dx.to(x.dtype).view(x.shape), None, d_weight, *d_ws)
+        return (None, dx.to(x.dtype).view(x.shape), None, d_weight, *d_ws)
 
 
 class _RouterLogits(torch.autograd.Function):
@@ -374,37 +397,32 @@ def tsp_experts(
     x: torch.Tensor,
     index: torch.Tensor,
     weight: torch.Tensor,
+    *,
     ws: tuple[torch.Tensor, ...],
-    group,
-    options: EngineOptions,
-    n_experts: int,
-    activation="silu",
-    schedule: str = "auto",
+    spec: ExpertsSpec,
 ) -> torch.Tensor:
     """Routed experts of this rank's tokens: ``x [B, S/D, h]`` -> ``[B, S/D, h]``, each token the
     sum of its experts ``index [n, k]`` (``n = B·S/D``, rows in x's order) times their routing
-    weights ``weight [n, k]`` (differentiable). ``ws``: this rank's experts of ``n_experts``
-    (``split_range``), ``(gate_up [E_p, 2F, h], down [E_p, h, F])``, or gpt-oss's four
-    (``moe_clamped``); ``activation``: the gate's (``pointwise.GATE_ACTIVATIONS``) or a
-    ``moe_clamped.ClampedSwiGLU``; ``schedule``: ``"ring"``, ``"all_to_all"`` or ``"auto"``
-    (``schedule_for``, on the GEMM weights' traffic)."""
-    D = comm.size_and_rank(group)[0]
-    n, k = index.shape
-    F = ws[0].shape[1] * ws[0].shape[2] // (2 * x.shape[-1])  # [2F, h] or [h, 2F]
-    run = schedule_for(schedule, n, k, n_experts, F, x.shape[-1], D)
-    return _ExpertsFunction.apply(group, options, n_experts, activation, run, x, index, weight, *ws)
+    weights ``weight [n, k]`` (differentiable). ``ws``: this rank's experts of the layer
+    ``spec`` (``split_range``), ``(gate_up [E_p, 2F, h], down [E_p, h, F])``, or gpt-oss's four
+    (``moe_clamped``)."""
+    lay = _Experts(spec, x, ws, index)
+    return _ExpertsFunction.apply(lay, x, index, weight, *ws)
 
 
-def decode_experts(x, index, weight, ws, first: int, n_experts: int, group, acc, activation="silu"):
+def decode_experts(x, index, weight, *, ws, spec: ExpertsSpec):
     """Routed experts of the replicated decode tokens ``x [B, Tq, h]`` (routing ``index, weight
     [B·Tq, k]``, the same on every rank): each rank adds its experts' rows (``ws``, as
-    ``tsp_experts``: experts ``first`` on, of ``n_experts``), then one all-reduce; ``[B, Tq,
-    h]`` in x's dtype, identical on every rank."""
+    ``tsp_experts``), then one all-reduce; ``[B, Tq, h]`` in x's dtype, identical on every
+    rank."""
+    D, p = comm.size_and_rank(spec.group)
     x2 = x.reshape(-1, x.shape[-1])
-    routing = Routing.of(index, n_experts)
+    routing = Routing.of(index, spec.n_experts)
+    acc = spec.options.accum_for(x.dtype)
     scale = weight.reshape(-1)[routing.slots].to(acc)
     y = torch.zeros(x2.shape, dtype=acc, device=x.device)
+    first = split_range(spec.n_experts, D, p).start
     rows, counts = routing.rows_of(first, ws[0].shape[0])
-    _add_experts(y, x2, routing, rows, counts, ws, scale, activation)
-    comm.all_reduce(y, group)
+    _add_experts(y, x2, routing, rows, counts=counts, ws=ws, scale=scale, kind=spec.activation)
+    comm.all_reduce(y, spec.group)
     return y.to(x.dtype).view(x.shape)

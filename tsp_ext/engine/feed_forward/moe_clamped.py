@@ -36,7 +36,7 @@ class ClampedSwiGLU:
     alpha: float
     limit: float
 
-    def _hidden(self, x, ws, counts, acc, ids) -> torch.Tensor:
+    def _hidden(self, x, ws, counts, *, acc, ids) -> torch.Tensor:
         """``x·GU + b_gu`` ``[m, 2F]`` (acc), gate and up interleaved."""
         return rows_mm(x, ws[0], counts, acc).add_(ws[1].to(acc)[ids])
 
@@ -49,18 +49,18 @@ class ClampedSwiGLU:
         glu = g_c * s
         return up1 * glu, (g_c, up1, s, glu)
 
-    def ffn(self, x, ws, counts: list[int], acc) -> torch.Tensor:
+    def ffn(self, x, ws, counts: list[int], *, acc) -> torch.Tensor:
         """``FFN_g(x)`` ``[m, h]`` (acc) of rows ``x [m, h]`` in groups of ``counts``."""
         ids = _expert_of_rows(counts, x.device)
-        act, _ = self._gate(self._hidden(x, ws, counts, acc, ids))
+        act, _ = self._gate(self._hidden(x, ws, counts, acc=acc, ids=ids))
         return rows_mm(act, ws[2], counts, acc).add_(ws[3].to(acc)[ids])
 
-    def ffn_backward(self, x, dy, w, ws, counts: list[int], acc, grads=None):
+    def ffn_backward(self, x, dy, w, ws, *, counts: list[int], acc, grads=None):
         """Backward of ``w · FFN(x)`` for rows ``x, dy [m, h]`` and routing weights ``w [m]``
         (acc): ``dX [m, h]`` and ``dw [m]`` (acc); adds the four weights' gradients into
         ``grads`` (as ``ws``, acc) if given."""
         ids = _expert_of_rows(counts, x.device)
-        hid = self._hidden(x, ws, counts, acc, ids)
+        hid = self._hidden(x, ws, counts, acc=acc, ids=ids)
         act, (g_c, up1, s, glu) = self._gate(hid)
         d_out = rows_mm(dy, ws[2].transpose(1, 2), counts, acc)  # dY·Dnᵀ before the weight
         dyf = dy.to(acc)

@@ -21,5 +21,5 @@ def schedule_for(option: str, n: int, k: int, E: int, F: int, h: int, D: int) ->
     fewer elements (``traffic``); the same on every rank (n is)."""
     if option != "auto":
         return option
-    moved = traffic(n, k, E, F, h, D)
+    moved = traffic(n, k, E, F, h=h, D=D)
     return "all_to_all" if moved["all_to_all"] < moved["ring"] else "ring"

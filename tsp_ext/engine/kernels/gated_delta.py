@@ -37,9 +37,11 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _chunked(q, k, v, g, beta, state):
+def _chunked(inputs: tuple[torch.Tensor, ...], state):
     """WY-chunked scan of one stream (as Hugging Face's ``torch_chunk_gated_delta_rule``):
-    ``[B, H, T, ...]`` in the compute dtype, T a multiple of ``CHUNK``."""
+    ``inputs = (q, k, v, g, beta)``, ``[B, H, T, ...]`` in the compute dtype, T a multiple of
+    ``CHUNK``."""
+    q, k, v, g, beta = inputs
     B, H, T, dk = k.shape
     n = T // CHUNK
     v_beta, k_beta = v * beta[..., None], k * beta[..., None]
@@ -90,9 +92,8 @@ def chunk_gated_delta(
         if cuts:  # run the pieces between reset positions in turn
             outs = []
             for a, b in zip([0, *cuts], [*cuts, T]):
-                o, state = chunk_gated_delta(
-                    q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], state, resets[:, a:b]
-                )
+                piece = (t[:, a:b] for t in (q, k, v, g, beta))
+                o, state = chunk_gated_delta(*piece, state=state, resets=resets[:, a:b])
                 outs.append(o)
             return torch.cat(outs, dim=1), state
     if uses_fla(q):  # scale 1: q comes scaled; the state in float32, as fla keeps it
@@ -102,13 +103,13 @@ def chunk_gated_delta(
         )  # fmt: skip
         return o.to(acc), state
     pad = (-T) % CHUNK
-    q, k, v, g, beta = (
+    inputs = tuple(
         torch.nn.functional.pad(
             x.transpose(1, 2).to(acc), (0, 0, 0, pad) if x.dim() == 4 else (0, pad)
         )
         for x in (q, k, v, g, beta)
     )
-    o, state = _chunked(q, k, v, g, beta, state)
+    o, state = _chunked(inputs, state)
     return o[:, :, :T].transpose(1, 2), state
 
 

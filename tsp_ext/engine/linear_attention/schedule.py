@@ -2,9 +2,9 @@
 folded, tokens sharded.
 
 Head group r holds key heads ``split_range(n_k_heads, D, r)`` and their value heads: contiguous
-rows of each input projection (Qwen3-Next's fused ``in_proj_qkvz`` / ``in_proj_ba``, or Qwen3.5's
-``in_proj_q`` / ``in_proj_k`` / ``in_proj_v`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``,
-its ``in_proj_qkv`` split by rows) and columns of ``out_proj``, which rank r broadcasts in turn.
+rows of each input projection (``LinearAttentionSpec.projections``: the fused ``qkvz`` / ``ba``,
+or ``q`` / ``k`` / ``v`` / ``z`` / ``b`` / ``a`` apart; ``hf.linear_attention`` maps them to
+Hugging Face's modules) and columns of the output projection, which rank r broadcasts in turn.
 Every rank projects its own tokens (zigzag chunks p and 2D-1-p), runs the causal depthwise conv
 with a K-1 row halo (``state_exchange.halo``), computes per chunk its transition ``[C | M]`` and
 outputs ``[o⁰ | R]`` in one pass (``v' = [v | 0]``, ``S_in' = [0 | I]``), all-gathers the
@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +45,7 @@ class LinearAttentionSpec:
     conv: int
     eps: float
     tsp_size: int
-    separate: bool = False  # Qwen3.5's layout: one projection per q, k, v, z, b, a
+    separate: bool = False  # one input projection per q, k, v, z, b, a (else qkvz and ba)
 
     def __post_init__(self) -> None:
         if not 1 <= self.tsp_size <= self.n_k_heads:
@@ -74,39 +75,40 @@ class LinearAttentionSpec:
         return slice(k.start * per_head, k.stop * per_head)
 
     def qkvz_rows(self, r: int) -> slice:
-        """Rows of ``in_proj_qkvz`` (per key head ``[q | k | v·ratio | z·ratio]``)."""
+        """Rows of the fused ``qkvz`` projection (per key head ``[q | k | v·ratio | z·ratio]``)."""
         return self._rows(r, 2 * self.dk + 2 * self.ratio * self.dv)
 
     def ba_rows(self, r: int) -> slice:
-        """Rows of ``in_proj_ba`` (per key head ``[b·ratio | a·ratio]``)."""
+        """Rows of the fused ``ba`` projection (per key head ``[b·ratio | a·ratio]``)."""
         return self._rows(r, 2 * self.ratio)
 
     def out_cols(self, r: int) -> slice:
-        """Columns of ``out_proj`` (value channels of group r)."""
+        """Columns of the output projection (value channels of group r)."""
         return self._rows(r, self.ratio * self.dv)
 
     @property
     def projections(self) -> tuple[str, ...]:
-        """The input projections of the layout, in the order ``project`` takes them."""
+        """The input projections of the layout, in the order ``project`` takes them: ``q``,
+        ``k``, ``v``, ``z``, ``b``, ``a`` apart, or the fused ``qkvz`` and ``ba``."""
         if self.separate:
-            return tuple(f"in_proj_{n}" for n in "qkvzba")
-        return ("in_proj_qkvz", "in_proj_ba")
+            return tuple("qkvzba")
+        return ("qkvz", "ba")
 
     def rows(self, name: str, r: int) -> slice:
         """Group r's rows of input projection ``name`` (one of ``projections``)."""
         per_value_head = {"z": self.dv, "b": 1, "a": 1}
-        if name == "in_proj_qkvz":
+        if name == "qkvz":
             return self.qkvz_rows(r)
-        if name == "in_proj_ba":
+        if name == "ba":
             return self.ba_rows(r)
-        if name in ("in_proj_q", "in_proj_k"):
+        if name in ("q", "k"):
             return self._rows(r, self.dk)
-        if name == "in_proj_v":
+        if name == "v":
             return self.out_cols(r)
-        return self._rows(r, self.ratio * per_value_head[name[-1]])
+        return self._rows(r, self.ratio * per_value_head[name])
 
     def conv_channels(self, r: int) -> list[slice]:
-        """Group r's q, k and v channel slices of ``conv1d.weight``."""
+        """Group r's q, k and v channel slices of the conv weight ``[C, 1, K]``."""
         q, key_dim = self._rows(r, self.dk), self.n_k_heads * self.dk
         v = self.out_cols(r)
         return [
@@ -173,8 +175,8 @@ class _Broadcast(torch.autograd.Function):
 
 
 def group_shapes(spec: LinearAttentionSpec, r: int) -> list[torch.Size]:
-    """Shapes of group r's input projections' shards (``spec.projections``) and its
-    ``out_proj`` columns."""
+    """Shapes of group r's input projections' shards (``spec.projections``) and its output
+    projection's columns."""
     rows = [spec.rows(name, r) for name in spec.projections]
     out = spec.out_cols(r)
     shapes = [torch.Size((s.stop - s.start, spec.hidden)) for s in rows]
@@ -219,9 +221,9 @@ def project(x: torch.Tensor, w_in: tuple[torch.Tensor, ...], spec, nk: int):
     return qkv, z.reshape(B, T, -1, spec.dv), b.reshape(B, T, -1), a.reshape(B, T, -1)
 
 
-def heads(mixed: torch.Tensor, b, a, A_log, dt_bias, spec, nk: int):
+def heads(mixed: torch.Tensor, b, a, *, A_log, dt_bias, spec, nk: int):
     """Post-conv rows -> the kernel's inputs ``q, k [.., Hv_r, dk]`` (l2-normed, q scaled,
-    expanded), ``v``, ``g``, ``beta``."""
+    expanded), ``v``, ``g``, ``beta`` (``A_log, dt_bias [Hv_r]``: the group's)."""
     acc = compute_dtype(mixed.dtype)
     kd = nk * spec.dk
     q, k, v = mixed.split([kd, kd, mixed.shape[-1] - 2 * kd], dim=-1)
@@ -236,26 +238,36 @@ def heads(mixed: torch.Tensor, b, a, A_log, dt_bias, spec, nk: int):
 Keep = Callable[[int, list[torch.Tensor], torch.Tensor], None]
 
 
-def group_forward(
-    r: int,
-    spec: LinearAttentionSpec,
-    group: ProcessGroup,
-    docs: Documents,
-    keep: Keep | None,
-    x: torch.Tensor,
-    own: tuple[torch.Tensor, ...],
-    conv_w: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    norm_w: torch.Tensor,
-    identity: torch.Tensor | None = None,
-) -> torch.Tensor:
+@dataclass(frozen=True)
+class GroupCall:
+    """What every head group of one layer call shares: the layer ``spec``, the TSP ``group``,
+    this rank's tokens' ``docs``, the prefill hook ``keep(r, states, qkv)`` (with the composed
+    states and this rank's pre-conv rows; None in training) and ``identity [B, T]`` (bool:
+    tokens whose transition is the identity, a prompt's padded tail; None: none)."""
+
+    spec: LinearAttentionSpec
+    group: ProcessGroup
+    docs: Documents
+    keep: Keep | None = None
+    identity: torch.Tensor | None = None
+
+
+class LayerWeights(NamedTuple):
+    """One layer's tensors on this rank: ``own``, its rows of the input projections
+    (``spec.projections``) then its output projection's columns; ``replicated``, the conv weight
+    ``[C, 1, K]``, ``A_log``, ``dt_bias [Hv]`` and the norm's weight ``[dv]``."""
+
+    own: tuple[torch.Tensor, ...]
+    replicated: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def group_forward(r: int, call: GroupCall, x: torch.Tensor, weights: LayerWeights) -> torch.Tensor:
     """Head group r's share ``[B, T, h]`` of the output for this rank's tokens ``x [B, T, h]``
-    (own: this rank's shards, broadcast if r is this rank; ``identity [B, T]`` bool: tokens
-    whose transition is the identity, a prompt's padded tail; ``keep(r, states, qkv)``: prefill
-    hook with the composed states and this rank's pre-conv rows)."""
+    (this rank's shards ``weights.own`` broadcast if r is this rank)."""
+    spec, group, docs = call.spec, call.group, call.docs
+    conv_w, A_log, dt_bias, norm_w = weights.replicated
     D, p = comm.size_and_rank(group)
-    *w_in, w_out = _Broadcast.apply(r, group_shapes(spec, r), group, *own)
+    *w_in, w_out = _Broadcast.apply(r, group_shapes(spec, r), group, *weights.own)
     k_heads, v_heads = spec.k_heads(r), spec.v_heads(r)
     nk, B, T = k_heads.stop - k_heads.start, x.shape[0], x.shape[1]
     c = T // 2
@@ -266,7 +278,10 @@ def group_forward(
     ok = docs.lag_ok(spec.conv).unflatten(1, (2, c)).transpose(0, 1)  # [2, B or 1, c, K]
     mixed = torch.stack([causal_conv(rows[i], left[i], w, ok[i]) for i in range(2)])
     mixed = mixed.transpose(0, 1).flatten(1, 2)  # [B, T, C_r]
-    q, k, v, g, beta = heads(mixed, b, a, A_log[v_heads], dt_bias[v_heads], spec, nk)
+    q, k, v, g, beta = heads(
+        mixed, b, a, A_log=A_log[v_heads], dt_bias=dt_bias[v_heads], spec=spec, nk=nk
+    )
+    identity = call.identity
     if identity is not None:
         g, beta = g.masked_fill(identity[..., None], 0), beta.masked_fill(identity[..., None], 0)
     # one pass per chunk: v' = [v | 0], S_in' = [0 | I] -> outputs [o0 | R], state [C | M]
@@ -284,31 +299,23 @@ def group_forward(
     s_in = torch.stack([states[p], states[2 * D - 1 - p]]).flatten(0, 1)  # [2B, H, dk, dv]
     o = o1[..., :dv] + torch.einsum("nthk,nhkv->nthv", o1[..., dv:], s_in)
     o = o.unflatten(0, (2, B)).transpose(0, 1).flatten(1, 2).to(x.dtype)  # [B, T, Hv, dv]
-    if keep is not None:
-        keep(r, states, qkv)
+    if call.keep is not None:
+        call.keep(r, states, qkv)
     o = gated_rms(o, z, norm_w, spec.eps)
     return F.linear(o.flatten(2), w_out)
 
 
-def tsp_gated_delta(
-    x: torch.Tensor,
-    own: tuple[torch.Tensor, ...],
-    replicated: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-    spec: LinearAttentionSpec,
-    group: ProcessGroup,
-    docs: Documents,
-) -> torch.Tensor:
-    """Training forward of one layer: ``x [B, S/D, h]`` (zigzag), ``own`` = this rank's rows of
-    the input projections (``spec.projections``), then its ``out_proj`` columns, ``replicated`` =
-    ``(conv1d.weight, A_log, dt_bias, norm.weight)`` (their gradients summed over the group by
-    the caller's ``comm.replicated``). Returns ``[B, S/D, h]``; each head group recomputed in
-    backward (its weights broadcast again)."""
+def tsp_gated_delta(x: torch.Tensor, weights: LayerWeights, call: GroupCall) -> torch.Tensor:
+    """Training forward of one layer: ``x [B, S/D, h]`` (zigzag) with this rank's ``weights``
+    (the replicated ones' gradients summed over the group by the caller's ``comm.replicated``).
+    Returns ``[B, S/D, h]``; each head group recomputed in backward (its weights broadcast
+    again)."""
     y = 0
-    for r in range(spec.tsp_size):
-        fn = functools.partial(group_forward, r, spec, group, docs, None)
+    for r in range(call.spec.tsp_size):
+        fn = functools.partial(group_forward, r, call)
         if torch.is_grad_enabled():
             with checkpoint.set_checkpoint_early_stop(False):
-                y = y + checkpoint.checkpoint(fn, x, own, *replicated, use_reentrant=False)
+                y = y + checkpoint.checkpoint(fn, x, weights, use_reentrant=False)
         else:
-            y = y + fn(x, own, *replicated)
+            y = y + fn(x, weights)
     return y
