@@ -24,7 +24,7 @@ from ..engine.parallel import comm
 from ..engine.parallel.agreement import agree, checksum
 from ..engine.sharding.layout import ZigzagLayout, pad_sequence, padded_length
 from .cache import TSPCache
-from .vision import BATCH_KEYS, merge_vision, shard_vision_batch
+from .vision import BATCH_KEYS, VisionShard, merge_vision, shard_vision_batch
 from .vocab import TSPVocabEmbedding, TSPVocabLMHead
 
 # keyword arguments generate() passes that the inference forward accepts and ignores
@@ -74,7 +74,7 @@ def _prefill(model, ids, mask, pos, cache: TSPCache, vision: dict) -> torch.Tens
     if vision:
         full = {"input_ids": ids, "attention_mask": mask, **vision}
         local = shard_vision_batch(model, full, lay, p, positions=False)
-        x, deepstack = merge_vision(model, x, **local)
+        x, deepstack = merge_vision(model, x, VisionShard.pop(local))
     pos = lay.shard(pad_sequence(pos.expand(*pos.shape[:-2], B, -1), D, 0, dim=-1), p, dim=-1)
     key_valid = None
     if mask is not None and not mask.all():
