@@ -32,7 +32,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tsp_ext.engine.attention.kv_exchange import heads_major
 from tsp_ext.engine.kernels.backends import BACKENDS, available_backends
-from tsp_ext.engine.kernels.chunked import chunked_attention_backward, chunked_attention_forward
+from tsp_ext.engine.kernels.chunked import (
+    ChunkedKernel,
+    chunked_attention_backward,
+    chunked_attention_forward,
+)
 from tsp_ext.engine.sharding.layout import ZigzagLayout
 
 log = logging.getLogger("benchmarks.attention_kernels")
@@ -119,24 +123,23 @@ def bench(
     kernels = [(n, BACKENDS[n]) for n in ["blockwise", *available_backends(dev, dtype)]]
     kernels = list(dict(kernels).items())  # blockwise once, first: the reference
     rows, ref = [], {}
-    for name, kern in kernels:
+    for name, kernel in kernels:
+        kern = ChunkedKernel(kernel, scale)
         try:
             sync()
             t0 = time.perf_counter()
-            out, lse = chunked_attention_forward(kern, q, spans, k, v, scale)
-            grads = chunked_attention_backward(kern, dout, q, spans, k, v, out, lse, scale)
+            out, lse = chunked_attention_forward(kern, q, spans, (k, v))
+            grads = chunked_attention_backward(kern, dout, q, spans, kv=(k, v), fwd=(out, lse))
             sync()
             first = (time.perf_counter() - t0) * 1e3
         except RuntimeError as e:  # a fused op refused these inputs (head size, GPU)
             log.info("%s: %s", name, str(e).splitlines()[0])
             continue
         ref = ref or {"out": out, "grads": grads}
-        fwd = median_ms(
-            lambda kern=kern: chunked_attention_forward(kern, q, spans, k, v, scale), *timer
-        )
+        fwd = median_ms(lambda kern=kern: chunked_attention_forward(kern, q, spans, (k, v)), *timer)
         bwd = median_ms(
             lambda kern=kern, out=out, lse=lse: chunked_attention_backward(
-                kern, dout, q, spans, k, v, out, lse, scale
+                kern, dout, q, spans, kv=(k, v), fwd=(out, lse)
             ),
             *timer,
         )

@@ -32,7 +32,11 @@ import torch.nn.functional as F
 from benchmarks.attention_kernels import fmt, median_ms
 from tsp_ext.engine.attention.kv_exchange import heads_major
 from tsp_ext.engine.kernels.backends import select_backend
-from tsp_ext.engine.kernels.chunked import chunked_attention_backward, chunked_attention_forward
+from tsp_ext.engine.kernels.chunked import (
+    ChunkedKernel,
+    chunked_attention_backward,
+    chunked_attention_forward,
+)
 from tsp_ext.engine.sharding.documents import query_spans
 from tsp_ext.engine.sharding.layout import ZigzagLayout
 
@@ -90,8 +94,9 @@ def bench(
     dev = torch.device(device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     lay = ZigzagLayout(seq_len, tsp)
-    kern = select_backend(kernel, dev, dtype)
+    backend = select_backend(kernel, dev, dtype)
     T, scale = seq_len // tsp, head_dim**-0.5
+    kern = ChunkedKernel(backend, scale)
     gen = torch.Generator().manual_seed(0)
 
     def rand(*shape):
@@ -101,12 +106,12 @@ def bench(
     k, v = rand(1, seq_len, kv_heads, head_dim), rand(1, seq_len, kv_heads, head_dim)
 
     def timed_chunked(spans) -> tuple[float, float, torch.Tensor]:
-        out, lse = chunked_attention_forward(kern, q, spans, k, v, scale)
+        out, lse = chunked_attention_forward(kern, q, spans, (k, v))
         fwd = median_ms(
-            lambda: chunked_attention_forward(kern, q, spans, k, v, scale), repeats, warmup, sync
+            lambda: chunked_attention_forward(kern, q, spans, (k, v)), repeats, warmup, sync
         )
         bwd = median_ms(
-            lambda: chunked_attention_backward(kern, dout, q, spans, k, v, out, lse, scale),
+            lambda: chunked_attention_backward(kern, dout, q, spans, kv=(k, v), fwd=(out, lse)),
             repeats,
             warmup,
             sync,
@@ -153,7 +158,7 @@ def bench(
             heads=heads,
             kv_heads=kv_heads,
             head_dim=head_dim,
-            kernel=kern.name,
+            kernel=backend.name,
             dtype=str(dtype).removeprefix("torch."),
             device=device,
             threads=torch.get_num_threads(),

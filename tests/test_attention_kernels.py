@@ -12,7 +12,11 @@ from tsp_ext.engine.kernels.backends import (
     available_backends,
     select_backend,
 )
-from tsp_ext.engine.kernels.chunked import chunked_attention_backward, chunked_attention_forward
+from tsp_ext.engine.kernels.chunked import (
+    ChunkedKernel,
+    chunked_attention_backward,
+    chunked_attention_forward,
+)
 from tsp_ext.engine.sharding.layout import Span, ZigzagLayout
 
 CPU = torch.device("cpu")
@@ -51,8 +55,9 @@ def _check_parity(kernel, spans, S, hq, hk, d, dtype, device=CPU, heads_first=Fa
     if heads_first:
         q, k, v, dout = map(heads_major, (q, k, v, dout))
     scale = d**-0.5
-    out, lse = chunked_attention_forward(kernel, q, spans, k, v, scale)
-    dq, dk, dv = chunked_attention_backward(kernel, dout, q, spans, k, v, out, lse, scale)
+    attn = ChunkedKernel(kernel, scale)
+    out, lse = chunked_attention_forward(attn, q, spans, (k, v))
+    dq, dk, dv = chunked_attention_backward(attn, dout, q, spans, kv=(k, v), fwd=(out, lse))
 
     ref_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     qr, kr, vr = (t.detach().to(ref_dtype).requires_grad_() for t in (q, k, v))
@@ -148,7 +153,9 @@ def test_select_backend_errors():
 def test_span_outside_keys_rejected():
     q, k, v, _ = _inputs(1, 16, 8, 2, 2, 16, torch.float32)
     with pytest.raises(ValueError, match="does not fit"):
-        chunked_attention_forward(BACKENDS["blockwise"], q, [Span(0, 12, 8)], k, v, 0.25)
+        chunked_attention_forward(
+            ChunkedKernel(BACKENDS["blockwise"], 0.25), q, [Span(0, 12, 8)], (k, v)
+        )
 
 
 CUDA_BACKENDS = ["cuda_flash", "cuda_cudnn", "cuda_efficient", "flash_attn"]
@@ -180,9 +187,9 @@ def test_cuda_op_calls_match_schema_on_meta(name, dtype, heads_first):
     layout = heads_major if heads_first else (lambda t: t)
     q, k, v, dout = (layout(t).to("meta") for t in _inputs(2, 64, 32, 4, 2, 16, dtype))
     spans = _spans(64, 2, 1)
-    kernel = BACKENDS[name]
-    out, lse = chunked_attention_forward(kernel, q, spans, k, v, 0.25)
-    dq, dk, dv = chunked_attention_backward(kernel, dout, q, spans, k, v, out, lse, 0.25)
+    attn = ChunkedKernel(BACKENDS[name], 0.25)
+    out, lse = chunked_attention_forward(attn, q, spans, (k, v))
+    dq, dk, dv = chunked_attention_backward(attn, dout, q, spans, kv=(k, v), fwd=(out, lse))
     assert (out.shape, out.dtype, lse.shape, lse.dtype) == (
         q.shape,
         dtype,

@@ -14,7 +14,11 @@ from transformers import DataCollatorWithFlattening
 
 from tsp_ext import TSPConfig, apply_tsp, full_grads, gather_sequence, init_tsp_mesh, shard_batch
 from tsp_ext.engine.kernels.backends import BACKENDS
-from tsp_ext.engine.kernels.chunked import chunked_attention_backward, chunked_attention_forward
+from tsp_ext.engine.kernels.chunked import (
+    ChunkedKernel,
+    chunked_attention_backward,
+    chunked_attention_forward,
+)
 from tsp_ext.engine.sharding.documents import query_spans
 from tsp_ext.engine.sharding.layout import RowSpans, Span, ZigzagLayout
 
@@ -93,9 +97,9 @@ def check_kernel(name, D, p, dtype=torch.float64, device="cpu", tol=1e-12, d=8, 
     q, dout = rand(2, n // D, 4, d), rand(2, n // D, 4, d)
     k, v = rand(2, n, 2, d), rand(2, n, 2, d)
     spans = query_spans(lay.shard(pos, p), lay, p)
-    kernel = BACKENDS[name]
-    out, lse = chunked_attention_forward(kernel, q, spans, k, v, 0.3, window)
-    dq, dk, dv = chunked_attention_backward(kernel, dout, q, spans, k, v, out, lse, 0.3, window)
+    attn = ChunkedKernel(BACKENDS[name], 0.3, window)
+    out, lse = chunked_attention_forward(attn, q, spans, (k, v))
+    dq, dk, dv = chunked_attention_backward(attn, dout, q, spans, kv=(k, v), fwd=(out, lse))
 
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
     mask = lay.shard(allowed(pos, window), p).to(device)  # [B, S/D, S]: this rank's queries
@@ -148,9 +152,9 @@ def test_cuda_op_calls_on_document_spans_match_schema_on_meta(name, window):
     assert {s.length for s in spans} >= {1} and any(s.start > s.first_key for s in spans)
     q, dout = (torch.empty(2, 16, 4, 8, device="meta", dtype=torch.bfloat16) for _ in "qo")
     k, v = (torch.empty(2, 32, 2, 8, device="meta", dtype=torch.bfloat16) for _ in "kv")
-    kernel = BACKENDS[name]
-    out, lse = chunked_attention_forward(kernel, q, spans, k, v, 0.3, window)
-    dq, dk, dv = chunked_attention_backward(kernel, dout, q, spans, k, v, out, lse, 0.3, window)
+    attn = ChunkedKernel(BACKENDS[name], 0.3, window)
+    out, lse = chunked_attention_forward(attn, q, spans, (k, v))
+    dq, dk, dv = chunked_attention_backward(attn, dout, q, spans, kv=(k, v), fwd=(out, lse))
     assert (out.shape, lse.shape, dq.shape, dk.shape, dv.shape) == (
         q.shape,
         (2, 4, 16),

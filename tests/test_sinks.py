@@ -15,7 +15,11 @@ from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention, GptOss
 
 from tsp_ext import TSPConfig, ZigzagLayout
 from tsp_ext.engine.kernels.backends import BACKENDS, available_backends
-from tsp_ext.engine.kernels.chunked import chunked_attention_backward, chunked_attention_forward
+from tsp_ext.engine.kernels.chunked import (
+    ChunkedKernel,
+    chunked_attention_backward,
+    chunked_attention_forward,
+)
 from tsp_ext.engine.kernels.lse import add_sink, sink_grad
 
 TOL = 1e-10
@@ -115,9 +119,10 @@ def _kernel_errors(kernel, dtype, device, window) -> dict:
 
     q, k, v, dout = (t.to(device, dtype) for t in (q, k, v, dout))
     sink = sink.to(device, dtype)
-    out, lse = chunked_attention_forward(kernel, q, spans, k, v, scale, window)
+    attn = ChunkedKernel(kernel, scale, window)
+    out, lse = chunked_attention_forward(attn, q, spans, (k, v))
     out, lse = add_sink(out, lse, sink)
-    dq, dk, dv = chunked_attention_backward(kernel, dout, q, spans, k, v, out, lse, scale, window)
+    dq, dk, dv = chunked_attention_backward(attn, dout, q, spans, kv=(k, v), fwd=(out, lse))
     ds = sink_grad(dout.transpose(1, 2), out.transpose(1, 2), lse, sink)
     got = dict(out=out, dq=dq, dk=dk, dv=dv, dsink=ds)
     want = [out_ref.detach(), *(t.grad for t in ref)]

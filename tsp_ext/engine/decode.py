@@ -67,7 +67,7 @@ def decode_attention(
     D, p = comm.size_and_rank(group)
     if c == 1:
         k, v = expand_kv(k, v, spec.kv_map(p))
-        out, lse = partial_attention(q, k, v, allowed, spec.scaling)
+        out, lse = partial_attention(q, k, v, allowed, scale=spec.scaling)
         if sinks is not None:
             out, _ = add_sink(out, lse, sinks)
         return out.to(q.dtype)
@@ -75,7 +75,7 @@ def decode_attention(
     # the queries of the c groups sharing this KV head: [B, Tq, c·n_h/D, d]
     q_all, _ = comm.all_gather_seq(q, group)
     q_grp = q_all[first : first + c].permute(1, 2, 0, 3, 4).flatten(2, 3)
-    out, lse = partial_attention(q_grp, k, v, allowed, spec.scaling)
+    out, lse = partial_attention(q_grp, k, v, allowed, scale=spec.scaling)
     # (out, lse) of every rank in one message: [D, B, Tq, c·n_h/D, d + 1]
     parts, _ = comm.all_gather_seq(torch.cat([out, lse.transpose(1, 2)[..., None]], -1), group)
     mine = parts[first : first + c, :, :, j * hp : (j + 1) * hp]  # [c, B, Tq, n_h/D, d + 1]

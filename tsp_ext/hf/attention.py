@@ -16,8 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import TSPConfig
+from ..engine.attention.head_groups import AttentionInputs
+from ..engine.attention.heads import ShardKind, shard_name
 from ..engine.attention.qk_rms import decode_qk_rms, qk_rms
-from ..engine.attention.qkv import project_qkv
+from ..engine.attention.qkv import GroupProjection, QKNorms, Tokens, project_qkv
 from ..engine.attention.schedule import AttentionSpec, tsp_attention, tsp_attention_prefill
 from ..engine.decode import decode_attention, row_parallel
 from ..engine.kernels.pointwise import rope_phases
@@ -94,8 +96,7 @@ class TSPAttention(ShardedModule):
         *,
         qkv_bias: bool = False,
         o_bias: bool = False,
-        q_norm: nn.Module | None = None,
-        k_norm: nn.Module | None = None,
+        qk_norms: tuple[nn.Module, nn.Module] | None = None,
         sinks: bool = False,
         dtype=None,
         device=None,
@@ -106,10 +107,11 @@ class TSPAttention(ShardedModule):
             raise ValueError(
                 f"process group has {D} ranks but the spec is for tsp_size={spec.tsp_size}"
             )
-        if (q_norm is None) != (spec.qk_norm_eps is None) or (q_norm is None) != (k_norm is None):
+        if (qk_norms is None) != (spec.qk_norm_eps is None):
             raise ValueError(
-                "q_norm and k_norm must both be given exactly when spec.qk_norm_eps is set"
+                "qk_norms (q_norm, k_norm) must be given exactly when spec.qk_norm_eps is set"
             )
+        q_norm, k_norm = qk_norms or (None, None)
         self.spec, self.group = spec, group
         self.options = (config or TSPConfig()).engine_options()
         h, d = spec.hidden_size, spec.head_dim
@@ -164,8 +166,7 @@ class TSPAttention(ShardedModule):
             config,
             qkv_bias=attn.q_proj.bias is not None,
             o_bias=attn.o_proj.bias is not None,
-            q_norm=q_norm,
-            k_norm=k_norm,
+            qk_norms=None if q_norm is None else (q_norm, k_norm),
             sinks=getattr(attn, "sinks", None) is not None,
             dtype=w.dtype,
             device=w.device,
@@ -224,6 +225,14 @@ class TSPAttention(ShardedModule):
             return None, None
         return self.q_norm.weight, self.k_norm.weight
 
+    def _qk_rms(self, x: torch.Tensor, own: dict[str, torch.Tensor]):
+        """The tokens' full-width q/k reciprocal RMS ``(rq, rk)`` (``engine.attention.qk_rms``)
+        when the model's q/k norms span the whole projection, else None."""
+        if not self.spec.qk_norm_full:
+            return None
+        wq, wk = own["wq"], own["wk"]
+        return qk_rms(x, wq, wk, spec=self.spec, group=self.group, options=self.options)
+
     def _with_o_bias(self, y: torch.Tensor) -> torch.Tensor:
         return y if self.o_proj.bias is None else y + self.o_proj.bias
 
@@ -253,13 +262,20 @@ class TSPAttention(ShardedModule):
 
         cos, sin = full_width(*position_embeddings, self.spec)
         own = self._own(merged=True)
-        rms = None
-        if self.spec.qk_norm_full:
-            rms = qk_rms(x, own["wq"], own["wk"], self.spec, self.group, self.options)
+        q_norm, k_norm = self._qk_norms()
+        inputs = AttentionInputs(
+            x=x,
+            cos=cos,
+            sin=sin,
+            weights=own,
+            q_norm=q_norm,
+            k_norm=k_norm,
+            rms=self._qk_rms(x, own),
+            sinks=self.sinks,
+        )
         y = tsp_attention_prefill(
-            x, rope_phases(cos, sin, x.dtype, self.spec.head_dim), own, *self._qk_norms(),
-            self.spec, self.group, self.options, keep, key_valid, rms, self.sinks,
-        )  # fmt: skip
+            inputs, self.spec, self.group, self.options, kv_sink=keep, key_valid=key_valid
+        )
         return self._with_o_bias(y)
 
     @torch.no_grad()
@@ -284,8 +300,9 @@ class TSPAttention(ShardedModule):
             p = dist.get_rank(self.group)
             q_norm, k_norm = q_norm[self.spec.q_rows(p)], k_norm[self.spec.kv_rows(p)]
             pre = (F.linear(x, own[n]) for n in ("wq", "wk"))
-            rms = decode_qk_rms(*pre, self.spec, self.group, p)
-        q, kv, _ = project_qkv(x, own, phases, q_norm, k_norm, self.spec, rms=rms)
+            rms = decode_qk_rms(*pre, spec=self.spec, group=self.group, p=p)
+        norms = QKNorms(q_norm, k_norm, rms)
+        q, kv, _ = project_qkv(Tokens(x, phases), GroupProjection(own, norms=norms), self.spec)
         keys, values, index = cache_layer.append(*kv.chunk(2, dim=1), q_index)
         allowed = (index[None, :] <= q_index[:, None])[None]  # [1, Tq, L_p]
         if self.spec.window is not None:
@@ -296,7 +313,13 @@ class TSPAttention(ShardedModule):
         if self.sinks is not None:
             sinks = self.sinks[self.spec.q_heads(dist.get_rank(self.group))]
         a = decode_attention(
-            q, keys.transpose(1, 2), values.transpose(1, 2), allowed, self.spec, self.group, sinks
+            q,
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            allowed,
+            spec=self.spec,
+            group=self.group,
+            sinks=sinks,
         ).flatten(2)
         if self.spec.output_gate:
             a = a * torch.sigmoid(F.linear(x, own["wg"]))
@@ -341,25 +364,32 @@ class TSPAttention(ShardedModule):
         plan = plan_of(adapted, ("q_proj", "k_proj", "v_proj"), "o_proj", self.training)
         for n in ("q", "k", "v"):
             if f"{n}_proj" in adapted:
-                own[f"l{n}"] = adapted[f"{n}_proj"].b
+                own[shard_name(ShardKind.LORA, n)] = adapted[f"{n}_proj"].b
         b_out = None
         if plan.output is not None:
             own["lo"] = adapted["o_proj"].a
             b_out = comm.replicated(adapted["o_proj"].b, self.group)
         lora_a = [comm.replicated(adapted[f"{n}_proj"].a, self.group) for n in plan.inputs]
-        rms = None
-        if self.spec.qk_norm_full:
-            if "q_proj" in adapted or "k_proj" in adapted:
-                raise ValueError(
-                    "LoRA on q_proj / k_proj of a model with q/k norms over the whole projection "
-                    "(OLMo-2) is not supported under TSP: target the other projections"
-                )
-            rms = qk_rms(x, own["wq"], own["wk"], self.spec, self.group, self.options)
-        sinks = None if self.sinks is None else comm.replicated(self.sinks, self.group)
-        y = tsp_attention(
-            x, cos, sin, own, q_norm, k_norm, self.spec, self.group, self.options, spans,
-            plan, lora_a, b_out, rms, sinks,
-        )  # fmt: skip
+        if self.spec.qk_norm_full and ("q_proj" in adapted or "k_proj" in adapted):
+            raise ValueError(
+                "LoRA on q_proj / k_proj of a model with q/k norms over the whole projection "
+                "(OLMo-2) is not supported under TSP: target the other projections"
+            )
+        inputs = AttentionInputs(
+            x=x,
+            cos=cos,
+            sin=sin,
+            weights=own,
+            q_norm=q_norm,
+            k_norm=k_norm,
+            rms=self._qk_rms(x, own),
+            sinks=None if self.sinks is None else comm.replicated(self.sinks, self.group),
+            q_spans=spans,
+            lora=plan,
+            lora_a=tuple(lora_a),
+            b_out=b_out,
+        )
+        y = tsp_attention(inputs, self.spec, self.group, self.options)
         if self.o_proj.bias is not None:
             y = y + comm.replicated(self.o_proj.bias, self.group)
         return y, None

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..attention.heads import SHARDS, ShardKind, shard_name
 from ..kernels.pointwise import add_matmul, matmul, matmul_into
 from ..parallel import comm
 from ..parallel.weight_ring import circulate
@@ -68,11 +69,13 @@ class AttentionAdapters:
         if not self.premerged:
             return own
         out = dict(own)
-        ranks = [own[f"l{n}"].shape[1] for n in self.plan.inputs]
+        weights = [shard_name(ShardKind.WEIGHT, n) for n in self.plan.inputs]
+        loras = [shard_name(ShardKind.LORA, n) for n in self.plan.inputs]
+        ranks = [own[n].shape[1] for n in loras]
         a_scaled = self.a_stack.split(ranks) if ranks else ()
-        for n, a in zip(self.plan.inputs, a_scaled):
-            w = own[f"w{n}"]
-            out[f"w{n}"] = torch.addmm(w, own[f"l{n}"].to(w.dtype), a.to(w.dtype))
+        for n, lora, a in zip(weights, loras, a_scaled):
+            w = own[n]
+            out[n] = torch.addmm(w, own[lora].to(w.dtype), a.to(w.dtype))
         if "lo" in own:
             out["wo"] = self._merged_out(own)
         return out
@@ -100,20 +103,21 @@ class AttentionAdapters:
         ``rows`` (their ranks: those of this rank's own pieces)."""
         out = {}
         for n in names:
+            kind, projection = SHARDS[n]
             if n == "lo":
-                out[n] = (own[n].shape[0], rows["o"])
-            elif n[0] == "l":
-                out[n] = (rows[n[1]], own[n].shape[1])
+                out[n] = (own[n].shape[0], rows[projection])
+            elif kind is ShardKind.LORA:
+                out[n] = (rows[projection], own[n].shape[1])
         return out
 
     def forward(self, x, lora_a, own, acc) -> AttentionAdaptersForward:
         """The adapters' state for a forward pass over the tokens ``x [B, T, h]``."""
-        return AttentionAdaptersForward(self, x, lora_a, own, acc)
+        return AttentionAdaptersForward(self, x, lora_a, own, acc=acc)
 
     def backward(self, dy2, x_p, lora_a, acc) -> AttentionAdaptersBackward:
         """The adapters' state for a backward pass given ``dY [B·T, h]`` (``x_p()``: the tokens
         ``[B·T, h]``, rebuilt when asked)."""
-        return AttentionAdaptersBackward(self, dy2, x_p, lora_a, acc)
+        return AttentionAdaptersBackward(self, dy2, x_p, lora_a, acc=acc)
 
 
 class AttentionAdaptersForward:
@@ -199,7 +203,7 @@ class AttentionAdaptersBackward:
         if self.du is not None:
             dx = None if hook.merged else dx2
             d_lora = input_projection_backward(
-                self.du, x_p(), self.lora_a, hook.plan, hook.drop, dx
+                self.du, x_p(), self.lora_a, hook.plan, drop=hook.drop, dx2=dx
             )
             d_lora = [g.to(a.dtype) for g, a in zip(d_lora, self.lora_a)]
         if hook.b_out is not None:
@@ -423,7 +427,7 @@ class MlpRingAdapters:
         if self.du is not None:
             a_in, dx_adapter = list(lora.a_in), None if self.merged else dx2  # merged: in dX
             grads = input_projection_backward(
-                self.du, self.x2, a_in, self.plan, self.drop, dx_adapter
+                self.du, self.x2, a_in, plan=self.plan, drop=self.drop, dx2=dx_adapter
             )
             d_a_in = tuple(g.to(a.dtype) for g, a in zip(grads, a_in))
         d_b_down = None

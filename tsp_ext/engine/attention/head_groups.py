@@ -4,12 +4,15 @@
 Rank p owns head group p's shards; a call streams every group's shards past every rank
 (``weight_ring.broadcast_stream``), projects the local tokens with each (``projected_groups``)
 and exchanges the group's K/V (``kv_exchange``). The adapters' hook
-(``adapters.hooks.AttentionAdapters``) decides how the shards travel and are merged.
+(``adapters.hooks.AttentionAdapters``) decides how the shards travel and are merged. What a
+call computes with is its ``AttentionInputs``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
@@ -17,14 +20,78 @@ from ..adapters.hooks import AttentionAdapters
 from ..adapters.lora import LoraPlan
 from ..adapters.nf4 import ShardCodec
 from ..kernels.backends import select_backend
+from ..kernels.chunked import ChunkedKernel
+from ..kernels.pointwise import TokenRows
 from ..options import EngineOptions
 from ..parallel import comm
 from ..parallel.weight_ring import broadcast_stream
-from ..sharding.layout import ZigzagLayout
-from .heads import AttentionSpec, HeadBucket, HeadPart
+from ..sharding.layout import RowSpans, Span, ZigzagLayout
+from .heads import SHARDS, AttentionSpec, HeadBucket, HeadPart, ShardKind
 from .kv_exchange import KVExchange
-from .qkv import stacked_weights
+from .qkv import GroupProjection, QKNorms, stacked_weights
 from .window import WindowExchange
+
+
+@dataclass(frozen=True)
+class AttentionInputs:
+    """What one attention call computes with (``schedule.tsp_attention``).
+
+    ``x [B, S/D, h]``: this rank's tokens (in backward, ``TokenRows`` of what was saved of
+    them); ``cos, sin [B or 1, S/D, rot]``: the RoPE tables of their positions; ``weights``:
+    this rank's head-group shards by ``heads.SHARDS``' names (``wq, wo, wk, wv``, optional
+    ``bq, bk, bv``, the output gate's ``wg``; with LoRA the B rows ``lq, lk, lv [rows, r]`` of
+    the adapted q/k/v and o's A columns ``lo [r, n_q·d]``); ``q_norm, k_norm``: the replicated
+    q/k norm weights or None (full-width ones, ``spec.qk_norm_full``, come with ``rms = (rq,
+    rk)`` ``[B, S/D]`` from ``engine.attention.qk_rms``); ``sinks [n_h]``: every head's
+    replicated sink logit (gpt-oss) or None; ``q_spans``: the local query spans of packed
+    documents (``engine.sharding.documents.query_spans``; None: one causal stream). LoRA
+    (``engine.adapters.lora``): ``lora`` names the adapted projections, ``lora_a`` holds the
+    replicated A's ``[r, h]`` of ``lora.inputs`` and ``b_out`` o's replicated B ``[h, r]``.
+    The gradients of the replicated tensors are this rank's part (wrap them in
+    ``comm.replicated``)."""
+
+    x: torch.Tensor | TokenRows
+    cos: torch.Tensor
+    sin: torch.Tensor
+    weights: dict[str, torch.Tensor]
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    rms: tuple[torch.Tensor, torch.Tensor] | None = None
+    sinks: torch.Tensor | None = None
+    q_spans: tuple[Span, ...] | RowSpans | None = None
+    lora: LoraPlan | None = None
+    lora_a: tuple[torch.Tensor, ...] = ()
+    b_out: torch.Tensor | None = None
+
+    @property
+    def norms(self) -> QKNorms:
+        """The q/k norm weights and the full-width norms' ``rms``."""
+        return QKNorms(self.q_norm, self.k_norm, self.rms)
+
+    def tensors(self) -> tuple[torch.Tensor | None, ...]:
+        """Every tensor, in the order the autograd function takes them: ``x, cos, sin, q_norm,
+        k_norm, rq, rk, b_out, sinks`` (None where absent), the LoRA A's, then the shards."""
+        rq, rk = self.rms if self.rms is not None else (None, None)
+        first = (self.x, self.cos, self.sin, self.q_norm, self.k_norm, rq, rk, self.b_out)
+        return (*first, self.sinks, *self.lora_a, *self.weights.values())
+
+    def with_tensors(self, tensors: Sequence) -> AttentionInputs:
+        """These inputs with ``tensors`` (in ``tensors()``'s order) in place of their own."""
+        x, cos, sin, q_norm, k_norm, rq, rk, b_out, sinks, *rest = tensors
+        n = len(self.lora_a)
+        return replace(
+            self,
+            x=x,
+            cos=cos,
+            sin=sin,
+            q_norm=q_norm,
+            k_norm=k_norm,
+            rms=None if rq is None else (rq, rk),
+            sinks=sinks,
+            lora_a=tuple(rest[:n]),
+            b_out=b_out,
+            weights=dict(zip(self.weights, rest[n:])),
+        )
 
 
 class AttentionCall:
@@ -62,8 +129,15 @@ class AttentionCall:
         # packed documents and inference prefill change the kernels' shapes from call to call
         repeating = self.q_spans == stream and torch.is_grad_enabled()
         self.kernel = select_backend(
-            options.attn_backend, x.device, x.dtype, options.attn_block, spec.head_dim, repeating
+            options.attn_backend,
+            x.device,
+            x.dtype,
+            block=options.attn_block,
+            head_dim=spec.head_dim,
+            repeating_shapes=repeating,
         )
+        # how the chunked kernels attend (``kernels.chunked``)
+        self.chunked = ChunkedKernel(self.kernel, spec.scaling, spec.window, self.key_block)
 
     def streams(self, bucket: HeadBucket) -> bool:
         """Whether ``bucket``'s K/V stream past a chunk at a time (``engine.attention.key_stream``)
@@ -79,10 +153,11 @@ class AttentionCall:
         rows = {"q": nq, "k": nk, "v": nk, "o": nq, "g": nq}
         sizes = {"wo": (h, nq), **self.adapters.shapes(own, names, rows)}
         for n in names:
-            if n[0] == "w" and n != "wo":
-                sizes[n] = (rows[n[1]], h)
-            elif n[0] == "b":
-                sizes[n] = (rows[n[1]],)
+            kind, projection = SHARDS[n]
+            if kind is ShardKind.WEIGHT and n != "wo":
+                sizes[n] = (rows[projection], h)
+            elif kind is ShardKind.BIAS:
+                sizes[n] = (rows[projection],)
         return [torch.Size(sizes[n]) for n in names]
 
     def weight_stream(self, own: dict[str, torch.Tensor]):
@@ -93,15 +168,23 @@ class AttentionCall:
             own,
             lambda r, names: self.shapes(r, own, names),
             self.group,
-            self.options.overlap,
-            self.adapters.travelling,
-            ShardCodec(own, self.dtype),
+            overlap=self.options.overlap,
+            outgoing=self.adapters.travelling,
+            codec=ShardCodec(own, self.dtype),
         )
 
     def stacked(self, w: dict[str, torch.Tensor]):
         """``qkv.stacked_weights`` of group shards ``w`` (merged with their adapters where a
         receiver merges them)."""
         return stacked_weights(w, self.spec.head_dim, self.adapters.qkv_merge, self.spec.rotary)
+
+    def projection(
+        self, part: HeadPart, w: dict[str, torch.Tensor], norms: QKNorms, u: torch.Tensor | None
+    ) -> GroupProjection:
+        """How ``part``'s heads are projected (``qkv.project_qkv``): their shards ``w``, stacked
+        (``stacked``), the q/k norms they use (``norms_of``) and the LoRA input projection
+        ``u``."""
+        return GroupProjection(w, self.stacked(w), self.norms_of(part, norms), u)
 
     def projects_buckets(self, buckets: list[HeadBucket]) -> bool:
         """Whether a group of several head ``buckets`` is projected bucket by bucket too (each
@@ -131,8 +214,9 @@ class AttentionCall:
             part, w, buckets = item
             projected = project(part, w)
             if len(buckets) > 1 or self.streams(buckets[0]):  # exchanged when attended
-                return HeadGroup(self, part, w, projected, buckets, None, None)
-            return HeadGroup(self, part, w, projected, buckets, *self.kv.gather(projected[1]))
+                return HeadGroup(self, part, w, projected, buckets=buckets)
+            exchange = self.kv.gather(projected[1])
+            return HeadGroup(self, part, w, projected, buckets=buckets, exchange=exchange)
 
         stream = parts()
 
@@ -150,26 +234,43 @@ class AttentionCall:
             if not self.options.overlap:
                 nxt = start_next()
 
-    def norms_of(self, part: HeadPart, q_norm, k_norm):
-        """The q/k norm weights ``part``'s heads use: the per-head ones, or their slices of
-        full-width ones (``spec.qk_norm_full``)."""
-        if q_norm is None or not self.spec.qk_norm_full:
-            return q_norm, k_norm
-        return q_norm[part.q_rows], k_norm[part.kv_rows]
+    def norms_of(self, part: HeadPart, norms: QKNorms) -> QKNorms:
+        """The q/k norms ``part``'s heads use: the per-head ones, or their slices of full-width
+        ones (``spec.qk_norm_full``; ``rms`` as it is)."""
+        if norms.q is None or not self.spec.qk_norm_full:
+            return norms
+        return norms._replace(q=norms.q[part.q_rows], k=norms.k[part.kv_rows])
+
+
+class BucketKV(NamedTuple):
+    """A head bucket's K/V as its attention reads them (``HeadGroup.bucket_kv``): the
+    ``bucket``, its gathered ``segments`` ``(base, K, V [B, L, n_kv, d])`` in token order, or
+    (streamed, ``AttentionCall.streams``) its ``local`` K/V rows ``[B, 2n, T, d]`` (K's heads,
+    then V's); the other one None."""
+
+    bucket: HeadBucket
+    segments: list[tuple[int, torch.Tensor, torch.Tensor]] | None
+    local: torch.Tensor | None
 
 
 class HeadGroup:
     """One head group (or, ``AttentionCall.projects_buckets``, one of its buckets) in flight:
     its heads ``part`` (``r = part.r``), its weights ``w``, the caller's ``projected`` tuple, its
-    head ``buckets`` (``AttentionSpec.buckets``) and, for a single bucket, its K/V exchange in
-    flight (``kv()`` waits for it)."""
+    head ``buckets`` (``AttentionSpec.buckets``) and, for a single bucket, its K/V ``exchange``
+    in flight (``KVExchange.gather``'s ``(gathered, handle)``; ``kv()`` waits for it)."""
 
     def __init__(
-        self, sched: AttentionCall, part: HeadPart, w, projected: tuple, buckets, kv_all, handle
+        self,
+        call: AttentionCall,
+        part: HeadPart,
+        w: dict[str, torch.Tensor],
+        projected: tuple,
+        buckets: list[HeadBucket],
+        exchange: tuple | None = None,
     ) -> None:
-        self.sched, self.part, self.r, self.w, self.projected = sched, part, part.r, w, projected
+        self.call, self.part, self.r, self.w, self.projected = call, part, part.r, w, projected
         self.buckets = buckets
-        self._kv_all, self._handle = kv_all, handle
+        self._kv_all, self._handle = exchange if exchange is not None else (None, None)
 
     def kv(self) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         """Wait for the exchange; ``(base, K, V [B, L, n_kv(r), d])`` segments in token order
@@ -178,16 +279,15 @@ class HeadGroup:
         self._handle.wait()
         kv_all, self._kv_all = self._kv_all, None
         self._drop_local_kv()
-        return self.sched.kv.segments(kv_all)
+        return self.call.kv.segments(kv_all)
 
     def bucket_kv(self):
-        """Yield ``(bucket, segments, local)`` for each head bucket in turn: for a streamed
-        bucket (``AttentionCall.streams``) its local K/V rows ``[B, 2n, T, d]`` (K's heads, then
-        V's; segments None), for any other its segments (local None): a single bucket's from
-        ``kv()``, else each bucket's K/V exchanged when its turn comes (the previous bucket's
-        are dropped by the caller first)."""
+        """Yield a ``BucketKV`` for each head bucket in turn: for a streamed bucket
+        (``AttentionCall.streams``) its local K/V rows, for any other its segments: a single
+        bucket's from ``kv()``, else each bucket's K/V exchanged when its turn comes (the
+        previous bucket's are dropped by the caller first)."""
         if self._handle is not None:
-            yield self.buckets[0], self.kv(), None
+            yield BucketKV(self.buckets[0], self.kv(), None)
             return
         kv = self.projected[1]  # [B, 2hk, T, d]: K's heads, then V's
         hk = kv.shape[1] // 2
@@ -195,13 +295,13 @@ class HeadGroup:
             rows = kv
             if b.kv != slice(0, hk):
                 rows = torch.cat([kv[:, b.kv], kv[:, hk + b.kv.start : hk + b.kv.stop]], dim=1)
-            if self.sched.streams(b):
-                yield b, None, rows
+            if self.call.streams(b):
+                yield BucketKV(b, None, rows)
                 continue
-            gathered, handle = self.sched.kv.gather(rows)
+            gathered, handle = self.call.kv.gather(rows)
             del rows
             handle.wait()
-            yield b, self.sched.kv.segments(gathered), None
+            yield BucketKV(b, self.call.kv.segments(gathered), None)
         self._drop_local_kv()
 
     def _drop_local_kv(self) -> None:

@@ -5,14 +5,66 @@ Group p holds a contiguous block of ``⌊n_heads/D⌋`` or ``⌈n_heads/D⌉`` q
 
     9 / 3 at D = 2:  group 0 = q 0-4 -> kv 0, 1;  group 1 = q 5-8 -> kv 1, 2  (kv 1 on both)
     8 / 2 at D = 4:  q 0-1 -> kv 0, q 2-3 -> kv 0, q 4-5 -> kv 1, q 6-7 -> kv 1  (replicas)
+
+A group's shards travel by name; ``SHARDS`` says what each name is (its kind and projection).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import NamedTuple
 
 from ..sharding.partition import split_range
+
+
+class ShardKind(Enum):
+    """What a head-group shard holds."""
+
+    WEIGHT = "weight"  # a projection's rows (o_proj: its columns)
+    BIAS = "bias"  # a projection's bias rows
+    LORA = "lora"  # an adapter's piece: the B rows of q/k/v, o's A columns
+
+
+class Shard(NamedTuple):
+    """A head-group shard: its ``kind`` and its ``projection`` (``q``, ``k``, ``v``, ``o``, or
+    ``g``: Qwen3-Next's output gate)."""
+
+    kind: ShardKind
+    projection: str
+
+
+# The schedule's names of one head group's shards (the tensors travel by these names).
+SHARDS: dict[str, Shard] = {
+    "wq": Shard(ShardKind.WEIGHT, "q"),
+    "wk": Shard(ShardKind.WEIGHT, "k"),
+    "wv": Shard(ShardKind.WEIGHT, "v"),
+    "wo": Shard(ShardKind.WEIGHT, "o"),
+    "wg": Shard(ShardKind.WEIGHT, "g"),
+    "bq": Shard(ShardKind.BIAS, "q"),
+    "bk": Shard(ShardKind.BIAS, "k"),
+    "bv": Shard(ShardKind.BIAS, "v"),
+    "lq": Shard(ShardKind.LORA, "q"),
+    "lk": Shard(ShardKind.LORA, "k"),
+    "lv": Shard(ShardKind.LORA, "v"),
+    "lo": Shard(ShardKind.LORA, "o"),
+}
+_NAMES = {shard: name for name, shard in SHARDS.items()}
+
+
+def shard_name(kind: ShardKind, projection: str) -> str:
+    """The name of ``projection``'s shard of ``kind`` (``SHARDS``' inverse)."""
+    return _NAMES[Shard(kind, projection)]
+
+
+QKV = ("q", "k", "v")
+QKV_WEIGHTS = tuple(shard_name(ShardKind.WEIGHT, n) for n in QKV)  # stacked in this order
+QKV_BIASES = tuple(shard_name(ShardKind.BIAS, n) for n in QKV)
+QKV_LORA = tuple(shard_name(ShardKind.LORA, n) for n in QKV)  # the adapted q/k/v's B rows
+# shards of the K/V heads (summed among the users of a shared KV head)
+KV_SHARDS = frozenset(n for n, s in SHARDS.items() if s.projection in ("k", "v"))
+# q/k rows, which RoPE rotates: stacked with each head's dims interleaved (``qkv``)
+ROTATED_SHARDS = frozenset(n for n, s in SHARDS.items() if s.projection in ("q", "k"))
 
 
 def head_rows(heads: slice, d: int) -> slice:
@@ -33,7 +85,7 @@ class HeadBucket(NamedTuple):
         """Where this bucket's part of group shard ``name`` lies: rows of its KV heads in
         k/v's weights and biases, rows of its query heads in q's and the output gate's,
         columns of its query heads in ``wo``."""
-        rows = head_rows(self.kv if name[1] in "kv" else self.q, d)
+        rows = head_rows(self.kv if name in KV_SHARDS else self.q, d)
         return (slice(None), rows) if name == "wo" else (rows,)
 
     def shards(self, w: dict, d: int) -> dict:
@@ -181,7 +233,7 @@ class AttentionSpec:
         if bucket is not None:
             q = slice(q.start + bucket.q.start, q.start + bucket.q.stop)
             kv = slice(kv.start + bucket.kv.start, kv.start + bucket.kv.stop)
-        return HeadPart(p, bucket, q, kv, head_rows(q, d), head_rows(kv, d))
+        return HeadPart(p, bucket, q, kv, q_rows=head_rows(q, d), kv_rows=head_rows(kv, d))
 
     def first_kv_copied(self, p: int) -> bool:
         """Whether group ``p``'s first KV head is also used by group p-1 (a copy)."""

@@ -18,11 +18,11 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor
 
-from ..kernels.backends import AttentionKernel
 from ..kernels.chunked import _backward, _blocks, _forward
 from ..kernels.lse import merge_into, stats_dtype
 from ..parallel import comm
 from ..sharding.layout import RowSpans, Span, ZigzagLayout, chunk_owner
+from .head_groups import AttentionCall
 from .qkv import split_kv
 
 
@@ -83,65 +83,50 @@ def _chunk_pieces(spans: Sequence[Span], j: int, c: int) -> list[tuple[slice, sl
     return out
 
 
-def streamed_forward(
-    kernel: AttentionKernel,
-    q: Tensor,
-    q_spans: Sequence[Span] | RowSpans,
-    kv: Tensor,
-    layout: ZigzagLayout,
-    group,
-    scale: float,
-    ahead: bool = False,
-) -> tuple[Tensor, Tensor]:
-    """Causal attention of the local queries ``q [B, T, Hq, d]`` to all S keys, whose K/V ``kv
-    [B, 2hk, T, d]`` (this rank's tokens, K's heads then V's) stream past chunk by chunk.
-    Returns out ``[B, T, Hq, d]`` (q's dtype) and lse ``[B, Hq, T]`` (``stats_dtype``), as
+def streamed_forward(call: AttentionCall, q: Tensor, kv: Tensor) -> tuple[Tensor, Tensor]:
+    """Causal attention of the local queries ``q [B, T, Hq, d]`` (at ``call.q_spans``) to all S
+    keys, whose K/V ``kv [B, 2hk, T, d]`` (this rank's tokens, K's heads then V's) stream past
+    chunk by chunk (with ``overlap``, the next chunk's broadcast posted ahead). Returns out
+    ``[B, T, Hq, d]`` (q's dtype) and lse ``[B, Hq, T]`` (``stats_dtype``), as
     ``chunked_attention_forward`` over the gathered keys."""
+    layout, attn = call.layout, call.chunked
     B, T, hq, _ = q.shape
     cdt = stats_dtype(q)
     acc = torch.zeros_like(q, dtype=cdt)  # the merged partial outputs
     lse = torch.full((B, hq, T), float("-inf"), dtype=cdt, device=q.device)
-    for j, kv_j in _stream(kv, layout, group, ahead):
+    for j, kv_j in _stream(kv, layout, call.group, call.options.overlap):
         k, v = split_kv(kv_j)
-        for b, spans in _rows(q_spans, B):
+        for b, spans in _rows(call.q_spans, B):
             for rows, keys, mask in _chunk_pieces(spans, j, layout.chunk):
-                o, l = _forward(kernel, q[b, rows], k[b, keys], v[b, keys], scale, mask)
+                o, l = _forward(attn, q[b, rows], (k[b, keys], v[b, keys]), mask)
                 merge_into(acc[b, rows], lse[b, :, rows], o, l)
                 del o, l  # before the next piece's are made
     return acc.to(q.dtype), lse
 
 
 def streamed_backward(
-    kernel: AttentionKernel,
-    dout: Tensor,
-    q: Tensor,
-    q_spans: Sequence[Span] | RowSpans,
-    kv: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    layout: ZigzagLayout,
-    group,
-    scale: float,
-    acc: torch.dtype,
-    ahead: bool = False,
+    call: AttentionCall, dout: Tensor, q: Tensor, kv: Tensor, fwd: tuple[Tensor, Tensor]
 ) -> tuple[Tensor, Tensor]:
-    """Gradients of ``streamed_forward`` given its ``out`` and ``lse``: dq ``[B, T, Hq, d]``
-    (q's dtype) and this rank's dK/dV rows ``[B, 2hk, T, d]`` in ``acc``, summed over every
-    rank's queries (each chunk's reduced into its owner as soon as its pieces are done)."""
+    """Gradients of ``streamed_forward`` given its ``fwd = (out, lse)`` and ``dout`` (like out):
+    dq ``[B, T, Hq, d]`` (q's dtype) and this rank's dK/dV rows ``[B, 2hk, T, d]`` in
+    ``call.acc``, summed over every rank's queries (each chunk's reduced into its owner as soon
+    as its pieces are done)."""
+    layout, attn, group, (out, lse) = call.layout, call.chunked, call.group, fwd
     B = q.shape[0]
     _, p = comm.size_and_rank(group)
     c = layout.chunk
     dq = torch.zeros_like(q, dtype=stats_dtype(q))
-    dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
-    for j, kv_j in _stream(kv, layout, group, ahead):
+    dkv = torch.zeros(kv.shape, dtype=call.acc, device=kv.device)
+    for j, kv_j in _stream(kv, layout, group, call.options.overlap):
         k, v = split_kv(kv_j)
-        g = torch.zeros(kv_j.shape, dtype=acc, device=kv_j.device)  # the chunk's dK, dV
+        g = torch.zeros(kv_j.shape, dtype=call.acc, device=kv_j.device)  # the chunk's dK, dV
         dk, dv = split_kv(g)
-        for b, spans in _rows(q_spans, B):
+        for b, spans in _rows(call.q_spans, B):
             for rows, keys, mask in _chunk_pieces(spans, j, c):
                 o, l = out[b, rows], lse[b, :, rows].contiguous()
+                kv_c = (k[b, keys], v[b, keys])
                 g_q, g_k, g_v = _backward(
-                    kernel, dout[b, rows], q[b, rows], k[b, keys], v[b, keys], o, l, scale, mask
+                    attn, dout[b, rows], q[b, rows], kv_c, fwd=(o, l), mask=mask
                 )
                 dq[b, rows] += g_q
                 dk[b, keys] += g_k

@@ -16,12 +16,9 @@ import torch
 
 from ..parallel import comm
 from ..sharding.layout import ZigzagLayout, chunk_owner
-from .heads import AttentionSpec
+from .heads import KV_SHARDS, AttentionSpec
 from .qkv import split_kv
 from .window import WindowExchange
-
-# Names of the k/v part of one head group's shards (summed among the users of a shared KV head).
-KV_SHARDS = ("wk", "wv", "bk", "bv", "lk", "lv")
 
 
 def _pieces(layout: ZigzagLayout, keys: slice) -> list[tuple[int, slice, slice]]:
@@ -86,7 +83,7 @@ class KVExchange:
         rank-major layout, or None under a window (``scatter`` of per-segment gradients)."""
         if self.window is not None:
             return None
-        return RankMajorGrads.zeros(self.layout, B, hk, d, self.acc, device)
+        return RankMajorGrads.zeros(self.layout, B, hk, d, dtype=self.acc, device=device)
 
     def scatter_from(self, grads: RankMajorGrads):
         """``scatter`` of gradients accumulated in place: ``(dkv [B, 2hk, T, d], handle)``."""

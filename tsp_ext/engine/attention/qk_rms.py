@@ -39,10 +39,10 @@ def _counted(t: torch.Tensor, spec: AttentionSpec, r: int) -> torch.Tensor:
     return t
 
 
-def _sums(sched: AttentionCall, x: torch.Tensor, own: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    spec = sched.spec
+def _sums(call: AttentionCall, x: torch.Tensor, own: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    spec = call.spec
     ss_q = ss_k = 0
-    for r, w in sched.weight_stream(own):
+    for r, w in call.weight_stream(own):
         q = F.linear(x, w["wq"]).float()
         k = _counted(F.linear(x, w["wk"]).float(), spec, r)
         ss_q = ss_q + q.pow(2).sum(-1)
@@ -56,25 +56,25 @@ def _rsqrt(ss: torch.Tensor, n: int, eps: float) -> torch.Tensor:
 
 class _QKRms(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, spec, group, options, x, wq, wk):
-        sched = AttentionCall(spec, group, options, x, gather_all=True)
-        ss_q, ss_k = _sums(sched, x, {"wq": wq, "wk": wk})
+    def forward(ctx, call: AttentionCall, x, wq, wk):
+        spec = call.spec
+        ss_q, ss_k = _sums(call, x, {"wq": wq, "wk": wk})
         d = spec.head_dim
         rq = _rsqrt(ss_q, spec.n_heads * d, spec.qk_norm_eps)
         rk = _rsqrt(ss_k, spec.n_kv_heads * d, spec.qk_norm_eps)
-        ctx.sched = sched
+        ctx.call = call
         ctx.save_for_backward(x, wq, wk, rq, rk)
         return rq, rk
 
     @staticmethod
     def backward(ctx, d_rq, d_rk):
         x, wq, wk, rq, rk = ctx.saved_tensors
-        sched, spec = ctx.sched, ctx.sched.spec
-        d, acc, p = spec.head_dim, sched.acc, sched.p
+        call, spec = ctx.call, ctx.call.spec
+        d, acc, p = spec.head_dim, call.acc, call.p
         # d(ss) of rsqrt(ss / n + eps); then d(X·Wᵀ) = 2 · d(ss) · (X·Wᵀ)
         dss_q = d_rq * (-0.5) * rq.pow(3) / (spec.n_heads * d)
         dss_k = d_rk * (-0.5) * rk.pow(3) / (spec.n_kv_heads * d)
-        weights = ctx.needs_input_grad[4:6]
+        weights = ctx.needs_input_grad[2:4]
         B, T, h = x.shape
         x2 = x.reshape(B * T, h)
         dx = torch.zeros(B * T, h, dtype=acc, device=x.device)
@@ -88,14 +88,14 @@ class _QKRms(torch.autograd.Function):
             if r0 == p:
                 mine = comm.unpack(buf0, [wq.shape, wk.shape])
 
-        for r, w in sched.weight_stream(own):
+        for r, w in call.weight_stream(own):
             q = F.linear(x, w["wq"]).float()
             k = F.linear(x, w["wk"]).float()
             dq = (2 * dss_q[..., None] * q).to(x.dtype).reshape(B * T, -1)
             dk = _counted((2 * dss_k[..., None] * k).to(x.dtype), spec, r).reshape(B * T, -1)
             if any(weights):
                 buf = comm.pack([matmul(dq.t(), x2, acc), matmul(dk.t(), x2, acc)], acc)
-                handle = comm.reduce(buf, r, sched.group, async_op=True)
+                handle = comm.reduce(buf, r, call.group, async_op=True)
                 if posted is not None:
                     collect()
                 posted = (r, buf, handle)
@@ -106,9 +106,9 @@ class _QKRms(torch.autograd.Function):
         d_wq = d_wk = None
         if mine is not None:
             grads = {"wq": mine[0], "wk": mine[1]}
-            share_kv(grads, spec, p, sched.group)
+            share_kv(grads, spec, p, call.group)
             d_wq, d_wk = (grads[n].to(own[n].dtype) for n in ("wq", "wk"))
-        return None, None, None, dx.view(B, T, h).to(x.dtype), d_wq, d_wk
+        return None, dx.view(B, T, h).to(x.dtype), d_wq, d_wk
 
 
 def qk_rms(
@@ -122,7 +122,8 @@ def qk_rms(
     """``(rq, rk)`` ``[B, T]`` (float32): each of this rank's tokens ``x [B, T, h]``'s reciprocal
     RMS over the whole Q and K projections, from this rank's head-group shards ``wq, wk``
     (differentiable: gradients reach ``x``, ``wq`` and ``wk``)."""
-    return _QKRms.apply(spec, group, options, x, wq, wk)
+    call = AttentionCall(spec, group, options, x, gather_all=True)
+    return _QKRms.apply(call, x, wq, wk)
 
 
 def decode_qk_rms(q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec, group, p: int):

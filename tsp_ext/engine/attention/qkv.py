@@ -31,6 +31,8 @@ sees the order.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..adapters.lora import block_diagonal, diagonal_blocks
@@ -43,11 +45,38 @@ from ..kernels.pointwise import (
     rms_norm_backward,
     rope,
 )
-from .heads import AttentionSpec
+from .heads import QKV_BIASES, QKV_LORA, QKV_WEIGHTS, ROTATED_SHARDS, AttentionSpec
 
-_W = ("wq", "wk", "wv")
-_B = ("bq", "bk", "bv")
-_L = ("lq", "lk", "lv")  # LoRA B rows of the group (``[rows, r]``), for the adapted projections
+
+class QKNorms(NamedTuple):
+    """The q/k norm weights a head group uses (per head, or its slices of full-width ones:
+    ``spec.qk_norm_full``, with the tokens' reciprocal RMS ``rms = (rq, rk)`` ``[B, T]`` from
+    ``engine.attention.qk_rms``); all None without norms."""
+
+    q: torch.Tensor | None = None
+    k: torch.Tensor | None = None
+    rms: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+class Tokens(NamedTuple):
+    """The tokens a projection reads, ``x [B, T, h]`` (a tensor or ``TokenRows``), and their
+    RoPE ``phases [B, T, 1, d/2]`` (``pointwise.rope_phases``; in backward their conjugate,
+    RoPE's adjoint: the opposite rotation)."""
+
+    x: torch.Tensor | TokenRows
+    phases: torch.Tensor
+
+
+class GroupProjection(NamedTuple):
+    """What projects one head group's tokens: its shards ``w`` (``wq, wk, wv``, biases, LoRA B
+    rows ``lq, lk, lv``), their ``stacked_weights`` (None: made from ``w``), its q/k ``norms``
+    and ``u [B·T, Σ r]``, the LoRA input projection (``lora.input_projection``) when ``w`` holds
+    adapter rows not merged into W (else None)."""
+
+    w: dict[str, torch.Tensor]
+    weight: tuple | None = None
+    norms: QKNorms = QKNorms()
+    u: torch.Tensor | None = None
 
 
 def _pair_order(d: int, rot: int) -> torch.Tensor:
@@ -85,23 +114,23 @@ def stacked_weights(
     of each head (partial rotary; default all)."""
 
     def interleaved(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
-        return interleave_heads(t, d, rot) if t is not None and name[1] in "qk" else t
+        return interleave_heads(t, d, rot) if t is not None and name in ROTATED_SHARDS else t
 
     def stack(names):
         return torch.cat([interleaved(n, w[n]) for n in names])
 
-    rows = [w[n].shape[0] for n in _W]
-    lora = block_diagonal([interleaved(n, w.get(n)) for n in _L], rows)
-    weight = stack(_W)
+    rows = [w[n].shape[0] for n in QKV_WEIGHTS]
+    lora = block_diagonal([interleaved(n, w.get(n)) for n in QKV_LORA], rows)
+    weight = stack(QKV_WEIGHTS)
     if merge is not None and lora is not None:
         add_matmul(weight, lora, merge)
-    return weight, stack(_B) if "bq" in w else None, lora
+    return weight, stack(QKV_BIASES) if QKV_BIASES[0] in w else None, lora
 
 
 def _split(t: torch.Tensor, w: dict[str, torch.Tensor], d: int) -> list[torch.Tensor]:
     """``[B, T, rows]`` -> its q, k, v column blocks, each viewed ``[B, T, n, d]``."""
     B, T, _ = t.shape
-    sizes = [w[n].shape[0] for n in _W]
+    sizes = [w[n].shape[0] for n in QKV_WEIGHTS]
     return [part.view(B, T, -1, d) for part in t.split(sizes, dim=-1)]
 
 
@@ -124,23 +153,22 @@ def _full_norm_backward(pre, weight, r, g):
     return (gw * r[..., None, None]).to(pre.dtype), deinterleave_heads(d_w, d), d_r
 
 
-def project_qkv(x, w, phases, q_norm, k_norm, spec: AttentionSpec, weight=None, u=None, rms=None):
+def project_qkv(tokens: Tokens, group: GroupProjection, spec: AttentionSpec):
     """Q ``[B, T, n_q, d]``, ``KV [B, 2 n_kv, T, d]`` (K's heads, then V's) and the pre-norm
-    projection ``L [B, T, rows]`` of the tokens ``x [B, T, h]`` (a tensor or ``TokenRows``) for
-    the head group whose shards
-    are ``w`` (RoPE by ``phases [B, T, 1, d/2]``, ``pointwise.rope_phases``). ``weight``: what
-    ``stacked_weights(w, d)`` returned, if the caller has it; ``u [B·T, Σ r]``: the LoRA input
-    projection (``lora.input_projection``) when ``w`` holds adapter rows not merged into W. Not
-    differentiable (see ``project_qkv_backward``). Q and K come with each head's dimensions
-    interleaved (module docstring). Everything is heads-major: the kernels take Q so, ``KV`` is
-    the K/V all-gather's send buffer (its chunks then land in token order by contiguous block
-    copies), and RoPE writes that layout faster than a token-major one. ``split_kv`` views K and V
-    ``[B, T, n_kv, d]``. ``rms = (rq, rk)``: the tokens' full-width reciprocal RMS, when
-    ``spec.qk_norm_full`` (``q_norm, k_norm``: then the group's slices of the norm weights)."""
-    x = TokenRows.of(x)
+    projection ``L [B, T, rows]`` of the ``tokens`` (``x [B, T, h]``, RoPE by their phases) for
+    the head ``group`` (``GroupProjection``; with ``spec.qk_norm_full`` its norms are its slices
+    of the full-width weights and the tokens' ``rms``). Not differentiable (see
+    ``project_qkv_backward``). Q and K come with each head's dimensions interleaved (module
+    docstring). Everything is heads-major: the kernels take Q so, ``KV`` is the K/V all-gather's
+    send buffer (its chunks then land in token order by contiguous block copies), and RoPE
+    writes that layout faster than a token-major one. ``split_kv`` views K and V ``[B, T, n_kv,
+    d]``."""
+    x, phases = TokenRows.of(tokens.x), tokens.phases
+    w, (q_norm, k_norm, rms), u = group.w, group.norms, group.u
     B, T, _ = x.shape
     d = spec.head_dim
-    W, b, lora = weight if weight is not None else stacked_weights(w, d, rot=spec.rotary)
+    weight = group.weight if group.weight is not None else stacked_weights(w, d, rot=spec.rotary)
+    W, b, lora = weight
     lin = x.linear(W, b)
     if lora is not None and u is not None:
         add_matmul(lin.view(-1, lin.shape[-1]), u, lora.t())
@@ -167,23 +195,33 @@ def split_kv(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def project_qkv_backward(
-    dq, dk, dv, x, w, weight, lin, inverse, q_norm, k_norm, spec, acc, trainable, u=None, rms=None
+    dq: torch.Tensor,
+    dkv: torch.Tensor,
+    tokens: Tokens,
+    group: GroupProjection,
+    lin: torch.Tensor | None,
+    spec: AttentionSpec,
+    acc: torch.dtype,
+    trainable: frozenset[str],
 ):
-    """Adjoint of ``project_qkv`` given ``dq [B, T, n_q, d]``, ``dk, dv [B, T, n_kv, d]``: returns
-    the gradients of the shards in ``trainable`` (of ``wq, wk, wv, bq, bk, bv, lq, lk, lv``; in
-    ``acc``: no weight-gradient GEMM for a frozen base), of ``(q_norm, k_norm)`` (in ``acc``; None
-    without norms) and ``dL [B·T, rows]``, the projection's gradient: the caller adds
-    ``dX = dL · W`` (``add_matmul(dx, dL, W)``) and ``dU = dL · B`` once it has sent the weight
-    gradients on. ``u``: the forward's LoRA input projection. ``weight``: the forward's
-    ``stacked_weights(w, d)``; ``lin``: its projection (read only with norms); ``inverse``: the
-    conjugate of the forward's phases (RoPE's adjoint is the opposite rotation). ``dq, dk`` and
-    ``dL`` are in the interleaved order, the returned weight and norm gradients in the shards'
-    own. With ``rms`` (a full-width norm) the norm gradients are of the group's slices, followed
+    """Adjoint of ``project_qkv`` given ``dq [B, T, n_q, d]`` and ``dkv [B, 2 n_kv, T, d]``
+    (heads-major, as ``project_qkv`` returned them): returns the gradients of the shards in
+    ``trainable`` (of ``wq, wk, wv, bq, bk, bv, lq, lk, lv``; in ``acc``: no weight-gradient GEMM
+    for a frozen base), of the q/k norm weights (in ``acc``; None without norms) and ``dL [B·T,
+    rows]``, the projection's gradient: the caller adds ``dX = dL · W`` (``add_matmul(dx, dL,
+    W)``) and ``dU = dL · B`` once it has sent the weight gradients on. ``tokens``: the
+    forward's ``x`` and the conjugate of its phases (RoPE's adjoint is the opposite rotation);
+    ``group``: the forward's, its ``weight`` the ``stacked_weights`` of its shards and ``u`` the
+    LoRA input projection; ``lin``: the forward's projection (read only with norms). ``dq, dkv``
+    and ``dL`` are in the interleaved order, the returned weight and norm gradients in the
+    shards' own. With full-width norms the norm gradients are of the group's slices, followed
     by those of ``rq, rk`` ``[B, T]``."""
-    x = TokenRows.of(x)
+    x, inverse = TokenRows.of(tokens.x), tokens.phases
+    w, (q_norm, k_norm, rms), u = group.w, group.norms, group.u
+    dk, dv = split_kv(dkv)
     B, T, h = x.shape
     d = spec.head_dim
-    W, b, lora = weight
+    W, b, lora = group.weight
     d_lin = dq.new_empty(B, T, W.shape[0])
     dq_lin, dk_lin, dv_lin = _split(d_lin, w, d)
     dv_lin.copy_(dv)
@@ -209,22 +247,22 @@ def project_qkv_backward(
         for pre, g, nw, out in ((q_pre, dq, q_norm, dq_lin), (k_pre, dk, k_norm, dk_lin)):
             r = inv_rms(pre.float(), spec.qk_norm_eps)
             nw = interleave_heads(nw, d, spec.rotary)
-            d_pre, d_w = rms_norm_backward(pre, nw, r, rope(g, inverse), spec.qk_norm_offset)
+            d_pre, d_w = rms_norm_backward(pre, nw, r, rope(g, inverse), offset=spec.qk_norm_offset)
             out.copy_(d_pre)
             d_norms.append(deinterleave_heads(d_w.to(acc), d, spec.rotary))
     d2 = d_lin.view(-1, W.shape[0])
-    sizes = [w[n].shape[0] for n in _W]
+    sizes = [w[n].shape[0] for n in QKV_WEIGHTS]
     grads = {}
-    if not trainable.isdisjoint(_W):
-        grads.update(zip(_W, x.grad_weight(d2, acc).split(sizes)))
-    if b is not None and not trainable.isdisjoint(_B):
-        grads.update(zip(_B, d2.sum(0, dtype=acc).split(sizes)))
+    if not trainable.isdisjoint(QKV_WEIGHTS):
+        grads.update(zip(QKV_WEIGHTS, x.grad_weight(d2, acc).split(sizes)))
+    if b is not None and not trainable.isdisjoint(QKV_BIASES):
+        grads.update(zip(QKV_BIASES, d2.sum(0, dtype=acc).split(sizes)))
     if lora is not None:
-        present = [n in w for n in _L]
-        ranks = [w[n].shape[1] for n in _L if n in w]
+        present = [n in w for n in QKV_LORA]
+        ranks = [w[n].shape[1] for n in QKV_LORA if n in w]
         blocks = diagonal_blocks(matmul(d2.t(), u, acc), present, sizes, ranks)
-        grads.update(zip([n for n in _L if n in w], blocks))
-    for n in ("wq", "wk", "bq", "bk", "lq", "lk"):
-        if n in grads:
+        grads.update(zip([n for n in QKV_LORA if n in w], blocks))
+    for n in grads:
+        if n in ROTATED_SHARDS:
             grads[n] = deinterleave_heads(grads[n], d, spec.rotary)
     return grads, d_norms, d2

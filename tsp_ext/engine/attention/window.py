@@ -86,7 +86,17 @@ class WindowExchange:
             start, end = max(base, chunk * c), min(stop, (chunk + 1) * c)
             owner = chunk if chunk < D else 2 * D - 1 - chunk
             row = (0 if chunk < D else c) + start - chunk * c  # chunk p first, then 2D-1-p
-            pieces.append(Piece(start, end - start, owner, row, p, j, start - base))
+            pieces.append(
+                Piece(
+                    start=start,
+                    length=end - start,
+                    src=owner,
+                    src_row=row,
+                    dst=p,
+                    segment=j,
+                    dst_row=start - base,
+                )
+            )
         return pieces
 
     def moved_rows(self, dst: int | None = None) -> int:

@@ -100,7 +100,7 @@ def _aligns_bottom_right(kernel: AttentionKernel, device: torch.device, dtype) -
     q, k = (torch.zeros(1, n, 1, 64, device=device, dtype=dtype) for n in (2, 4))
     v = torch.arange(4, device=device, dtype=dtype)[None, :, None, None].expand(1, 4, 1, 64)
     try:
-        out, _ = kernel.forward(q, k, v.contiguous(), 1.0, True)
+        out, _ = kernel.forward(q, k, v.contiguous(), 1.0, is_causal=True)
     except RuntimeError:  # the op refuses Lq != Lk causal: the two-call path never asks it to
         return False
     return abs(out[0, 0, 0, 0].item() - 1.0) < 0.1
@@ -216,7 +216,7 @@ class CudaCudnn(AttentionKernel):
 
     def forward(self, q, k, v, scale, is_causal):
         if self._refused(q, k):
-            return BACKENDS["cuda_efficient"].forward(q, k, v, scale, is_causal)
+            return BACKENDS["cuda_efficient"].forward(q, k, v, scale, is_causal=is_causal)
         o, lse, *_ = aten._scaled_dot_product_cudnn_attention(
             _bhld(q), _bhld(k), _bhld(v), None, True, 0.0, is_causal, False, scale=scale
         )
@@ -224,7 +224,10 @@ class CudaCudnn(AttentionKernel):
 
     def backward(self, dout, q, k, v, out, lse, scale, is_causal):
         if self._refused(q, k):
-            return BACKENDS["cuda_efficient"].backward(dout, q, k, v, out, lse, scale, is_causal)
+            efficient = BACKENDS["cuda_efficient"]
+            return efficient.backward(
+                dout, q, k, v, out=out, lse=lse, scale=scale, is_causal=is_causal
+            )
         seed = offset = torch.empty(0, dtype=torch.int64, device=q.device)
         dout, out = (_bhld(x.contiguous()) for x in (dout, out))
         rest = (seed, offset, None, None, None, q.shape[1], k.shape[1], 0.0, is_causal)
@@ -279,13 +282,15 @@ class Blockwise(AttentionKernel):
 
     def forward(self, q, k, v, scale, is_causal):
         q_spans, kspan = self._spans(q, k, is_causal)
-        return attention_forward(q, q_spans, [(kspan, k, v)], scale, self.block)
+        return attention_forward(q, q_spans, [(kspan, k, v)], scale, block=self.block)
 
     def backward(self, dout, q, k, v, out, lse, scale, is_causal):
         q_spans, kspan = self._spans(q, k, is_causal)
         dk, dv = (torch.zeros(k.shape, dtype=stats_dtype(q), device=k.device) for _ in "kv")
         kv, dkv = [(kspan, k, v)], [(dk, dv)]
-        dq = attention_backward(dout, q, q_spans, kv, dkv, out, lse, scale, self.block)
+        dq = attention_backward(
+            dout, q, q_spans, kv, dkv=dkv, fwd=(out, lse), scale=scale, block=self.block
+        )
         return dq, dk, dv
 
 

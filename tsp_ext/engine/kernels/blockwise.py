@@ -42,12 +42,13 @@ def _unfold(x: torch.Tensor, t: int) -> torch.Tensor:
     return x.view(B, hk, -1, t, d).permute(0, 3, 1, 2, 4).reshape(B, t, -1, d)
 
 
-def _kv_blocks(qb: Span, span: Span, k: torch.Tensor, v: torch.Tensor, size: int):
-    """Blocks of one key span that query block ``qb`` can see.
+def _kv_blocks(qb: Span, span: Span, kv: tuple[torch.Tensor, torch.Tensor], size: int):
+    """Blocks of one key span (its ``kv = (k, v)``) that query block ``qb`` can see.
 
     Yields ``(sl, k, v, mask)``: ``sl`` slices the span's tokens, ``k, v [B, Hk, L, d]``, and
     ``mask [tq, L]`` (bool, True = visible) or None when every key is visible.
     """
+    k, v = kv
     q_last = qb.stop - 1
     for i in range(0, span.length, size):
         start, stop = span.start + i, span.start + min(i + size, span.length)
@@ -92,7 +93,7 @@ def attention_forward(
             l = torch.zeros_like(m)
             acc = torch.zeros_like(qf)
             for span, k_span, v_span in kv:
-                for _, k, v, mask in _kv_blocks(qb, span, k_span, v_span, block):
+                for _, k, v, mask in _kv_blocks(qb, span, (k_span, v_span), block):
                     s = _scores(qf, k, mask, qb.length)
                     m_new = torch.maximum(m, s.amax(-1))
                     m_use = m_new.masked_fill(m_new == float("-inf"), 0.0)  # rows with no key yet
@@ -112,13 +113,14 @@ def attention_backward(
     q_spans: Sequence[Span],
     kv: Sequence[KVSpan],
     dkv: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    out: torch.Tensor,
-    lse: torch.Tensor,
+    fwd: tuple[torch.Tensor, torch.Tensor],
     scale: float,
     block: int = 512,
 ) -> torch.Tensor:
-    """Gradients of ``attention_forward``: returns dq ``[B, T, Hq, d]`` and *adds* dK/dV into
-    ``dkv`` (one ``(dk, dv)`` pair of ``[B, L, Hk, d]`` buffers per key span, float32/64)."""
+    """Gradients of ``attention_forward`` given its ``fwd = (out, lse)``: returns dq ``[B, T,
+    Hq, d]`` and *adds* dK/dV into ``dkv`` (one ``(dk, dv)`` pair of ``[B, L, Hk, d]`` buffers
+    per key span, float32/64)."""
+    out, lse = fwd
     B = q.shape[0]
     hk = kv[0][1].shape[2]
     cdt = stats_dtype(q)
@@ -132,7 +134,7 @@ def attention_backward(
             delta = (do * _fold(out[:, rows], hk, cdt)).sum(-1)
             dqf = torch.zeros_like(qf)
             for (span, k_span, v_span), (dk_span, dv_span) in zip(kv, dkv):
-                for sl, k, v, mask in _kv_blocks(qb, span, k_span, v_span, block):
+                for sl, k, v, mask in _kv_blocks(qb, span, (k_span, v_span), block):
                     s = _scores(qf, k, mask, qb.length)
                     p = torch.exp(s - lse_b[..., None])
                     ds = p * (do @ v.to(cdt).transpose(-1, -2) - delta[..., None])

@@ -18,6 +18,7 @@ trailing band, a causal square read backwards: the kernels never see a window or
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -27,7 +28,20 @@ from .backends import AttentionKernel
 from .lse import merge_partials, stats_dtype
 
 
-def _check(q: Tensor, q_spans: Sequence[Span], k: Tensor, v: Tensor, window) -> None:
+@dataclass(frozen=True)
+class ChunkedKernel:
+    """How the chunked functions attend: with ``kernel``, softmax ``scale``, a sliding ``window``
+    (query i sees keys ``(i - window, i]``, window >= 2; None: causal) and ``key_block`` (a
+    span's earlier keys in pieces of at most its length, ``_blocks``)."""
+
+    kernel: AttentionKernel
+    scale: float
+    window: int | None = None
+    key_block: bool = False
+
+
+def _check(q: Tensor, q_spans: Sequence[Span], kv: tuple[Tensor, Tensor], window) -> None:
+    k, v = kv
     if window is not None and window < 2:
         raise ValueError(f"sliding window {window} must be >= 2 (a query and the key before it)")
     if k.shape != v.shape or k.shape[0] != q.shape[0] or q.shape[2] % k.shape[2]:
@@ -96,25 +110,30 @@ def _window_blocks(s: Span, one_call: bool, window: int):
     return out
 
 
-def _flip(*xs: Tensor) -> list[Tensor]:
+def _flip(xs: Sequence[Tensor]) -> list[Tensor]:
     """Reverse the token order of ``[B, L, H, d]`` tensors (and of ``lse [B, H, L]``)."""
     return [x.flip(-1 if x.dim() == 3 else 1) for x in xs]
 
 
-def _forward(kernel: AttentionKernel, q, k, v, scale: float, mask: str):
-    """One kernel call on a piece. ``anti``: query j of the square sees keys j.. (the causal
-    square with queries and keys both reversed)."""
+def _forward(attn: ChunkedKernel, q: Tensor, kv: tuple[Tensor, Tensor], mask: str):
+    """One kernel call of ``q`` on a piece's keys ``kv = (k, v)``. ``anti``: query j of the
+    square sees keys j.. (the causal square with queries and keys both reversed)."""
+    kernel, scale = attn.kernel, attn.scale
     if mask != _ANTI:
-        return kernel.forward(q, k, v, scale, mask == _CAUSAL)
-    out, lse = kernel.forward(*_flip(q, k, v), scale, True)
-    return tuple(_flip(out, lse))
+        return kernel.forward(q, *kv, scale, is_causal=mask == _CAUSAL)
+    out, lse = kernel.forward(*_flip((q, *kv)), scale, is_causal=True)
+    return tuple(_flip((out, lse)))
 
 
-def _backward(kernel: AttentionKernel, dout, q, k, v, out, lse, scale: float, mask: str):
-    """Gradients ``(dq, dk, dv)`` of ``_forward`` on a piece."""
+def _backward(attn: ChunkedKernel, dout, q, kv: tuple[Tensor, Tensor], fwd, mask: str):
+    """Gradients ``(dq, dk, dv)`` of ``_forward`` on a piece, given ``fwd = (out, lse)`` (the
+    merged ones of the piece's queries)."""
+    kernel, scale, (k, v), (out, lse) = attn.kernel, attn.scale, kv, fwd
     if mask != _ANTI:
-        return kernel.backward(dout, q, k, v, out, lse, scale, mask == _CAUSAL)
-    return _flip(*kernel.backward(*_flip(dout, q, k, v, out, lse), scale, True))
+        causal = mask == _CAUSAL
+        return kernel.backward(dout, q, k, v, out=out, lse=lse, scale=scale, is_causal=causal)
+    dout, q, k, v, out, lse = _flip((dout, q, k, v, out, lse))
+    return _flip(kernel.backward(dout, q, k, v, out=out, lse=lse, scale=scale, is_causal=True))
 
 
 def _spread(o: Tensor, lse: Tensor, rows: slice, n: int) -> tuple[Tensor, Tensor]:
@@ -127,8 +146,9 @@ def _spread(o: Tensor, lse: Tensor, rows: slice, n: int) -> tuple[Tensor, Tensor
     return o_n, lse_n
 
 
-def _per_row(fn, q_spans: RowSpans, *tensors: Tensor) -> tuple[Tensor, ...]:
-    """``fn(row_spans, *row_tensors)`` for every batch row, results concatenated along dim 0."""
+def _per_row(fn, q_spans: RowSpans, tensors: Sequence[Tensor]) -> tuple[Tensor, ...]:
+    """``fn(row_spans, *row_tensors)`` for every batch row of ``tensors``, results concatenated
+    along dim 0."""
     if len(q_spans.rows) != tensors[0].shape[0]:
         raise ValueError(f"{len(q_spans.rows)} rows of spans for a batch of {tensors[0].shape[0]}")
     outs = [fn(s, *(t[b : b + 1] for t in tensors)) for b, s in enumerate(q_spans.rows)]
@@ -136,45 +156,42 @@ def _per_row(fn, q_spans: RowSpans, *tensors: Tensor) -> tuple[Tensor, ...]:
 
 
 def chunked_attention_forward(
-    kernel: AttentionKernel,
+    attn: ChunkedKernel,
     q: Tensor,
     q_spans: Sequence[Span] | RowSpans,
-    k: Tensor,
-    v: Tensor,
-    scale: float,
-    window: int | None = None,
-    key_block: bool = False,
+    kv: tuple[Tensor, Tensor],
 ) -> tuple[Tensor, Tensor]:
-    """Causal attention of local query chunks to keys in natural order.
+    """Causal attention of local query chunks to keys in natural order, as ``attn`` says
+    (kernel, scale, sliding window, key blocks).
 
     Args:
         q: ``[B, T, Hq, d]``; ``q_spans`` cover its rows: ``Span(offset, start, length,
             first_key)`` = rows ``[offset, offset+length)`` hold global positions ``[start,
             start+length)`` and see keys from ``first_key`` on. ``RowSpans``: per batch row.
-        k, v: ``[B, S, Hk, d]``, key i at position i. A query sees keys at positions <= its own.
-        window: sliding window (query i sees keys ``(i - window, i]``, window >= 2) or None.
-        key_block: a span's earlier keys in pieces of at most its length (``_blocks``).
+        kv: ``(k, v)``, each ``[B, S, Hk, d]``, key i at position i. A query sees keys at
+            positions <= its own.
     Returns:
         out ``[B, T, Hq, d]`` (q's dtype), lse ``[B, Hq, T]`` (float32; float64 for float64).
     """
     if isinstance(q_spans, RowSpans):
 
         def fwd(spans, q, k, v):
-            return chunked_attention_forward(kernel, q, spans, k, v, scale, window, key_block)
+            return chunked_attention_forward(attn, q, spans, (k, v))
 
-        return _per_row(fwd, q_spans, q, k, v)
-    _check(q, q_spans, k, v, window)
+        return _per_row(fwd, q_spans, (q, *kv))
+    _check(q, q_spans, kv, attn.window)
+    k, v = kv
     B, T, hq, _ = q.shape
     out = torch.zeros_like(q)
     lse = torch.full((B, hq, T), float("-inf"), dtype=stats_dtype(q), device=q.device)
-    one_call = kernel.one_call_causal(q.device, q.dtype)
+    one_call = attn.kernel.one_call_causal(q.device, q.dtype)
     for s in q_spans:
-        for block, pieces in _blocks(s, one_call, window, key_block) if s.length else ():
+        for block, pieces in _blocks(s, one_call, attn.window, attn.key_block) if s.length else ():
             n = block.stop - block.start
             o = l = None
             for r, keys, mask in pieces:  # merged as they come: one partial alive at a time
                 rows = slice(s.offset + r.start, s.offset + r.stop)
-                o_p, l_p = _forward(kernel, q[:, rows], k[:, keys], v[:, keys], scale, mask)
+                o_p, l_p = _forward(attn, q[:, rows], (k[:, keys], v[:, keys]), mask)
                 o_p, l_p = _spread(o_p, l_p, slice(r.start - block.start, r.stop - block.start), n)
                 if o is None:
                     o, l = o_p, l_p
@@ -189,63 +206,56 @@ def chunked_attention_forward(
 
 
 def chunked_attention_backward(
-    kernel: AttentionKernel,
+    attn: ChunkedKernel,
     dout: Tensor,
     q: Tensor,
     q_spans: Sequence[Span] | RowSpans,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    scale: float,
-    window: int | None = None,
+    kv: tuple[Tensor, Tensor],
+    fwd: tuple[Tensor, Tensor],
     into=None,
-    key_block: bool = False,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """Gradients of ``chunked_attention_forward`` given its ``out`` and ``lse``.
+    """Gradients of ``chunked_attention_forward`` given its ``fwd = (out, lse)``.
 
     Returns dq ``[B, T, Hq, d]`` in q's dtype and dk, dv ``[B, S, Hk, d]`` in float32 (float64
     for float64 inputs): every key collects terms from several query chunks, and the caller
     reduce-scatters them across ranks, so they are accumulated and returned at full precision.
     ``into`` (``kv_exchange.RankMajorGrads``): dk and dv are added there instead (returned as
-    None); ``key_block`` as in forward. Rows of q outside every span get dq = 0. Transient: one
-    chunk's per-piece gradients.
+    None). Rows of q outside every span get dq = 0. Transient: one chunk's per-piece gradients.
     """
+    (k, v), (out, lse) = kv, fwd
     if isinstance(q_spans, RowSpans):
         if into is not None:  # each batch row's into its rows of the accumulator
             dq = []
             for b, spans in enumerate(q_spans.rows):
                 do, q_b, k_b, v_b, o, l = (t[b : b + 1] for t in (dout, q, k, v, out, lse))
                 g_q, _, _ = chunked_attention_backward(
-                    kernel, do, q_b, spans, k_b, v_b, o, l, scale, window, into.rows(b), key_block
+                    attn, do, q_b, spans, kv=(k_b, v_b), fwd=(o, l), into=into.rows(b)
                 )
                 dq.append(g_q)
             return torch.cat(dq), None, None
 
         def bwd(spans, dout, q, k, v, out, lse):
-            return chunked_attention_backward(
-                kernel, dout, q, spans, k, v, out, lse, scale, window, None, key_block
-            )
+            return chunked_attention_backward(attn, dout, q, spans, kv=(k, v), fwd=(out, lse))
 
-        return _per_row(bwd, q_spans, dout, q, k, v, out, lse)
-    _check(q, q_spans, k, v, window)
+        return _per_row(bwd, q_spans, (dout, q, k, v, out, lse))
+    _check(q, q_spans, kv, attn.window)
     cdt = stats_dtype(q)
     dq = torch.zeros_like(q)
     dk = dv = None
     if into is None:
         dk = torch.zeros_like(k, dtype=cdt)  # k's memory layout, so the adds below are dense
         dv = torch.zeros_like(v, dtype=cdt)
-    one_call = kernel.one_call_causal(q.device, q.dtype)
+    one_call = attn.kernel.one_call_causal(q.device, q.dtype)
     for s in q_spans:
-        for block, pieces in _blocks(s, one_call, window, key_block) if s.length else ():
+        for block, pieces in _blocks(s, one_call, attn.window, attn.key_block) if s.length else ():
             dq_b = None
             for r, keys, mask in pieces:
                 rows = slice(s.offset + r.start, s.offset + r.stop)
                 o_c, l_c = out[:, rows], lse[:, :, rows].contiguous()
+                kv_c = (k[:, keys], v[:, keys])
                 g_q, g_k, g_v = _backward(
-                    kernel, dout[:, rows], q[:, rows], k[:, keys], v[:, keys], o_c, l_c, scale,
-                    mask,
-                )  # fmt: skip
+                    attn, dout[:, rows], q[:, rows], kv_c, fwd=(o_c, l_c), mask=mask
+                )
                 if dq_b is None:  # the first piece covers the block
                     dq_b = g_q.to(cdt)
                 else:
@@ -276,27 +286,25 @@ def _in_segment(q_spans, base: int, stop: int):
     return shift(q_spans)
 
 
-def segments_forward(kernel, q, q_spans, segments, scale, window, key_block: bool = False):
+def segments_forward(attn: ChunkedKernel, q: Tensor, q_spans, segments):
     """``chunked_attention_forward`` of ``q [B, T, Hq, d]`` over K/V ``segments`` ``(base, K,
     V)``; a query's keys are all in one segment (rows of other segments' spans stay 0, -inf)."""
     out = lse = None
     for base, k, v in segments:
         spans = _in_segment(q_spans, base, base + k.shape[1])
-        o, l = chunked_attention_forward(kernel, q, spans, k, v, scale, window, key_block)
+        o, l = chunked_attention_forward(attn, q, spans, (k, v))
         out, lse = (o, l) if out is None else (out.add_(o), torch.maximum(lse, l))
     return out, lse
 
 
-def segments_backward(
-    kernel, da, q, q_spans, segments, a, lse, scale, window, into=None, key_block=False
-):
-    """Gradients of ``segments_forward``: dq and ``[(dK, dV)]`` per segment (``into``: of the one
-    segment of all S keys, added there; ``[(None, None)]``)."""
+def segments_backward(attn: ChunkedKernel, da, q, q_spans, segments, fwd, into=None):
+    """Gradients of ``segments_forward`` given its ``fwd = (a, lse)``: dq and ``[(dK, dV)]`` per
+    segment (``into``: of the one segment of all S keys, added there; ``[(None, None)]``)."""
     dq, grads = None, []
     for base, k, v in segments:
         spans = _in_segment(q_spans, base, base + k.shape[1])
         g_q, g_k, g_v = chunked_attention_backward(
-            kernel, da, q, spans, k, v, a, lse, scale, window, into, key_block
+            attn, da, q, spans, kv=(k, v), fwd=fwd, into=into
         )
         dq = g_q if dq is None else dq.add_(g_q)
         grads.append((g_k, g_v))

@@ -78,6 +78,6 @@ def masked_chunked_attention(
         if window is not None:
             allowed &= k_pos > q_pos - window
         rows = slice(s.offset, s.offset + s.length)
-        o, l = partial_attention(q[:, rows], k[:, : s.stop], v[:, : s.stop], allowed, scale)
+        o, l = partial_attention(q[:, rows], k[:, : s.stop], v[:, : s.stop], allowed, scale=scale)
         out[:, rows], lse[:, :, rows] = o.to(q.dtype), l
     return out, lse
