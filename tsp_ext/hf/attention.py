@@ -94,14 +94,14 @@ class TSPAttention(ShardedModule):
         group,
         config: TSPConfig | None = None,
         *,
-        qkv_bias: bool = False,
-        o_bias: bool = False,
+        biases: tuple[bool, bool] = (False, False),
         qk_norms: tuple[nn.Module, nn.Module] | None = None,
         sinks: bool = False,
         dtype=None,
         device=None,
     ) -> None:
         super().__init__()
+        qkv_bias, o_bias = biases  # on q/k/v, on o
         D, p = comm.size_and_rank(group)
         if D != spec.tsp_size:
             raise ValueError(
@@ -164,8 +164,7 @@ class TSPAttention(ShardedModule):
             spec,
             group,
             config,
-            qkv_bias=attn.q_proj.bias is not None,
-            o_bias=attn.o_proj.bias is not None,
+            biases=(attn.q_proj.bias is not None, attn.o_proj.bias is not None),
             qk_norms=None if q_norm is None else (q_norm, k_norm),
             sinks=getattr(attn, "sinks", None) is not None,
             dtype=w.dtype,
