@@ -104,7 +104,11 @@ def parity_case(mesh, family, dtype, B, S, pad, variant):
 
 def parity_worker(rank, world):
     mesh = init_tsp_mesh(world)
-    return {(c[0], str(c[1]), *c[2:]): parity_case(mesh, *c) for c in CASES}
+    # D = 4 leaves out the float32 cases of a family and variant it runs in float64 (their
+    # float32 rounding is proven at D = 1 and 2)
+    twins = {(c[0], c[5]) for c in CASES if c[1] == torch.float64}
+    cases = [c for c in CASES if world < 4 or c[1] == torch.float64 or (c[0], c[5]) not in twins]
+    return {(c[0], str(c[1]), *c[2:]): parity_case(mesh, *c) for c in cases}
 
 
 @functools.cache

@@ -67,11 +67,13 @@ def weight_bytes(model, sharded_only: bool) -> int:
     return sum(p.nbytes for n, p in model.named_parameters() if not (sharded_only and "norm" in n))
 
 
-def greedy_case(rank, mesh, family, dtype, B, S, pad, overrides, model_kw=None):
+def greedy_case(rank, mesh, family, dtype, B, S, pad, overrides, model_kw=None, reference=True):
+    """Greedy tokens, KV and weight bytes of the TSP model; with ``reference``, rank 0 also
+    returns the single-process model's tokens and KV bytes."""
     model = hf_model(family, dtype, **(model_kw or {}))
     ids, mask = prompt(B, S, pad)
     out = {}
-    if rank == 0:  # the single-process reference (the same on every rank: compute it once)
+    if reference and rank == 0:  # the same on every rank: computed once
         ref = copy.deepcopy(model)
         new = new_tokens(family)
         r = ref.generate(ids, attention_mask=mask, max_new_tokens=new, return_dict_in_generate=True)
@@ -88,25 +90,26 @@ def greedy_case(rank, mesh, family, dtype, B, S, pad, overrides, model_kw=None):
     return out
 
 
-def sampling_case(rank, mesh):
+def sampling_case(rank, mesh, reference: bool):
     """Sampling after a different seed on every rank: the same tokens on every rank (the
-    generator state is synced), and the reference's tokens for rank 0's seed."""
+    generator state is synced), and (``reference``) the reference's tokens for rank 0's seed."""
     model = hf_model("mistral", torch.float32)
     ids, mask = prompt(2, 15, 2)
     kw = dict(attention_mask=mask, max_new_tokens=32, do_sample=True, top_k=20, temperature=0.8)
     torch.manual_seed(7)
-    ref = copy.deepcopy(model).generate(ids, **kw) if rank == 0 else None
+    ref = copy.deepcopy(model).generate(ids, **kw) if reference and rank == 0 else None
     apply_tsp(model, mesh)
     torch.manual_seed(7 + rank)
     return {"tokens": model.generate(ids, **kw), "ref": ref}
 
 
-def beam_case(rank, mesh):
+def beam_case(rank, mesh, reference: bool):
     model = hf_model("llama", torch.float64)
     ids, mask = prompt(2, 17, 4)
-    ref = copy.deepcopy(model).generate(ids, attention_mask=mask, max_new_tokens=16, num_beams=3)
+    kw = dict(attention_mask=mask, max_new_tokens=16, num_beams=3)
+    ref = copy.deepcopy(model).generate(ids, **kw) if reference and rank == 0 else None
     apply_tsp(model, mesh)
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=16, num_beams=3)
+    out = model.generate(ids, **kw)
     return {"tokens": out, "ref": ref}
 
 
@@ -132,11 +135,14 @@ def error_cases(rank, mesh):
 
 
 def worker(rank, world):
+    """Every case at D = world; each single-process reference once, on rank 0: the greedy ones
+    at D = 1, sampling and beams at D = 2 (``reference_runs``)."""
     mesh = init_tsp_mesh(world)
-    out = {c[:5]: greedy_case(rank, mesh, *c) for c in CASES}
+    out = {c[:5]: greedy_case(rank, mesh, *c, reference=world == 1) for c in CASES}
     if world > 1:
-        out["sampling"] = sampling_case(rank, mesh)
-        out["beams"] = beam_case(rank, mesh)
+        out["sampling"] = sampling_case(rank, mesh, reference=world == 2)
+        out["beams"] = beam_case(rank, mesh, reference=world == 2)
+    if world == 2:  # what test_errors reads
         out["errors"] = error_cases(rank, mesh)
     return out
 
@@ -144,6 +150,13 @@ def worker(rank, world):
 @functools.cache
 def results(workers, world):
     return workers.run(worker, world, timeout=300)
+
+
+def reference_runs(workers) -> dict:
+    """Rank 0's runs that hold the single-process references: the greedy cases' at D = 1 (by
+    case), sampling's and beams' at D = 2 (by mode)."""
+    at_2 = results(workers, 2)[0]
+    return {**results(workers, 1)[0], "sampling": at_2["sampling"], "beams": at_2["beams"]}
 
 
 # any TSP size: 14 query / 2 KV heads, F = 53, V = 97 at D = 3 — groups of 5, 5, 4 query heads;
@@ -179,7 +192,7 @@ def test_greedy_matches_hf_with_uneven_heads_mlp_and_vocab(workers):
 def test_greedy_matches_hf_token_for_token(workers, world):
     runs = results(workers, world)
     for case in CASES:
-        ref = runs[0][case[:5]]["ref"]
+        ref = reference_runs(workers)[case[:5]]["ref"]
         assert ref.shape[1] == case[3] + new_tokens(case[0])
         for rank, run in enumerate(runs):
             assert torch.equal(run[case[:5]]["tokens"], ref), f"D={world} rank={rank} {case}"
@@ -190,7 +203,7 @@ def test_kv_cache_and_weights_are_one_dth(workers, world):
     runs = results(workers, world)
     for family, dtype, B, S, pad, overrides in CASES:
         key = (family, dtype, B, S, pad)
-        ref_kv = runs[0][key]["ref_kv"]
+        ref_kv = reference_runs(workers)[key]["ref_kv"]
         kv = [run[key]["kv"] for run in runs]
         assert sum(kv) == ref_kv, (key, kv)  # every cached token on exactly one rank
         model = build(family, dtype)
@@ -212,7 +225,7 @@ def test_kv_cache_and_weights_are_one_dth(workers, world):
 def test_sampling_and_beams_agree_across_ranks(workers, world):
     runs = results(workers, world)
     for mode in ("sampling", "beams"):
-        ref = runs[0][mode]["ref"]
+        ref = reference_runs(workers)[mode]["ref"]
         for rank, run in enumerate(runs):
             assert torch.equal(run[mode]["tokens"], ref), f"{mode} D={world} rank={rank}"
 

@@ -221,7 +221,10 @@ def parity_case(mesh, family, dtype, backend, rows, head_bucket):
 
 def parity_worker(rank, world):
     mesh = init_tsp_mesh(world)
-    return {(c[0], str(c[1]), c[2], len(c[3]), c[4]): parity_case(mesh, *c) for c in CASES}
+    # D = 4 leaves out the float32 cases of a backend it runs in float64 on the same documents
+    # (their float32 rounding is proven at D = 1 and 2)
+    cases = [c for c in CASES if world < 4 or c[1] == torch.float64]
+    return {(c[0], str(c[1]), c[2], len(c[3]), c[4]): parity_case(mesh, *c) for c in cases}
 
 
 @functools.cache
