@@ -232,6 +232,22 @@ class TSPAttention(ShardedModule):
         wq, wk = own["wq"], own["wk"]
         return qk_rms(x, wq, wk, spec=self.spec, group=self.group, options=self.options)
 
+    def _inputs(self, x, position_embeddings, own, replicate: bool, **call) -> AttentionInputs:
+        """One call's ``AttentionInputs`` for tokens ``x`` at ``position_embeddings``, with
+        the shards ``own``; the replicated q/k norm weights and sinks wrapped so that their
+        gradient sums over the group where ``replicate`` (training), as they are otherwise;
+        ``call``: the call's own fields (query spans, LoRA pieces)."""
+        cos, sin = full_width(*position_embeddings, self.spec)
+        shared = [*self._qk_norms(), self.sinks]
+        if replicate:
+            shared = [w if w is None else comm.replicated(w, self.group) for w in shared]
+        q_norm, k_norm, sinks = shared
+        rms = self._qk_rms(x, own)
+        return AttentionInputs(
+            x=x, cos=cos, sin=sin, weights=own, q_norm=q_norm, k_norm=k_norm, rms=rms, sinks=sinks,
+            **call,
+        )  # fmt: skip
+
     def _with_o_bias(self, y: torch.Tensor) -> torch.Tensor:
         return y if self.o_proj.bias is None else y + self.o_proj.bias
 
@@ -259,19 +275,7 @@ class TSPAttention(ShardedModule):
                     index,
                 )
 
-        cos, sin = full_width(*position_embeddings, self.spec)
-        own = self._own(merged=True)
-        q_norm, k_norm = self._qk_norms()
-        inputs = AttentionInputs(
-            x=x,
-            cos=cos,
-            sin=sin,
-            weights=own,
-            q_norm=q_norm,
-            k_norm=k_norm,
-            rms=self._qk_rms(x, own),
-            sinks=self.sinks,
-        )
+        inputs = self._inputs(x, position_embeddings, self._own(merged=True), replicate=False)
         y = tsp_attention_prefill(
             inputs, self.spec, self.group, self.options, kv_sink=keep, key_valid=key_valid
         )
@@ -344,16 +348,11 @@ class TSPAttention(ShardedModule):
                 "TSP attention is causal by global position and takes no attention_mask; right "
                 "padding needs none (padded tokens come last and carry ignored labels)"
             )
-        cos, sin = full_width(*position_embeddings, self.spec)
         spans, pos = kwargs.get(SPANS_KWARG), kwargs.get("position_ids")
         if spans is None and pos is not None:  # called without the model's input check
             D, p = comm.size_and_rank(self.group)
             spans = query_spans(pos, ZigzagLayout.from_local(x.shape[1], D), p)
         own = self._own()
-        q_norm = k_norm = None
-        if self.q_norm is not None:
-            q_norm = comm.replicated(self.q_norm.weight, self.group)
-            k_norm = comm.replicated(self.k_norm.weight, self.group)
         adapted = adapters_of(self, ("q_proj", "k_proj", "v_proj", "o_proj"))
         if self.spec.output_gate and "q_proj" in adapted:
             raise ValueError(
@@ -374,20 +373,10 @@ class TSPAttention(ShardedModule):
                 "LoRA on q_proj / k_proj of a model with q/k norms over the whole projection "
                 "(OLMo-2) is not supported under TSP: target the other projections"
             )
-        inputs = AttentionInputs(
-            x=x,
-            cos=cos,
-            sin=sin,
-            weights=own,
-            q_norm=q_norm,
-            k_norm=k_norm,
-            rms=self._qk_rms(x, own),
-            sinks=None if self.sinks is None else comm.replicated(self.sinks, self.group),
-            q_spans=spans,
-            lora=plan,
-            lora_a=tuple(lora_a),
-            b_out=b_out,
-        )
+        inputs = self._inputs(
+            x, position_embeddings, own, replicate=True,
+            q_spans=spans, lora=plan, lora_a=tuple(lora_a), b_out=b_out,
+        )  # fmt: skip
         y = tsp_attention(inputs, self.spec, self.group, self.options)
         if self.o_proj.bias is not None:
             y = y + comm.replicated(self.o_proj.bias, self.group)
