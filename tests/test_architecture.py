@@ -332,6 +332,11 @@ def _callee(func: ast.expr) -> tuple[str | None, str | None]:
     return name, getattr(root, "id", None)
 
 
+# forwards whose parameters Hugging Face reads by name (``generate`` passes only the inputs a
+# model's ``forward`` names): their signature is Hugging Face's, not ours to shorten
+SIGNATURES_HF_READS = {"tsp_vision_forward"}
+
+
 def test_calls_carry_objects():
     """No function takes more than ``MAX_PARAMETERS`` parameters and no call to a function or
     class of tsp_ext passes more than ``MAX_POSITIONAL`` arguments by position: long lists travel
@@ -355,7 +360,7 @@ def test_calls_carry_objects():
                 params = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
                 count = len([p for p in params if p not in ("self", "cls", "ctx")])
                 count += (a.vararg is not None) + (a.kwarg is not None)
-                if count > MAX_PARAMETERS:
+                if count > MAX_PARAMETERS and node.name not in SIGNATURES_HF_READS:
                     long_lists.append(f"{name_of}:{node.lineno} def {node.name}: {count} params")
             elif isinstance(node, ast.Call):
                 name, root = _callee(node.func)

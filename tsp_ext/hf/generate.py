@@ -10,8 +10,6 @@ the inference path (``hf.inference``) and every other call, unchanged, to the tr
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from transformers.cache_utils import Cache
 
@@ -22,7 +20,7 @@ from .inference import inference_forward
 from .log_probs import fused_lm_head_forward
 from .moe import collect_router_logits, with_aux_loss
 from .replicated import bucketed_grads
-from .vision import BATCH_KEYS, vision_forward
+from .vision import vision_forward
 
 # generate() options that need something a TSP cache does not do (crop, re-run, a second model)
 _UNSUPPORTED = {
@@ -92,26 +90,28 @@ def tsp_vision_forward(
     attention_mask: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
     cache: Cache | None = None,
+    pixel_values: torch.Tensor | None = None,
+    pixel_values_videos: torch.Tensor | None = None,
+    image_grid_thw: torch.Tensor | None = None,
+    video_grid_thw: torch.Tensor | None = None,
+    second_per_grid_ts: torch.Tensor | None = None,
+    mm_token_type_ids: torch.Tensor | None = None,
     **kwargs,
 ):
-    """``tsp_forward`` of a vision-language model: its multimodal inputs (``vision.BATCH_KEYS``)
-    come in ``kwargs``, and its signature names them (Hugging Face's ``generate`` passes only
-    the inputs ``forward`` names)."""
-    given = {k: v for k, v in kwargs.items() if v is not None or k not in BATCH_KEYS}
-    return tsp_forward(self, input_ids, attention_mask, position_ids, cache=cache, **given)
-
-
-def _naming_vision_inputs(forward) -> inspect.Signature:
-    """``forward``'s signature with the multimodal inputs ``BATCH_KEYS`` (default None) named
-    before its ``**kwargs``."""
-    signature = inspect.signature(forward)
-    *named, rest = signature.parameters.values()
-    kind = inspect.Parameter.KEYWORD_ONLY
-    vision = [inspect.Parameter(k, kind, default=None) for k in BATCH_KEYS]
-    return signature.replace(parameters=[*named, *vision, rest])
-
-
-tsp_vision_forward.__signature__ = _naming_vision_inputs(tsp_vision_forward)
+    """``tsp_forward`` of a vision-language model, its multimodal inputs named (Hugging Face's
+    ``generate`` passes only the inputs ``forward`` names)."""
+    vision = dict(
+        pixel_values=pixel_values,
+        pixel_values_videos=pixel_values_videos,
+        image_grid_thw=image_grid_thw,
+        video_grid_thw=video_grid_thw,
+        second_per_grid_ts=second_per_grid_ts,
+        mm_token_type_ids=mm_token_type_ids,
+    )
+    given = {k: v for k, v in vision.items() if v is not None}
+    return tsp_forward(
+        self, input_ids, attention_mask, position_ids, cache=cache, **given, **kwargs
+    )
 
 
 def _check_generation_options(generation_config, kwargs: dict) -> None:
