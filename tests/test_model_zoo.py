@@ -4,6 +4,8 @@ crashes with another error or hangs. The outcomes are the table in ``docs/apply_
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 from model_zoo import (
     GRAD_TOL,
@@ -62,8 +64,6 @@ def test_the_table_lists_every_type_and_the_readme_counts_it():
 
 
 def refusal_worker(rank, world):
-    import copy
-
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -110,17 +110,29 @@ def rng_worker(rank, world):
     mesh = init_tsp_mesh(world)
     config = zoo_config("llama")
     model = build_miniature(AutoModelForCausalLM._model_mapping[type(config)], config)
+    base = copy.deepcopy(model.config)  # before the fold changes its attention function
     self_check._proven.clear()
     torch.manual_seed(100 + rank)  # every rank's random state differs
     state = torch.get_rng_state()
     self_check.self_check(model, mesh, mesh["tsp"].get_group(), TSPConfig())  # proves the fold
     untouched = torch.equal(state, torch.get_rng_state())
     apply_tsp(model, mesh)  # the config proven: no check again
-    return untouched
+    proofs = [len(self_check._proven)]
+    other_size = copy.deepcopy(base)  # what the miniature shrinks: the same miniature
+    other_size.update({"head_dim": 12, "hidden_size": 32 * 12, "intermediate_size": 80})
+    other_size.update({"vocab_size": 300, "num_hidden_layers": 3, "dtype": torch.float32})
+    apply_tsp(type(model)(other_size), mesh)
+    proofs.append(len(self_check._proven))
+    other_flag = copy.deepcopy(base)  # a flag the miniature keeps: proven on its own
+    other_flag.attention_bias = not config.attention_bias
+    apply_tsp(type(model)(other_flag).double(), mesh)
+    proofs.append(len(self_check._proven))
+    return untouched, proofs
 
 
 def test_the_self_check_is_the_same_on_every_rank_whatever_their_random_state(workers):
     """The miniature's weights and the check's batch come from fixed seeds, not the ranks' own
     random states (which the check leaves as they were): ranks seeded differently prove the same
-    fold."""
-    assert workers.run(rng_worker, 2) == [True, True]
+    fold. A proof serves every model with the same miniature (another width, depth, vocabulary
+    or dtype), not one that differs in a flag."""
+    assert workers.run(rng_worker, 2) == [(True, [1, 1, 2])] * 2

@@ -13,6 +13,7 @@ activations, NoPE layers).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Iterator
 
@@ -63,17 +64,28 @@ def miniature_config(config):
 def build_miniature(
     model_class, config, device: torch.device | str = "cpu", tsp_size: int | None = None
 ) -> nn.Module:
-    """A float64 ``model_class`` of ``miniature_config(config)``, cut to its layer kinds, its
-    weights drawn from a fixed seed (the same on every rank) and moved off their init values (a
-    zero bias or a unit norm weight would hide a fold that drops it). With ``tsp_size``, a
-    mixture of experts keeps fewer experts (``fewer_experts``)."""
+    """A float64 ``model_class`` of ``fitted_miniature_config(model_class, config, tsp_size)``,
+    its weights drawn from a fixed seed (the same on every rank) and moved off their init values
+    (a zero bias or a unit norm weight would hide a fold that drops it)."""
+    return build_from_miniature_config(
+        model_class, fitted_miniature_config(model_class, config, tsp_size), device
+    )
+
+
+def fitted_miniature_config(model_class, config, tsp_size: int | None = None):
+    """The whole config of ``config``'s miniature: ``miniature_config`` cut to the model's layer
+    kinds, float64, SDPA where the class has it and, with ``tsp_size``, fewer experts
+    (``fewer_experts``). Models that differ only in what the miniature shrinks (widths, depth past
+    their layer kinds, vocabulary, dtype) have the same one. Raises ``ValueError`` for a miniature
+    over ``MAX_PARAMETERS``."""
     mini = miniature_config(config)
-    if tsp_size is not None:
-        for c in _configs(mini):
+    for c in _configs(mini):
+        c.dtype = torch.float64
+        if tsp_size is not None:
             fewer_experts(c, tsp_size)
     # the reference's attention runs anywhere in float64: SDPA (eager's softmax is float32)
     mini._attn_implementation = "sdpa" if model_class._supports_sdpa else "eager"
-    with torch.device("meta"):
+    with torch.device("meta"), _outside_zero3():
         skeleton = model_class._from_config(mini)
         cut_layers(mini, _layer_signatures(skeleton))
         size = sum(p.numel() for p in model_class._from_config(mini).parameters())
@@ -83,7 +95,12 @@ def build_miniature(
             f"(at most {MAX_PARAMETERS / 1e6:.0f}M): some width of it is not one the miniature "
             "knows how to shrink"
         )
-    with torch.random.fork_rng(devices=[]), torch.device(device):
+    return mini
+
+
+def build_from_miniature_config(model_class, mini, device: torch.device | str = "cpu") -> nn.Module:
+    """``build_miniature``'s model of a ``fitted_miniature_config``."""
+    with torch.random.fork_rng(devices=[]), torch.device(device), _outside_zero3():
         torch.manual_seed(0)
         model = model_class._from_config(mini, dtype=torch.float64)
         with torch.no_grad():
@@ -91,6 +108,21 @@ def build_miniature(
                 scale = p.abs().mean().clamp_min(0.02)
                 p.add_(0.25 * scale * torch.randn_like(p))
     return model
+
+
+@contextlib.contextmanager
+def _outside_zero3() -> Iterator[None]:
+    """Hugging Face's ZeRO-3 switch off while a miniature is built: with a ZeRO-3
+    ``TrainingArguments`` alive, ``_from_config`` would partition it with ``zero.Init`` (from a
+    config whose "auto" values the Trainer has not filled in yet); a miniature is whole, local."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    kept = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = kept
 
 
 def fewer_experts(c, tsp_size: int) -> None:

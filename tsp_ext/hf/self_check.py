@@ -14,9 +14,10 @@ whose collectives move no data, there is nothing to compare: no check). Compared
 
 Every rank reduces the errors over the group, so all raise the same ``ValueError`` (or none),
 naming the first module whose output differs. The miniature and its batch come from fixed seeds,
-not the ranks' random states, which the check leaves as they were. A model whose config is proven
-once is not proven again in the same process (a reference model folded beside its policy, a
-reloaded model).
+not the ranks' random states, which the check leaves as they were. A miniature proven once is
+not proven again in the same process: a reference model folded beside its policy, a reloaded
+model, or another size of the same model (models that differ only in what the miniature shrinks
+have the same miniature).
 
 Tolerances are float32-level: relative 1e-5 for outputs, logits and loss, 1e-4 for gradients, or
 ten times the error of the same reference run whole in float32 where that is larger (a badly
@@ -37,11 +38,11 @@ from torch import nn
 from ..engine.parallel import comm
 from ..engine.parallel.agreement import agree
 from ..engine.sharding.layout import ZigzagLayout
-from .miniature import build_miniature
+from .miniature import build_from_miniature_config, fitted_miniature_config
 
 VALUE_TOL, GRAD_TOL, MARGIN = 1e-5, 1e-4, 10  # relative, float32-level (the docstring's why)
 ROWS = 2
-_proven: set[tuple] = set()  # (class, config JSON, miniature options) of folds proven exact
+_proven: set[tuple] = set()  # (class, miniature config JSON, options) of folds proven exact
 
 
 class FoldMismatch(ValueError):
@@ -58,14 +59,17 @@ def self_check(model: nn.Module, mesh, group: dist.ProcessGroup, config) -> None
     folds exactly under ``config`` (a ``TSPConfig``) on ``mesh``."""
     if dist.get_backend(group) == "fake":  # emulation: collectives move no data, nothing to see
         return
-    options = miniature_options(config, dist.get_world_size(group))
-    key = (type(model).__qualname__, model.config.to_json_string(), options)
-    if key in _proven:
-        return
-    name = type(model).__name__
+    D = dist.get_world_size(group)
+    options = miniature_options(config, D)
     device = comm.group_device(group)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        errors = miniature_errors(model, mesh, group, options)  # the caller's RNG left as it was
+        mini, error = _miniature_config(model, D)  # the caller's RNG left as it was
+        agree(error, [], group)  # every rank raises this rank's error, or none does
+        key = (type(model).__qualname__, mini.to_json_string(), options)
+        if key in _proven:
+            return
+        errors = miniature_errors(type(model), mini, mesh, group=group, options=options)
+    name = type(model).__name__
     for what, err, tol in errors:
         if not err <= tol:  # NaN included
             raise FoldMismatch(
@@ -96,33 +100,46 @@ def miniature_options(config, D: int):
     )
 
 
+def _miniature_config(model: nn.Module, D: int):
+    """``(fitted_miniature_config of model's, None)``, or ``(None, why it has none)``."""
+    try:
+        return fitted_miniature_config(type(model), model.config, tsp_size=D), None
+    except ValueError as e:
+        return None, str(e)
+    except Exception as e:  # a config the miniature did not foresee: refuse it, saying what broke
+        return None, _unforeseen(type(model).__name__, "building", e)
+
+
+def _unforeseen(name: str, doing: str, e: Exception) -> str:
+    return (
+        f"{name} is not supported under TSP: {doing} a miniature of its config failed with "
+        f"{type(e).__name__}: {e}"
+    )
+
+
 @torch.inference_mode(False)
 @torch.enable_grad()
 def miniature_errors(
-    model: nn.Module, mesh, group: dist.ProcessGroup, options
+    model_class, mini, mesh, group: dist.ProcessGroup, options
 ) -> list[tuple[str, float, float]]:
-    """``(what, relative error, tolerance)`` of a miniature of ``model``'s config folded under
-    ``options`` (``miniature_options``) against the unmodified one, the same on every rank of
-    ``group``: each shared module's output in call order, then the logits, the loss and each
-    parameter's gradient (collective)."""
+    """``(what, relative error, tolerance)`` of ``model_class``'s miniature of config ``mini``
+    (``fitted_miniature_config``) folded under ``options`` (``miniature_options``) against the
+    unmodified one, the same on every rank of ``group``: each shared module's output in call
+    order, then the logits, the loss and each parameter's gradient (collective)."""
     from .apply import apply_tsp  # apply_tsp calls this module
     from .batch import shard_batch
     from .full_state import full_grads
 
     D, p = comm.size_and_rank(group)
     device = comm.group_device(group)  # where the miniature runs
-    name = type(model).__name__
     folded = error = None
+    ref = build_from_miniature_config(model_class, mini, device)
     try:
-        ref = build_miniature(type(model), model.config, device, tsp_size=D)
         folded = apply_tsp(copy.deepcopy(ref), mesh, config=options)
     except ValueError as e:
         error = str(e)
     except Exception as e:  # a model TSP's checks did not foresee: refuse it, saying what broke
-        error = (
-            f"{name} is not supported under TSP: folding a miniature of its config failed with "
-            f"{type(e).__name__}: {e}"
-        )
+        error = _unforeseen(model_class.__name__, "folding", e)
     agree(error, [], group)  # every rank raises this rank's error, or none does
 
     S = 2 * D * max(2, -(-16 // D))  # >= 32 tokens, two chunks of >= 2 tokens per rank
