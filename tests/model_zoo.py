@@ -64,21 +64,22 @@ def zoo_config(model_type: str):
 
 def zoo_worker(rank: int, world: int, types: list[str]) -> dict[str, dict]:
     """Each type's outcome at D = 1 and D = ``world``: ``{"class", "status": {D: "exact" |
-    "refused" | "no miniature" | "crash"}, "why": {D: text}, "errors": {D: {what: error}}}``."""
+    "refused" | "no miniature" | "crash"}, "why": {D: text}, "errors": {D: {what: error}},
+    "layers": the miniature's decoder layers}``."""
     import warnings
 
     import transformers.utils.logging as hf_logging
     from transformers import AutoModelForCausalLM
 
     from tsp_ext import init_tsp_mesh
-    from tsp_ext.hf.miniature import build_miniature
+    from tsp_ext.hf.miniature import build_miniature, decoder_layers
 
     warnings.filterwarnings("ignore")
     hf_logging.set_verbosity_error()
     meshes = {1: init_tsp_mesh(1), world: init_tsp_mesh(world)}
     out = {}
     for t in types:
-        row = out[t] = {"class": "", "status": {}, "why": {}, "errors": {}}
+        row = out[t] = {"class": "", "status": {}, "why": {}, "errors": {}, "layers": 0}
         try:
             config = zoo_config(t)
             row["class"] = AutoModelForCausalLM._model_mapping[type(config)].__name__
@@ -87,6 +88,7 @@ def zoo_worker(rank: int, world: int, types: list[str]) -> dict[str, dict]:
             for D in meshes:
                 row["status"][D], row["why"][D] = "no miniature", _first_line(e)
             continue
+        row["layers"] = len(decoder_layers(model) or ())
         for D, mesh in meshes.items():
             row["status"][D], row["why"][D], row["errors"][D] = _fold(model, mesh)
         del model

@@ -39,6 +39,7 @@ def test_every_causal_lm_is_exact_or_refused(workers, group):
         for D, status in row["status"].items():
             assert status in STATUSES, (t, D, status)
             if status == "exact":
+                assert row["layers"] >= 1, (t, "a miniature without decoder layers proves nothing")
                 errors = row["errors"][D]
                 assert errors["logits"] < LOGITS_TOL, (t, D, errors)
                 assert errors["eval_logits"] < LOGITS_TOL, (t, D, errors)
@@ -52,6 +53,25 @@ def test_every_causal_lm_is_exact_or_refused(workers, group):
             f"docs/apply_tsp.md's zoo table says {documented.get(row[0])}, the test found {row}: "
             "rewrite the table with `python tests/model_zoo.py`"
         )
+
+
+def test_a_miniature_keeps_one_decoder_layer_of_every_kind():
+    """Its layers are the model's top-level list (not the experts inside a layer, a longer list)
+    and its count is the config's that builds them (LongCat-Flash's ``num_layers``)."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from tsp_ext.hf.miniature import decoder_layers
+
+    dense_then_moe = Qwen3MoeConfig(num_hidden_layers=48, num_experts=128, mlp_only_layers=[0])
+    config = zoo_config("longcat_flash")
+    kept = {}
+    for name, c in (("qwen3_moe", dense_then_moe), ("longcat_flash", config)):
+        model = build_miniature(AutoModelForCausalLM._model_mapping[type(c)], c)
+        kept[name] = [type(layer.mlp).__name__ for layer in decoder_layers(model)]
+    assert kept == {
+        "qwen3_moe": ["Qwen3MoeMLP", "Qwen3MoeSparseMoeBlock"],
+        "longcat_flash": ["LongcatFlashMoE"],
+    }
 
 
 def test_the_table_lists_every_type_and_the_readme_counts_it():

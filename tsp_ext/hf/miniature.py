@@ -45,6 +45,7 @@ _SMALL = {
     "state_size": 16,
 }
 _WINDOWS = ("sliding_window", "attention_chunk_size")
+_LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers")
 _EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
 _TOP_K = ("num_experts_per_tok", "moe_topk", "top_k")
 _IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
@@ -86,9 +87,16 @@ def fitted_miniature_config(model_class, config, tsp_size: int | None = None):
     # the reference's attention runs anywhere in float64: SDPA (eager's softmax is float32)
     mini._attn_implementation = "sdpa" if model_class._supports_sdpa else "eager"
     with torch.device("meta"), _outside_zero3():
-        skeleton = model_class._from_config(mini)
-        cut_layers(mini, _layer_signatures(skeleton))
-        size = sum(p.numel() for p in model_class._from_config(mini).parameters())
+        signatures = _layer_signatures(model_class._from_config(mini))
+        keep = min(cut_layers(mini, signatures), len(signatures))
+        cut = model_class._from_config(mini)
+        size = sum(p.numel() for p in cut.parameters())
+    if len(_layer_signatures(cut)) < keep:  # a cut below a layer of every kind proves too little
+        raise ValueError(
+            f"a miniature of this {config.model_type!r} config cannot be cut to its "
+            f"{len(set(signatures))} kind(s) of decoder layer: it builds "
+            f"{len(_layer_signatures(cut))} layers, not {keep}"
+        )
     if size > MAX_PARAMETERS:
         raise ValueError(
             f"a miniature of this {config.model_type!r} config keeps {size / 1e6:.1f}M parameters "
@@ -144,30 +152,43 @@ def fewer_experts(c, tsp_size: int) -> None:
             _set(c, key, fewer)
 
 
-def cut_layers(config, signatures: list[str]) -> None:
+def cut_layers(config, signatures: list[str]) -> int:
     """Keep the fewest leading layers that hold every distinct layer ``signatures`` lists: set
-    ``num_hidden_layers`` and cut the per-layer lists (``layer_types``, ``no_rope_layers``, ...)
-    of every (sub-)config to that length."""
+    the layer count (``num_hidden_layers``, or ``num_layers`` where that is the count of
+    ``signatures``) and cut the per-layer lists (``layer_types``, ``no_rope_layers``, ...) of
+    every (sub-)config to that length. Returns the layers kept."""
     first = {}
     for i, s in enumerate(signatures):
         first.setdefault(s, i)
     keep = max(first.values(), default=0) + 1
     for c in _configs(config):
-        n = getattr(c, "num_hidden_layers", None)
-        if not isinstance(n, int) or n <= keep:
-            continue
-        for key, value in list(vars(c).items()):
-            per_layer = isinstance(value, (list, tuple)) or (
-                isinstance(value, str) and "pattern" in key
-            )
-            if per_layer and len(value) == n and not key.startswith("_"):
-                setattr(c, key, value[:keep])
-        c.num_hidden_layers = keep
+        counts = [k for k in _LAYER_COUNTS if isinstance(getattr(c, k, None), int)]
+        counts = [k for k in counts if getattr(c, k) == len(signatures)] or counts[:1]
+        for count in counts:
+            n = getattr(c, count)
+            if n <= keep:
+                continue
+            for key, value in list(vars(c).items()):
+                per_layer = isinstance(value, (list, tuple)) or (
+                    isinstance(value, str) and "pattern" in key
+                )
+                if per_layer and len(value) == n and not key.startswith("_"):
+                    setattr(c, key, value[:keep])
+            _set(c, count, keep)
+    return keep
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList | None:
-    """The longest ``nn.ModuleList`` of a model: its decoder layers (None if it has none)."""
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    """The longest ``nn.ModuleList`` of a model that no other list holds: its decoder layers
+    (not the experts inside one), None if it has none."""
+    nested = {
+        id(inner)
+        for outer in model.modules()
+        if isinstance(outer, nn.ModuleList)
+        for inner in outer.modules()
+        if inner is not outer
+    }
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and id(m) not in nested]
     return max(lists, key=len, default=None)
 
 
