@@ -10,6 +10,8 @@ from transformers import (
     GemmaForCausalLM,
     GptOssConfig,
     GptOssForCausalLM,
+    GraniteConfig,
+    GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -100,6 +102,20 @@ FAMILIES = {
         Phi3ForCausalLM,
         Phi3Config,
         dict(num_attention_heads=4, num_key_value_heads=2, pad_token_id=None, eos_token_id=None),
+    ),
+    # IBM's scalars as Granite-3.1-2B sets them: the embedding times 12, each mixer's output
+    # times 0.22, the softmax scale 1/64 (not 1/sqrt(8)), the logits divided by 8
+    "granite": (
+        GraniteForCausalLM,
+        GraniteConfig,
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            embedding_multiplier=12.0,
+            residual_multiplier=0.22,
+            attention_multiplier=0.015625,
+            logits_scaling=8.0,
+        ),
     ),
     # post-norms only, q/k norms over the whole projection
     "olmo2": (

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.multiproc
 
 NEW = 32  # new tokens per greedy case: prompt + NEW crosses a 32-token KV block in every cache
 # the families' own cases generate fewer (past every window still): their decode path is shared
-SHORT = {"mistral_window": 24, "gemma": 24, "gemma3": 24, "phi3": 24, "olmo2": 24}
+SHORT = {"mistral_window": 24, "gemma": 24, "gemma3": 24, "phi3": 24, "olmo2": 24, "granite": 24}
 SHORT.update(qwen3_moe=16, mixtral=16, qwen2_moe=16)  # test_moe's
 
 
@@ -44,6 +44,7 @@ CASES = [
     ("phi3", torch.float32, 1, 13, 0, {}),
     ("gemma", torch.float32, 1, 11, 0, {}),
     ("olmo2", torch.float64, 2, 14, 2, {}),
+    ("granite", torch.float64, 2, 15, 3, {}),  # scaled embedding, residuals and logits
 ]
 
 

@@ -124,6 +124,15 @@ class OutputRequest:
         return cls(**{k: kwargs.pop(k) for k in names if k in kwargs})
 
 
+def logits_input(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """What the LM head multiplies: the final hidden states ``[..., h]``, divided by the family's
+    logits divisor (Granite's ``logits_scaling``) where it has one: the head is linear, so the
+    logits, the loss and the token log-probabilities come out divided."""
+    family = model.tsp.family
+    divisor = family.scalar(model.config, family.logits_divisor)
+    return hidden if divisor == 1.0 else hidden / divisor
+
+
 def vocab_sharded_forward(
     self,
     input_ids: torch.Tensor | None = None,
@@ -160,7 +169,7 @@ def vocab_sharded_forward(
         use_cache=False,
         **kwargs,
     )
-    hidden = outputs.last_hidden_state
+    hidden = logits_input(self, outputs.last_hidden_state)
     loss = logits = token_logps = token_stats = None
     if return_token_logps is not False and labels is None:
         raise ValueError("return_token_logps needs labels (and shift_labels: shard_batch)")
@@ -202,7 +211,7 @@ def replicated_head_forward(
     outputs = self.tsp.family.base_of(self)(
         inputs_embeds=inputs_embeds, position_ids=position_ids, use_cache=False, **kwargs
     )
-    logits = getattr(self, self.tsp.family.lm_head)(outputs.last_hidden_state)
+    logits = getattr(self, self.tsp.family.lm_head)(logits_input(self, outputs.last_hidden_state))
     loss = None
     if labels is not None:
         vocab = self.config.get_text_config().vocab_size

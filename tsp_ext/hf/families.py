@@ -70,6 +70,18 @@ PHI3 = Family(
         ("gate_up_proj", ("gate_proj", "up_proj")),
     ),
 )
+# Llama's layout (GraniteSWA: sliding-window layers) with IBM's scalars: the embedding times
+# ``embedding_multiplier``, each mixer's output times ``residual_multiplier`` and the logits
+# divided by ``logits_scaling`` (its softmax scale, ``attention_multiplier``, is the attention
+# module's ``scaling``, which TSP reads)
+GRANITE = Family(
+    "Granite",
+    ("GraniteForCausalLM", "GraniteSWAForCausalLM"),
+    (ModelType("granite"), ModelType("granite_swa")),
+    embedding_multiplier="embedding_multiplier",
+    residual_multiplier="residual_multiplier",
+    logits_divisor="logits_scaling",
+)
 # post-norms only, and q/k norms over the whole projection (``engine.attention.qk_rms``)
 OLMO2 = Family(
     "OLMo-2",
@@ -156,6 +168,7 @@ FAMILIES = (
     GEMMA,
     GEMMA3,
     PHI3,
+    GRANITE,
     OLMO2,
     QWEN_MOE,
     MIXTRAL,

@@ -24,6 +24,7 @@ from ..engine.parallel import comm
 from ..engine.parallel.agreement import agree, checksum
 from ..engine.sharding.layout import ZigzagLayout, pad_sequence, padded_length
 from .cache import TSPCache
+from .causal_lm import logits_input
 from .vision import BATCH_KEYS, VisionShard, merge_vision, shard_vision_batch
 from .vocab import TSPVocabEmbedding, TSPVocabLMHead
 
@@ -48,9 +49,10 @@ def _layers(model, x, pos, run_attention, run_mlp, deepstack: dict | None = None
     ``deepstack``: Qwen3-VL's features added to the vision tokens after the first layers."""
     family = model.tsp.family
     ropes = family.position_embeddings(model, x, pos)
+    residual = family.scalar(model.config, family.residual_multiplier)
     for i, layer in enumerate(family.layers_of(model)):
         attention = lambda attn, h, i=i: run_attention(i, attn, h, ropes[i])  # noqa: E731
-        x = family.layer_forward(layer, x, attention, run_mlp)
+        x = family.layer_forward(layer, x, attention, run_mlp, residual=residual)
         if deepstack and i < len(deepstack["deepstack_visual_embeds"]):
             where = deepstack["visual_pos_masks"]
             x[where] = x[where] + deepstack["deepstack_visual_embeds"][i]
@@ -61,6 +63,13 @@ def _embedding(model) -> nn.Module:
     return getattr(model.tsp.family.base_of(model), model.tsp.family.embedding)
 
 
+def _embedded(model, x: torch.Tensor) -> torch.Tensor:
+    """The embedding's output ``x`` as the base model passes it on (Granite's multiplier)."""
+    family = model.tsp.family
+    scale = family.scalar(model.config, family.embedding_multiplier)
+    return x if scale == 1.0 else x * scale
+
+
 def _prefill(model, ids, mask, pos, cache: TSPCache, vision: dict) -> torch.Tensor:
     """Hidden state ``[B, 1, h]`` of the last prompt token, on every rank; ``vision``: the
     prompt's images / videos (the processor's keys), merged into their placeholders."""
@@ -69,7 +78,7 @@ def _prefill(model, ids, mask, pos, cache: TSPCache, vision: dict) -> torch.Tens
     B, S = ids.shape
     lay = ZigzagLayout(padded_length(S, D), D)
     emb = _embedding(model)
-    x = emb(lay.shard(pad_sequence(ids, D, emb.padding_idx or 0), p))
+    x = _embedded(model, emb(lay.shard(pad_sequence(ids, D, emb.padding_idx or 0), p)))
     deepstack = None
     if vision:
         full = {"input_ids": ids, "attention_mask": mask, **vision}
@@ -106,7 +115,7 @@ def _decode(model, ids, mask, pos, cache: TSPCache) -> torch.Tensor:
             f"attention_mask covers {valid.shape[1]} tokens, the cache and the new tokens {L + Tq}"
         )
     emb = _embedding(model)
-    x = emb.decode(ids) if isinstance(emb, TSPVocabEmbedding) else emb(ids)
+    x = _embedded(model, emb.decode(ids) if isinstance(emb, TSPVocabEmbedding) else emb(ids))
 
     def attention(i, attn, h, rope):
         return attn.decode(h, rope, cache.layers[i], q_index, valid=valid)
@@ -115,6 +124,7 @@ def _decode(model, ids, mask, pos, cache: TSPCache) -> torch.Tensor:
 
 
 def _logits(model, h: torch.Tensor) -> torch.Tensor:
+    h = logits_input(model, h)
     head = getattr(model, model.tsp.family.lm_head)
     if isinstance(head, TSPVocabLMHead):
         return gather_vocab_logits(h, head.weight, head.offsets, head.group)

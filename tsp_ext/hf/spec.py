@@ -123,6 +123,12 @@ class Family:
     # (``hf_tensors``, export, shard-on-read loading)
     fused: tuple[tuple[str, tuple[str, ...]], ...] = ()
     vision: VisionSpec | None = None  # a vision-language model's vision side (``hf.vision``)
+    # config keys of scalars outside the mixers (Granite's; None: 1): the embedding's output is
+    # multiplied by the first, each mixer's output by the second before the residual add, and
+    # the logits are divided by the third
+    embedding_multiplier: str | None = None
+    residual_multiplier: str | None = None
+    logits_divisor: str | None = None
 
     @property
     def attention(self) -> str:
@@ -157,6 +163,11 @@ class Family:
         """Every RMSNorm of a decoder layer."""
         names = (self.attention_norm, self.mlp_norm, self.attention_post_norm, self.mlp_post_norm)
         return tuple(n for n in names if n is not None)
+
+    def scalar(self, config: Any, key: str | None) -> float:
+        """The value of one of the family's scalars (its config key ``key``) in ``config``: 1.0
+        where the family has none."""
+        return 1.0 if key is None else float(config_value(config.get_text_config(), key))
 
     def base_of(self, model: nn.Module) -> nn.Module:
         return model.get_submodule(self.base)
@@ -252,17 +263,19 @@ class Family:
         x: torch.Tensor,
         attention: Callable[[nn.Module, torch.Tensor], torch.Tensor],
         mlp: Callable[[nn.Module, torch.Tensor], torch.Tensor],
+        residual: float = 1.0,
     ) -> torch.Tensor:
         """One decoder layer on ``x`` with the given calls of its attention and MLP modules:
         attention, then MLP, each through its pre-norm and post-norm where the family has them,
-        added to the residual stream."""
+        times ``residual`` (the ``residual_multiplier``), added to the residual stream."""
         for module, pre, post, call in (
             (self.mixer(layer), self.attention_norm, self.attention_post_norm, attention),
             (self.mlp, self.mlp_norm, self.mlp_post_norm, mlp),
         ):
             out = call(getattr(layer, module), x if pre is None else getattr(layer, pre)(x))
             out = out[0] if isinstance(out, tuple) else out  # gpt-oss's MLP: (out, scores)
-            x = x + (out if post is None else getattr(layer, post)(out))
+            out = out if post is None else getattr(layer, post)(out)
+            x = x + (out if residual == 1.0 else out * residual)
         return x
 
 
