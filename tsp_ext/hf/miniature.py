@@ -78,7 +78,7 @@ def fitted_miniature_config(model_class, config, tsp_size: int | None = None):
     kinds, float64, SDPA where the class has it and, with ``tsp_size``, fewer experts
     (``fewer_experts``). Models that differ only in what the miniature shrinks (widths, depth past
     their layer kinds, vocabulary, dtype) have the same one. Raises ``ValueError`` for a miniature
-    over ``MAX_PARAMETERS``."""
+    over ``MAX_PARAMETERS`` or one whose cut left it without a layer of every kind."""
     mini = miniature_config(config)
     for c in _configs(mini):
         c.dtype = torch.float64
