@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+import torch
 from model_zoo import (
     GRAD_TOL,
     LOGITS_TOL,
@@ -156,3 +157,65 @@ def test_the_self_check_is_the_same_on_every_rank_whatever_their_random_state(wo
     fold. A proof serves every model with the same miniature (another width, depth, vocabulary
     or dtype), not one that differs in a flag."""
     assert workers.run(rng_worker, 2) == [(True, [1, 1, 2])] * 2
+
+
+def half_step_llama():
+    """A Llama look-alike whose decoder layers add half of their update to the residual stream
+    (its own layer forward): TSP's training path runs that forward, its inference path runs the
+    layer as the Llama spec says, so only a check of the inference path can tell."""
+    from transformers import LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    class HalfStepLayer(LlamaDecoderLayer):
+        def forward(self, hidden_states, *args, **kwargs):
+            out = super().forward(hidden_states, *args, **kwargs)
+            return hidden_states + 0.5 * (out - hidden_states)
+
+    class HalfStepLlama(LlamaForCausalLM):
+        def __init__(self, config):
+            super().__init__(config)
+            self.model.layers = torch.nn.ModuleList(
+                HalfStepLayer(config, i) for i in range(config.num_hidden_layers)
+            )
+            self.post_init()
+
+    return HalfStepLlama
+
+
+def inference_check_worker(rank, world):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tsp_ext import apply_tsp, init_tsp_mesh
+
+    mesh = init_tsp_mesh(world)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+    )
+    ids = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for name, cls in (("llama", LlamaForCausalLM), ("half_step", half_step_llama())):
+        torch.manual_seed(0)
+        model = apply_tsp(cls(copy.deepcopy(config)).double(), mesh)  # training: proven exact
+        try:
+            model.eval().generate(ids, max_new_tokens=2, do_sample=False)
+            out[name] = "<no error>"
+        except ValueError as e:
+            out[name] = str(e)
+    return out
+
+
+def test_generate_proves_the_inference_path_first(workers):
+    """A model whose training path is exact but whose layers do something the inference path
+    does not: its first ``generate`` raises on every rank, naming the logits that differ; a
+    supported model generates."""
+    results = workers.run(inference_check_worker, 2)
+    assert results[0] == results[1]
+    assert results[0]["llama"] == "<no error>"
+    message = results[0]["half_step"]
+    assert "HalfStepLlama (model_type='llama') is not supported under TSP" in message, message
+    assert "with a KV cache (generate)" in message and "logits after the prefill" in message

@@ -25,6 +25,7 @@ from ..engine.parallel.agreement import agree, checksum
 from ..engine.sharding.layout import ZigzagLayout, pad_sequence, padded_length
 from .cache import TSPCache
 from .causal_lm import logits_input
+from .self_check import self_check_inference
 from .vision import BATCH_KEYS, VisionShard, merge_vision, shard_vision_batch
 from .vocab import TSPVocabEmbedding, TSPVocabLMHead
 
@@ -182,6 +183,8 @@ def inference_forward(
     group = model.tsp.group
     check_same_on_all_ranks(input_ids, attention_mask, group)
     past, (B, T) = cache.get_seq_length(), input_ids.shape
+    if past == 0:  # a miniature's logits through this path as Hugging Face's, or a ValueError
+        self_check_inference(model)
     limit = model.config.get_text_config().max_position_embeddings
     if past + T > limit:
         raise ValueError(

@@ -69,20 +69,53 @@ def self_check(model: nn.Module, mesh, group: dist.ProcessGroup, config) -> None
         if key in _proven:
             return
         errors = miniature_errors(type(model), mini, mesh, group=group, options=options)
-    name = type(model).__name__
+    _refuse_mismatch(
+        model, errors, "folded, a miniature of its config computes", " Nothing was changed."
+    )
+    _proven.add(key)
+
+
+def self_check_inference(model: nn.Module) -> None:
+    """Raise ``ValueError`` on every rank of a TSP model's group unless its inference path
+    (prefill and decode steps with a ``TSPCache``: ``hf.inference``, which runs each layer as its
+    family spec says rather than through the layer's own forward) gives a miniature's logits as
+    the unmodified miniature does. Run at a model's first prefill (its ``TSPConfig.self_check``),
+    once per miniature and process; text models (a VLM's prompts need its processor)."""
+    state = model.tsp
+    if not state.config.self_check or state.family.vision is not None:
+        return
+    group = state.group
+    if dist.get_backend(group) == "fake":
+        return
+    D = dist.get_world_size(group)
+    options = miniature_options(state.config, D)
+    device = comm.group_device(group)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        mini, error = _miniature_config(model, D)
+        agree(error, [], group)
+        key = (type(model).__qualname__, mini.to_json_string(), options, "inference")
+        if key in _proven:
+            return
+        errors = inference_errors(type(model), mini, state.mesh, group=group, options=options)
+    _refuse_mismatch(model, errors, "with a KV cache (generate), a folded miniature computes", "")
+    _proven.add(key)
+
+
+def _refuse_mismatch(model: nn.Module, errors: list, how: str, moved: str) -> None:
+    """Raise ``FoldMismatch`` for the first of ``errors`` (``(what, error, tolerance)``) over its
+    tolerance."""
     for what, err, tol in errors:
         if not err <= tol:  # NaN included
             raise FoldMismatch(
-                f"{name} (model_type={model.config.model_type!r}) is not supported under TSP: "
-                f"folded, a miniature of its config computes a different {what} than Hugging "
-                f"Face (relative error {err:.3g}, tolerance {tol:.3g}); something in this model "
-                "(a config flag or a module) is not what TSP's layers compute. Nothing was "
-                "changed. TSPConfig(self_check=False) skips this proof at your own risk",
+                f"{type(model).__name__} (model_type={model.config.model_type!r}) is not "
+                f"supported under TSP: {how} a different {what} than Hugging Face (relative "
+                f"error {err:.3g}, tolerance {tol:.3g}); something in this model (a config flag "
+                f"or a module) is not what TSP's layers compute.{moved} "
+                "TSPConfig(self_check=False) skips this proof at your own risk",
                 what,
                 err,
                 tol,
             )
-    _proven.add(key)
 
 
 def miniature_options(config, D: int):
@@ -178,6 +211,43 @@ def miniature_errors(
         tol = max(floor, MARGIN * rounding / max(scale, 1e-30))
         errors.append((what, diff / max(scale, 1e-30), tol))
     return errors
+
+
+@torch.inference_mode(False)
+@torch.no_grad()
+def inference_errors(
+    model_class, mini, mesh, group: dist.ProcessGroup, options
+) -> list[tuple[str, float, float]]:
+    """``(what, relative error, tolerance)`` of the logits of ``model_class``'s miniature of
+    config ``mini`` folded under ``options``, run with a ``TSPCache`` (a prefill of 2·D + 3
+    tokens, then three one-token decode steps), against the unmodified miniature's logits of the
+    same tokens (one forward, no cache), the same on every rank of ``group`` (collective)."""
+    from .apply import apply_tsp  # apply_tsp calls this module
+    from .cache import TSPCache
+
+    D = dist.get_world_size(group)
+    device = comm.group_device(group)
+    ref = build_from_miniature_config(model_class, mini, device).eval()
+    folded = apply_tsp(copy.deepcopy(ref), mesh, config=options).eval()
+    S, steps = 2 * D + 3, 3  # a prompt that is no multiple of 2·D, and the steps after it
+    ids = torch.randint(
+        0, _vocab(ref), (ROWS, S + steps), generator=torch.Generator().manual_seed(0)
+    )
+    ids = ids.to(device)
+    want = ref(input_ids=ids).logits[:, S - 1 :]
+    rounded = copy.deepcopy(ref).float()(input_ids=ids).logits[:, S - 1 :]
+    cache = TSPCache(folded)
+    got = [folded(input_ids=ids[:, :S], cache=cache).logits[:, -1]]
+    for t in range(S, S + steps):
+        got.append(folded(input_ids=ids[:, t : t + 1], cache=cache).logits[:, -1])
+    rows = [_row(g, want[:, i], rounded[:, i], want[:, i]) for i, g in enumerate(got)]
+    table = torch.tensor(rows, dtype=torch.float64, device=device)
+    comm.all_reduce_max(table, group)
+    whats = ["logits after the prefill", *(f"logits of decode step {i + 1}" for i in range(steps))]
+    return [
+        (what, diff / max(scale, 1e-30), max(VALUE_TOL, MARGIN * rounding / max(scale, 1e-30)))
+        for what, (diff, scale, rounding) in zip(whats, table.cpu().tolist())
+    ]
 
 
 def _row(got, want, rounded, full) -> list[float]:
