@@ -42,7 +42,7 @@ from .miniature import build_from_miniature_config, fitted_miniature_config
 
 VALUE_TOL, GRAD_TOL, MARGIN = 1e-5, 1e-4, 10  # relative, float32-level (the docstring's why)
 ROWS = 2
-_proven: set[tuple] = set()  # (class, miniature config JSON, options) of folds proven exact
+_proven: set[tuple] = set()  # (class, miniature config JSON, options, check) proven exact
 
 
 class FoldMismatch(ValueError):
@@ -57,22 +57,8 @@ class FoldMismatch(ValueError):
 def self_check(model: nn.Module, mesh, group: dist.ProcessGroup, config) -> None:
     """Raise ``ValueError`` on every rank of ``group`` unless a miniature of ``model``'s config
     folds exactly under ``config`` (a ``TSPConfig``) on ``mesh``."""
-    if dist.get_backend(group) == "fake":  # emulation: collectives move no data, nothing to see
-        return
-    D = dist.get_world_size(group)
-    options = miniature_options(config, D)
-    device = comm.group_device(group)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        mini, error = _miniature_config(model, D)  # the caller's RNG left as it was
-        agree(error, [], group)  # every rank raises this rank's error, or none does
-        key = (type(model).__qualname__, mini.to_json_string(), options)
-        if key in _proven:
-            return
-        errors = miniature_errors(type(model), mini, mesh, group=group, options=options)
-    _refuse_mismatch(
-        model, errors, "folded, a miniature of its config computes", " Nothing was changed."
-    )
-    _proven.add(key)
+    how = "folded, a miniature of its config computes"
+    _prove(model, mesh, group, config, check=(miniature_errors, how, " Nothing was changed."))
 
 
 def self_check_inference(model: nn.Module) -> None:
@@ -82,22 +68,29 @@ def self_check_inference(model: nn.Module) -> None:
     the unmodified miniature does. Run at a model's first prefill (its ``TSPConfig.self_check``),
     once per miniature and process; text models (a VLM's prompts need its processor)."""
     state = model.tsp
-    if not state.config.self_check or state.family.vision is not None:
+    if state.config.self_check and state.family.vision is None:
+        how = "with a KV cache (generate), a folded miniature computes"
+        _prove(model, state.mesh, state.group, state.config, check=(inference_errors, how, ""))
+
+
+def _prove(model: nn.Module, mesh, group: dist.ProcessGroup, config, check: tuple) -> None:
+    """Run ``check = (errors function, how the message says it, what it says moved)`` on a
+    miniature of ``model``'s config unless that check proved it before in this process; raise on
+    every rank (``FoldMismatch``) if an error is over its tolerance."""
+    if dist.get_backend(group) == "fake":  # emulation: collectives move no data, nothing to see
         return
-    group = state.group
-    if dist.get_backend(group) == "fake":
-        return
+    errors_of, how, moved = check
     D = dist.get_world_size(group)
-    options = miniature_options(state.config, D)
+    options = miniature_options(config, D)
     device = comm.group_device(group)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        mini, error = _miniature_config(model, D)
-        agree(error, [], group)
-        key = (type(model).__qualname__, mini.to_json_string(), options, "inference")
+        mini, error = _miniature_config(model, D)  # the caller's RNG left as it was
+        agree(error, [], group)  # every rank raises this rank's error, or none does
+        key = (type(model).__qualname__, mini.to_json_string(), options, errors_of.__name__)
         if key in _proven:
             return
-        errors = inference_errors(type(model), mini, state.mesh, group=group, options=options)
-    _refuse_mismatch(model, errors, "with a KV cache (generate), a folded miniature computes", "")
+        errors = errors_of(type(model), mini, mesh, group=group, options=options)
+    _refuse_mismatch(model, errors, how, moved)
     _proven.add(key)
 
 
